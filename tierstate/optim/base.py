@@ -1,0 +1,524 @@
+"""OffloadOptimizer: the torch.optim front shared by every tierstate optimizer.
+
+It does bookkeeping only: parameter slots, step counts, gradient sources, scaling and
+clipping, state_dict. The math is an :class:`~tierstate.optim.rules.UpdateRule`; where
+state lives is a :class:`~tierstate.placement.Layout` over tiers; one step is
+:func:`~tierstate.pipeline.run_subgroups`.
+
+[Note: what optimizer.state holds]
+Frameworks (Lightning, Accelerate) move every tensor found in ``optimizer.state`` to the
+accelerator, so it must never hold device tensors, and it must not hold copies either (a
+copy is memory the user did not ask for). ``optimizer.state[p]`` therefore holds the
+``step`` tensor (CPU, float32, as torch) and, for parameters whose state lives wholly in
+the host tier, views into the host arenas under torch's key names (plus ``master`` for
+low-precision or accelerator parameters). State held elsewhere (NVMe, or a parameter
+straddling tiers) is read on demand by ``state_dict()``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..pipeline import run_subgroups
+from ..placement import Layout, Offload, Segment, TierKind, plan_layout
+from ..telemetry import Telemetry
+from ..tiers import HostTier
+from .grad_stream import GradStream
+from .rules import UpdateRule
+
+_log = logging.getLogger("tierstate")
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NONFINITE_POLICIES = ("skip", "raise")
+
+# GradScaler hands itself to optimizers whose step() takes ``grad_scaler`` and warns that
+# this contract is being deprecated. We need that contract: our gradients live on the host,
+# where GradScaler's own inf check cannot see them, so the check and its record for
+# ``scaler.update()`` happen here.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+@dataclass
+class _Slot:
+    """One parameter of the optimizer, whatever its tier."""
+
+    param: Tensor
+    group: int  # index into param_groups
+    trainable: int | None  # index into the layout (None: frozen at construction)
+    needs_master: bool  # an fp32 master copy exists in the tiers
+    initialized: bool = False  # state exists in torch's sense (first step with a grad done)
+    master_ready: bool = False  # master holds the parameter's value
+    step: int = 0
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    """Base class of tierstate's optimizers; see :class:`tierstate.AdamW` for the arguments."""
+
+    _step_supports_amp_scaling = True
+    rule: UpdateRule
+
+    def __init__(self, params: Iterable, defaults: dict, *, offload: "str | Offload" = "cpu",
+                 max_grad_norm: float | None = None, on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+        if not isinstance(offload, (str, Offload)):
+            raise TypeError(f"offload must be 'cpu', 'nvme', 'auto' or a tierstate.Offload, got {type(offload).__name__}")
+        self._params_for_auto = None
+        if isinstance(offload, str) and offload == "auto":
+            params = list(params)
+            offload = self._choose_auto(params)
+        self.offload = Offload.from_mode(offload)
+        if max_grad_norm is not None:
+            if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
+                raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be a positive number, or None to disable clipping")
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite={on_nonfinite!r}: must be one of {NONFINITE_POLICIES}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.on_nonfinite = on_nonfinite
+        self.telemetry = Telemetry(enabled=telemetry)
+        self._engine_ready = False
+        self._slots: list[_Slot] = []
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        super().__init__(params, defaults)
+        self._build_engine()
+
+    # -- construction ----------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        for i, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                raise TypeError(f"params[{i}] is a {type(p).__name__}; an optimizer takes torch Tensors (model.parameters())")
+            if not p.is_leaf:
+                raise ValueError(
+                    f"params[{i}] is not a leaf tensor (it was computed from others); optimize the leaf "
+                    "tensors (nn.Parameter) instead"
+                )
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        self.rule.validate(group)
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(
+                f"params are on {len(devices)} devices ({', '.join(sorted(str(d) for d in devices))}); "
+                "one optimizer takes parameters of one device (use one optimizer per device)"
+            )
+        if self._engine_ready:  # a group added after construction: re-place the state
+            self._rebuild_engine()
+
+    @staticmethod
+    def _choose_auto(params: list) -> Offload:
+        try:
+            from ..placement.auto import choose_offload
+        except ImportError as exc:
+            raise ValueError(
+                "offload='auto' needs the placement planner (tierstate.placement.auto), which is not "
+                f"available in this build ({exc}); pass offload='cpu' or 'nvme' or a tierstate.Offload(...)"
+            ) from exc
+        return choose_offload(params)
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _build_engine(self) -> None:
+        params = self._all_params()
+        self.device = params[0].device if params else torch.device("cpu")
+        on_accel = self.device.type != "cpu"
+        if self.offload.gpu > 0 and not on_accel:
+            raise ValueError(f"Offload(gpu={self.offload.gpu}) needs parameters on an accelerator; these are on {self.device}")
+        if self.offload.gpu > 0:
+            raise NotImplementedError("the device tier (Offload(gpu=...) > 0) is not available in this version")
+        slots, trainable = [], []
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                t = len(trainable) if p.requires_grad else None
+                if t is not None:
+                    trainable.append(p)
+                slots.append(_Slot(p, gi, t, needs_master=on_accel or p.dtype != torch.float32))
+        self._slots = slots
+        self._trainable = trainable
+        self._slot_of = {id(s.param): s for s in slots}  # parameters are hashed by identity, as in torch
+        fractions = {TierKind.DEVICE: self.offload.gpu, TierKind.HOST: self.offload.cpu, TierKind.NVME: self.offload.nvme}
+        self.layout: Layout = plan_layout([p.numel() for p in trainable], fractions, self.offload.subgroup_numel)
+        specs = {}
+        for g in self.param_groups:
+            for spec in self.rule.state_specs(g):
+                specs.setdefault(spec.name, spec)
+        self._specs = specs
+        dtypes = {name: (self.offload.moment_dtype if spec.moment else torch.float32) for name, spec in specs.items()}
+        inits = {name: spec.init for name, spec in specs.items()}
+        if any(s.needs_master for s in slots if s.trainable is not None):
+            dtypes["master"] = torch.float32
+        pin = self.offload.pin_memory and self.device.type == "cuda"
+        self.tiers: dict[TierKind, Any] = {}
+        if self.layout.tier_numel[TierKind.HOST] > 0:
+            self.tiers[TierKind.HOST] = HostTier(self.layout, dtypes, inits, pin_memory=pin)
+        if self.layout.tier_numel[TierKind.NVME] > 0:
+            from ..tiers.nvme import NvmeTier  # noqa: PLC0415 - the NVMe tier loads the I/O engine
+            self.tiers[TierKind.NVME] = NvmeTier(self.layout, dtypes, inits, self.offload, telemetry=self.telemetry)
+        self._state_dtypes = dtypes
+        streaming = self.offload.grad_streaming
+        if streaming is None:
+            streaming = self.device.type == "cuda"
+        self._grads = GradStream(trainable, keep_device_grads=self.offload.keep_device_grads, pin_memory=pin,
+                                 telemetry=self.telemetry) if streaming and trainable else None
+        self._staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights waiting for upload
+        self._upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._upload_done = None
+        if self.rule.eager_state:
+            for s in slots:
+                if s.trainable is not None:
+                    self._init_state(s)
+        self._engine_ready = True
+
+    def _rebuild_engine(self) -> None:
+        saved = {id(s.param): self._export_state(s) for s in self._slots if s.initialized}
+        masters = {id(s.param): s.master_ready for s in self._slots}
+        self._close_engine()
+        self._build_engine()
+        for s in self._slots:
+            if id(s.param) in saved:
+                self._import_state(s, saved[id(s.param)], master_ready=masters[id(s.param)])
+
+    def _close_engine(self) -> None:
+        if getattr(self, "_grads", None) is not None:
+            self._grads.close()
+        for tier in getattr(self, "tiers", {}).values():
+            tier.close()
+        self.tiers = {}
+
+    def close(self) -> None:
+        """Release host buffers, files and hooks now (also done when the optimizer is collected)."""
+        self._close_engine()
+
+    def __del__(self) -> None:  # files of the NVMe tier must not outlive the run
+        try:
+            self._close_engine()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
+            pass
+
+    # -- state views -----------------------------------------------------------------------------
+    def _segments(self, s: _Slot) -> list[Segment]:
+        return self.layout.segments_of(s.trainable) if s.trainable is not None else []
+
+    def _host_view(self, s: _Slot, key: str) -> Tensor | None:
+        """The host-tier view of a parameter's state ``key`` (shaped like it), if it has one."""
+        host = self.tiers.get(TierKind.HOST)
+        if host is None or s.trainable is None or key not in host.arenas:
+            return None
+        if s.param.numel() and self.layout.tier_of_param(s.trainable) is not TierKind.HOST:
+            return None
+        start = self.layout.param_starts[s.trainable]
+        return host.flat_range(key, start, s.param.numel()).view(s.param.shape)
+
+    def _state_keys(self, s: _Slot) -> list[str]:
+        keys = [spec.name for spec in self.rule.state_specs(self.param_groups[s.group])]
+        return keys + (["master"] if s.needs_master else [])
+
+    def _publish(self, s: _Slot) -> None:
+        """Refresh ``optimizer.state[p]`` of a slot (see the note at the top of the file)."""
+        st = self.state[s.param]
+        if self.rule.has_step:
+            st["step"] = torch.tensor(float(s.step), dtype=torch.float32)
+        for key in self._state_keys(s):
+            view = self._host_view(s, key)
+            if view is not None:
+                st[key] = view
+
+    def _read_state(self, s: _Slot, key: str) -> Tensor:
+        """A parameter's state ``key`` as a CPU tensor shaped like the parameter."""
+        view = self._host_view(s, key)
+        if view is not None:
+            return view
+        dtype = self._state_dtypes[key]
+        out = torch.empty(s.param.numel(), dtype=dtype)
+        for seg in self._segments(s):
+            sg = self.layout.subgroups[seg.subgroup]
+            tier = self.tiers[sg.tier]
+            out[seg.param_offset: seg.param_offset + seg.numel] = tier.read_range(key, sg, seg.subgroup_offset, seg.numel)
+        return out.view(s.param.shape)
+
+    def _write_state(self, s: _Slot, key: str, value: Tensor) -> None:
+        flat = value.detach().reshape(-1).to("cpu")
+        for seg in self._segments(s):
+            sg = self.layout.subgroups[seg.subgroup]
+            tier = self.tiers[sg.tier]
+            tier.write_range(key, sg, seg.subgroup_offset, flat[seg.param_offset: seg.param_offset + seg.numel])
+
+    def _init_state(self, s: _Slot) -> None:
+        """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
+        specs = self.rule.state_specs(self.param_groups[s.group])
+        for spec in specs:
+            fill = torch.full((s.param.numel(),), spec.init, dtype=self._state_dtypes[spec.name])
+            self._write_state(s, spec.name, fill)
+        s.initialized = True
+        s.step = 0
+        self._publish(s)
+
+    def _ensure_master(self, s: _Slot) -> None:
+        if s.needs_master and not s.master_ready:
+            self._write_state(s, "master", s.param.detach().float())
+            s.master_ready = True
+
+    def _export_state(self, s: _Slot) -> dict:
+        out = {key: self._read_state(s, key) for key in self._state_keys(s) if key != "master" or s.master_ready}
+        if self.rule.has_step:
+            out["step"] = torch.tensor(float(s.step), dtype=torch.float32)
+        return out
+
+    def _import_state(self, s: _Slot, state: dict, master_ready: bool | None = None) -> None:
+        if not s.initialized:
+            self._init_state(s)
+        for key in self._state_keys(s):
+            if key in state and state[key] is not None:
+                value = state[key]
+                if not isinstance(value, Tensor) or value.numel() != s.param.numel():
+                    got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                    raise ValueError(
+                        f"load_state_dict: state {key!r} of parameter {self._slots.index(s)} has shape {got}, "
+                        f"the parameter has shape {tuple(s.param.shape)}"
+                    )
+                self._write_state(s, key, value)
+        if "step" in state:
+            s.step = int(float(state["step"]))
+        s.master_ready = ("master" in state) if master_ready is None else master_ready
+        self._publish(s)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _host_grad(self, s: _Slot) -> Tensor | None:
+        if self._grads is not None and s.trainable is not None:
+            return self._grads.grad(s.trainable)
+        g = s.param.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
+        if g.device.type != "cpu":
+            with self.telemetry.phase("grad_transfer"):
+                g = g.detach().to("cpu")
+            self.telemetry.add_bytes("host", "d2h", g.numel() * g.element_size())
+        return g.detach().reshape(-1)
+
+    def _scaler_inputs(self, grad_scaler) -> tuple[float, bool, dict | None]:
+        """(inverse loss scale to apply, inf already found, the scaler's per-optimizer record)."""
+        if grad_scaler is None or not grad_scaler.is_enabled():
+            return 1.0, False, None
+        from torch.amp.grad_scaler import OptState
+        record = grad_scaler._per_optimizer_states[id(self)]
+        # Gradients read from param.grad were unscaled in place by scaler.unscale_(opt);
+        # host copies made by the gradient stream never were.
+        if record["stage"] is OptState.UNSCALED and self._grads is None:
+            prior = any(bool(v.item()) for v in record["found_inf_per_device"].values())
+            return 1.0, prior, record
+        return 1.0 / grad_scaler.get_scale(), False, record
+
+    def _note_skip(self, why: str) -> None:
+        self.skipped_steps += 1
+        self.telemetry.count("skipped_steps")
+        _log.warning("tierstate: step skipped (%s); all optimizer state left untouched (%d skipped so far)",
+                     why, self.skipped_steps)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler=None):
+        """One optimizer step over every parameter that has a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (torch semantics).
+            grad_scaler: passed by ``torch.amp.GradScaler.step``; do not pass it yourself.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        tel = self.telemetry
+        tel.begin_step(self._step_index())
+        try:
+            self._step(tel, grad_scaler)
+        finally:
+            self._last_stats = tel.end_step()
+        return loss
+
+    def _step_index(self) -> int:
+        return self._steps_taken if hasattr(self, "_steps_taken") else 0
+
+    def _step(self, tel, grad_scaler) -> None:
+        self._steps_taken = self._step_index() + 1
+        if self._upload_done is not None:  # the staging buffers are about to be rewritten
+            self._upload_done.synchronize()
+        if self._grads is not None:
+            with tel.phase("grad_wait"):
+                self._grads.wait()
+        self._adopt_new_trainables()
+        active = [(s, g) for s in self._slots if s.trainable is not None and (g := self._host_grad(s)) is not None]
+        inv_scale, prior_inf, record = self._scaler_inputs(grad_scaler)
+
+        grad_scale = inv_scale
+        if active:  # one read of the gradients gives both the global norm and the non-finite check
+            with tel.phase("clip"):
+                sumsq = sum(kernels.grad_sumsq(g, inv_scale) for _, g in active)
+            finite = math.isfinite(sumsq) and not prior_inf
+            if record is not None:
+                record["found_inf_per_device"] = {torch.device("cpu"): torch.tensor([0.0 if finite else 1.0])}
+            if not finite:
+                if record is not None:
+                    self.telemetry.count("skipped_steps")
+                    self.skipped_steps += 1
+                    return  # GradScaler lowers its scale in update(); nothing to say
+                if self.on_nonfinite == "raise":
+                    bad = [self._slots.index(s) for s, g in active if not math.isfinite(kernels.grad_sumsq(g))]
+                    raise FloatingPointError(
+                        f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan); pass on_nonfinite='skip' "
+                        "to skip such steps, or use torch.amp.GradScaler"
+                    )
+                self._note_skip(f"non-finite gradient, total squared norm {sumsq}")
+                return
+            norm = math.sqrt(sumsq)
+            self.last_grad_norm = norm
+            if self.max_grad_norm is not None:
+                # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1
+                grad_scale = inv_scale * min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+        grads: dict[int, Tensor] = {}
+        fresh: set[int] = set()
+        for s, g in active:
+            if not s.initialized:
+                self._init_state(s)
+                fresh.add(s.trainable)
+            self._ensure_master(s)
+            s.step += 1
+            grads[s.trainable] = g
+            tel.add_bytes("host", "read", g.numel() * g.element_size())
+        by_trainable = {s.trainable: s for s, _ in active}
+        work = []
+        for sg in self.layout.subgroups:
+            segs = [seg for seg in sg.segments if seg.param_index in grads]
+            if segs:
+                work.append((sg, segs))
+
+        def update(seg: Segment, views) -> None:
+            s = by_trainable[seg.param_index]
+            lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
+            plo, phi = seg.param_offset, seg.param_offset + seg.numel
+            state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+            weight, weight_out = self._weight_views(s, views, lo, hi, plo, phi)
+            self.rule.update(weight=weight, grad=grads[seg.param_index][plo:phi], state=state, weight_out=weight_out,
+                             group=self.param_groups[s.group], step=s.step, first_step=seg.param_index in fresh,
+                             grad_scale=grad_scale)
+
+        run_subgroups(work, self.tiers, update, tel)
+        for s, _ in active:
+            self._publish(s)
+        if self.device.type == "cuda":
+            self._upload(tel, [s for s, _ in active])
+
+    def _weight_views(self, s: _Slot, views, lo: int, hi: int, plo: int, phi: int) -> tuple[Tensor, Tensor | None]:
+        """(fp32 weight the kernel updates, low-precision output it also writes, or None)."""
+        if not s.needs_master:  # an fp32 parameter in host memory is its own master
+            return s.param.data.view(-1)[plo:phi], None
+        weight = views["master"][lo:hi]
+        if s.param.dtype == torch.float32:
+            return weight, None  # uploaded from the master itself
+        if self.device.type == "cpu":
+            return weight, s.param.data.view(-1)[plo:phi]
+        staging = self._staging.get(s.trainable)
+        if staging is None:
+            staging = self._staging[s.trainable] = torch.empty(s.param.numel(), dtype=s.param.dtype, pin_memory=True)
+        return weight, staging[plo:phi]
+
+    def _upload(self, tel, slots: list[_Slot]) -> None:
+        """CUDA: copy updated weights to the device on a side stream; the compute stream waits for it."""
+        with tel.phase("weight_upload"), torch.cuda.stream(self._upload_stream):
+            for s in slots:
+                src = self._staging.get(s.trainable) if s.param.dtype != torch.float32 else self._read_state(s, "master")
+                s.param.data.view(-1).copy_(src.view(-1), non_blocking=True)
+                tel.add_bytes("host", "h2d", src.numel() * src.element_size())
+            done = torch.cuda.Event()
+            done.record(self._upload_stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        self._upload_done = done
+
+    def _adopt_new_trainables(self) -> None:
+        """A parameter frozen at construction that now has a gradient gets a place in the tiers."""
+        late = [s for s in self._slots if s.trainable is None and s.param.requires_grad and s.param.grad is not None]
+        if not late:
+            return
+        pending = {}
+        if self._grads is not None:  # gradients already streamed to the host survive the re-placement
+            pending = {id(s.param): self._grads.grad(s.trainable).clone() for s in self._slots
+                       if s.trainable is not None and self._grads.grad(s.trainable) is not None}
+        self._rebuild_engine()
+        if self._grads is not None:
+            for s in self._slots:
+                g = pending.get(id(s.param))
+                if g is None and s.param.grad is not None:
+                    g = s.param.grad.detach().reshape(-1).to("cpu")
+                    if not self.offload.keep_device_grads:
+                        s.param.grad = None
+                if g is not None:
+                    self._grads.host[s.trainable].copy_(g)
+                    self._grads.valid[s.trainable] = True
+
+    # -- torch.optim surface ---------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        if self._grads is not None:
+            self._grads.reset(set_to_none)
+
+    def state_dict(self) -> dict:
+        """torch's schema: ``{"state": {index: {key: tensor}}, "param_groups": [...]}``.
+
+        Keys are torch's (``step``, ``exp_avg``, ...) plus ``master`` for parameters with an
+        fp32 master copy. Host-tier state is returned as views (no copy, like torch returns
+        its live state tensors); state in other tiers is read into new CPU tensors.
+        """
+        sd = super().state_dict()
+        index_of = {}
+        for g_saved, g in zip(sd["param_groups"], self.param_groups):
+            for idx, p in zip(g_saved["params"], g["params"]):
+                index_of[id(p)] = idx
+        sd["state"] = {index_of[id(s.param)]: self._export_state(s) for s in self._slots if s.initialized}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
+        saved_state = state_dict.get("state", {})
+        groups = state_dict.get("param_groups")
+        if groups is None:
+            raise ValueError("load_state_dict: the state dict has no 'param_groups' (is it an optimizer state dict?)")
+        super().load_state_dict({**state_dict, "state": {}})
+        for g in self.param_groups:
+            self.rule.validate(g)
+        saved_ids = [i for g in groups for i in g["params"]]
+        for s in self._slots:
+            s.initialized, s.master_ready, s.step = False, False, 0
+        self.state.clear()
+        slot_list = [self._slot_of[id(p)] for p in self._all_params()]
+        for saved_id, s in zip(saved_ids, slot_list):
+            st = saved_state.get(saved_id)
+            if st and s.trainable is not None:
+                self._import_state(s, st)
+
+    def stats(self):
+        """Telemetry of the last step (a :class:`tierstate.telemetry.StepStats`; ``.as_dict()``)."""
+        return self.telemetry.last
+
+    def tier_bytes(self) -> dict:
+        """Bytes of optimizer state (incl. masters and host gradient buffers) held per tier."""
+        out = {kind.value: tier.nbytes for kind, tier in self.tiers.items()}
+        if self._grads is not None:
+            out["host_grads"] = self._grads.nbytes
+        return out
+
+    def trace(self, path) -> None:
+        """Start writing a Chrome/Perfetto trace of every step to ``path`` (written at stop or exit)."""
+        self.telemetry.start_trace(path)

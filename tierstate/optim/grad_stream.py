@@ -1,0 +1,160 @@
+"""Gradients to host memory as backward produces them.
+
+A ``register_post_accumulate_grad_hook`` on every trainable parameter hands its finished
+gradient to :class:`GradStream`, which copies it into a host buffer and (by default) drops
+``param.grad`` so the device memory is released during backward, not after it.
+
+On CUDA the copies are batched into buckets of ``bucket_bytes`` and issued on a side
+stream after an event recorded on the compute stream, so they overlap the rest of
+backward; ``record_stream`` keeps each gradient's memory alive until its copy has run.
+On the CPU (no accelerator) the copy is a plain host copy; the mode exists so that the
+streaming logic (accumulation, release, waiting) is exercised on any machine.
+
+Accumulation over micro-batches: the first gradient of a parameter after ``reset`` is
+copied into its host buffer; later ones are added to it (on CUDA through a pinned scratch
+buffer, added on the host once its copy is done). :meth:`wait` settles everything in
+flight, so the step never reads a partial sum.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+_ALIGN = 64  # bytes; one cache line, and the AVX-512 vector width, per host slice
+
+
+class GradStream:
+    def __init__(self, params: Sequence[Tensor], *, keep_device_grads: bool, pin_memory: bool,
+                 bucket_bytes: int = 32 << 20, telemetry=None) -> None:
+        self.params = list(params)
+        self.keep_device_grads = keep_device_grads
+        self.bucket_bytes = bucket_bytes
+        self.telemetry = telemetry
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.is_cuda = self.device.type == "cuda"
+        # One host arena for all gradients (pinned once, not per parameter: the pinned
+        # allocator rounds every allocation up to a power of two).
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += (p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.arena = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory and self.is_cuda)
+        self.host: list[Tensor] = [
+            self.arena[o: o + p.numel() * p.element_size()].view(p.dtype) for o, p in zip(offsets, self.params)
+        ]
+        self.valid = [False] * len(self.params)
+        self._index = {p: i for i, p in enumerate(self.params)}
+        self._open: dict[int, Tensor] = {}  # CUDA: gradients waiting for the bucket to fill
+        self._open_bytes = 0
+        self._inflight: list[tuple[object, list[tuple[int, Tensor | None]]]] = []
+        self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.bytes_moved = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.numel()
+
+    def grad(self, i: int) -> Tensor | None:
+        """The host gradient of parameter ``i`` (flat), or None when backward produced none."""
+        return self.host[i] if self.valid[i] else None
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _on_grad(self, param: Tensor) -> None:
+        i = self._index[param]
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
+        if self.is_cuda:
+            # The same tensor may come back (two backward passes without a flush): it already
+            # holds the sum, so it is queued once.
+            if i not in self._open:
+                self._open[i] = grad
+                self._open_bytes += grad.numel() * grad.element_size()
+            if self._open_bytes >= self.bucket_bytes:
+                self._flush()
+            self._settle(block=False)
+            return
+        t0 = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        if self.valid[i]:
+            self.host[i].add_(flat)
+        else:
+            self.host[i].copy_(flat)
+            self.valid[i] = True
+        self.bytes_moved += flat.numel() * flat.element_size()
+        if not self.keep_device_grads:
+            param.grad = None
+        if self.telemetry is not None:
+            self.telemetry.add_phase_time("grad_transfer", time.perf_counter() - t0, lane="grad-stream", start=t0)
+
+    def _flush(self) -> None:
+        """CUDA: copy the open bucket to the host on the side stream."""
+        if not self._open:
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        copies: list[tuple[int, Tensor | None]] = []
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            for i, grad in self._open.items():
+                flat = grad.detach().reshape(-1)
+                if self.valid[i]:
+                    scratch = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+                    scratch.copy_(flat, non_blocking=True)
+                    copies.append((i, scratch))
+                else:
+                    self.host[i].copy_(flat, non_blocking=True)
+                    self.valid[i] = True
+                    copies.append((i, None))
+                flat.record_stream(self._stream)  # its memory is not reused before the copy ran
+                self.bytes_moved += flat.numel() * flat.element_size()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._inflight.append((done, copies))
+        if not self.keep_device_grads:
+            for i in self._open:
+                self.params[i].grad = None
+        self._open.clear()
+        self._open_bytes = 0
+
+    def _settle(self, block: bool) -> None:
+        """Add finished scratch copies into their host buffers (all of them when ``block``)."""
+        remaining = []
+        for event, copies in self._inflight:
+            if block:
+                event.synchronize()
+            elif not event.query():
+                remaining.append((event, copies))
+                continue
+            for i, scratch in copies:
+                if scratch is not None:
+                    self.host[i].add_(scratch)
+        self._inflight = remaining
+
+    # -- step side -----------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Settle every copy in flight: afterwards the host buffers hold the final sums."""
+        if self.is_cuda:
+            self._flush()
+            self._settle(block=True)
+
+    def reset(self, set_to_none: bool) -> None:
+        """zero_grad: forget the host gradients (or zero them, like ``set_to_none=False``)."""
+        self.wait()
+        if set_to_none:
+            self.valid = [False] * len(self.params)
+        else:
+            for i, ok in enumerate(self.valid):
+                if ok:
+                    self.host[i].zero_()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

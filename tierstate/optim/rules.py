@@ -1,0 +1,190 @@
+"""The math of each optimizer as an update rule, apart from where its state lives.
+
+A rule names its state (torch's key names), checks its hyper-parameters, and updates one
+contiguous piece of one parameter through a kernel of :mod:`tierstate.kernels`. It never
+sees a tier, a file, a device or a sub-group: the step pipeline hands it flat host views.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-element state tensor of a rule."""
+
+    name: str  # torch's key in optimizer.state[p]
+    init: float = 0.0  # value it starts from (Adagrad's initial_accumulator_value)
+    moment: bool = True  # stored in Offload.moment_dtype (else always fp32)
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, Tensor) else float(value)
+
+
+def _check_number(name: str, value: Any, *, low: float | None = None, low_open: bool = False,
+                  high: float | None = None, high_open: bool = False, hint: str = "") -> None:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    bad = math.isnan(v)
+    if low is not None:
+        bad |= v <= low if low_open else v < low
+    if high is not None:
+        bad |= v >= high if high_open else v > high
+    if bad:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+        rng = f"{lo}, {hi}" if lo and hi else (f">{'' if low_open else '='} {low:g}" if lo else f"<{'' if high_open else '='} {high:g}")
+        raise ValueError(f"Invalid {name}: {value!r}; it must be {rng if not (lo and hi) else 'in ' + rng}{hint}")
+
+
+def _check_betas(betas: Any, n: int = 2) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != n:
+        raise ValueError(f"Invalid betas: {betas!r}; give a tuple of {n} numbers in [0, 1), e.g. (0.9, 0.999)")
+    for i, b in enumerate(betas):
+        _check_number(f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
+
+
+class UpdateRule:
+    """Base of the rules; a rule is stateless and shared by all parameters."""
+
+    name = "rule"
+    has_step = True  # keeps a per-parameter 'step' in optimizer.state (torch does, except SGD/Lion)
+    eager_state = False  # torch creates the state at construction (Adagrad), not at the first step
+
+    def defaults(self) -> dict:
+        raise NotImplementedError
+
+    def validate(self, group: Mapping[str, Any]) -> None:
+        _check_number("lr", group["lr"], low=0.0, hint=" (a learning rate is a step size)")
+
+    def state_specs(self, group: Mapping[str, Any]) -> tuple[StateSpec, ...]:
+        raise NotImplementedError
+
+    def update(self, *, weight: Tensor, grad: Tensor, state: Mapping[str, Tensor], weight_out: Tensor | None,
+               group: Mapping[str, Any], step: int, first_step: bool, grad_scale: float) -> None:
+        raise NotImplementedError
+
+class AdamRule(UpdateRule):
+    """Adam and AdamW (torch.optim.Adam / AdamW), incl. amsgrad and maximize."""
+
+    def __init__(self, decoupled: bool) -> None:
+        self.decoupled = decoupled
+        self.name = "adamw" if decoupled else "adam"
+
+    def defaults(self) -> dict:
+        return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2 if self.decoupled else 0.0,
+                    amsgrad=False, maximize=False)
+
+    def validate(self, group):
+        super().validate(group)
+        _check_betas(group["betas"])
+        _check_number("eps", group["eps"], low=0.0, low_open=True, hint=" (e.g. 1e-8)")
+        _check_number("weight_decay", group["weight_decay"], low=0.0)
+
+    def state_specs(self, group):
+        specs = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
+        return specs + ((StateSpec("max_exp_avg_sq"),) if group["amsgrad"] else ())
+
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+        beta1, beta2 = (_as_float(b) for b in group["betas"])
+        kernels.adam_update(
+            weight, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), weight_out,
+            lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=_as_float(group["eps"]),
+            weight_decay=_as_float(group["weight_decay"]), decoupled=self.decoupled,
+            # float64 bias corrections, as torch's single-tensor and fused paths compute them
+            bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
+            maximize=bool(group["maximize"]), grad_scale=grad_scale,
+        )
+
+class LionRule(UpdateRule):
+    """Lion (Chen et al. 2023); no torch namesake, parity is against the published algorithm."""
+
+    name = "lion"
+    has_step = False
+
+    def defaults(self):
+        return dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, maximize=False)
+
+    def validate(self, group):
+        super().validate(group)
+        _check_betas(group["betas"])
+        _check_number("weight_decay", group["weight_decay"], low=0.0)
+
+    def state_specs(self, group):
+        return (StateSpec("exp_avg"),)
+
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+        beta1, beta2 = (_as_float(b) for b in group["betas"])
+        kernels.lion_update(weight, grad, state["exp_avg"], weight_out, lr=_as_float(group["lr"]),
+                            beta1=beta1, beta2=beta2, weight_decay=_as_float(group["weight_decay"]),
+                            maximize=bool(group["maximize"]), grad_scale=grad_scale)
+
+class SGDRule(UpdateRule):
+    """SGD with momentum, dampening and Nesterov (torch.optim.SGD)."""
+
+    name = "sgd"
+    has_step = False
+
+    def defaults(self):
+        return dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+
+    def validate(self, group):
+        super().validate(group)
+        _check_number("momentum", group["momentum"], low=0.0)
+        _check_number("dampening", group["dampening"], low=0.0, high=1.0)
+        _check_number("weight_decay", group["weight_decay"], low=0.0)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(
+                f"nesterov=True needs momentum > 0 and dampening == 0 (got momentum={group['momentum']}, "
+                f"dampening={group['dampening']})"
+            )
+
+    def state_specs(self, group):
+        return (StateSpec("momentum_buffer"),) if group["momentum"] != 0 else ()
+
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+        kernels.sgd_update(weight, grad, state.get("momentum_buffer"), weight_out, lr=_as_float(group["lr"]),
+                           momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                           weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
+                           maximize=bool(group["maximize"]), first_step=first_step, grad_scale=grad_scale)
+
+class AdagradRule(UpdateRule):
+    """Adagrad (torch.optim.Adagrad), incl. lr_decay and initial_accumulator_value."""
+
+    name = "adagrad"
+    eager_state = True
+
+    def defaults(self):
+        return dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                    maximize=False)
+
+    def validate(self, group):
+        super().validate(group)
+        _check_number("lr_decay", group["lr_decay"], low=0.0)
+        _check_number("weight_decay", group["weight_decay"], low=0.0)
+        _check_number("initial_accumulator_value", group["initial_accumulator_value"], low=0.0)
+        _check_number("eps", group["eps"], low=0.0, hint=" (e.g. 1e-10)")
+
+    def state_specs(self, group):
+        return (StateSpec("sum", init=float(group["initial_accumulator_value"])),)
+
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+        lr = _as_float(group["lr"])
+        clr = lr / (1 + (step - 1) * float(group["lr_decay"]))
+        kernels.adagrad_update(weight, grad, state["sum"], weight_out, clr=clr,
+                               weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                               maximize=bool(group["maximize"]), grad_scale=grad_scale)

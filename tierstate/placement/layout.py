@@ -1,0 +1,133 @@
+"""Sub-group partitioning: which elements of the optimizer state live in which tier.
+
+Pure arithmetic over parameter sizes (no tensors, no I/O), so it is tested alone.
+
+[Note: the flat index space]
+The trainable parameters, in ``param_groups`` order, are laid end to end in one flat
+index space of ``total`` elements. The space is cut into three contiguous ranges, one
+per tier (device, host, nvme, in that order), whose lengths are the policy's fractions
+of ``total`` rounded to whole elements; each range is then chopped into sub-groups of at
+most ``subgroup_numel`` elements. A parameter may straddle sub-groups (GPT-2's 38.6M
+element embedding spans three 16M sub-groups) and even tiers; every piece of it is a
+:class:`Segment`. Optimizer kernels are elementwise, so a parameter updated segment by
+segment is updated exactly as if it were updated whole.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class TierKind(enum.Enum):
+    """Where a sub-group's optimizer state lives."""
+
+    DEVICE = "device"  # accelerator memory; updated by torch's fused kernels on the device
+    HOST = "host"  # host RAM (pinned when a CUDA device is used); native kernels
+    NVME = "nvme"  # files under nvme_dir, streamed through a bounded host buffer pool
+
+
+TIER_ORDER = (TierKind.DEVICE, TierKind.HOST, TierKind.NVME)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one parameter that falls into one sub-group."""
+
+    param_index: int  # index into Layout.param_numels
+    param_offset: int  # first element of the piece, in the flattened parameter
+    subgroup: int  # index into Layout.subgroups
+    subgroup_offset: int  # first element of the piece, inside the sub-group
+    numel: int
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    """A contiguous run of the flat index space, held by one tier."""
+
+    index: int
+    tier: TierKind
+    start: int  # first element in the flat index space
+    numel: int
+    tier_offset: int  # first element inside its tier's own range
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    param_numels: tuple[int, ...]
+    param_starts: tuple[int, ...]  # flat index of each parameter's first element
+    subgroups: tuple[SubGroup, ...]
+    tier_numel: dict  # TierKind -> elements held by that tier
+    total: int
+
+    def segments_of(self, param_index: int) -> list[Segment]:
+        return self._param_segments[param_index]
+
+    def tier_of_param(self, param_index: int) -> TierKind | None:
+        """The tier holding all of a parameter, or None when it straddles tiers (or is empty)."""
+        tiers = {self.subgroups[s.subgroup].tier for s in self.segments_of(param_index)}
+        return tiers.pop() if len(tiers) == 1 else None
+
+    def __post_init__(self) -> None:
+        per_param: list[list[Segment]] = [[] for _ in self.param_numels]
+        for sg in self.subgroups:
+            for seg in sg.segments:
+                per_param[seg.param_index].append(seg)
+        object.__setattr__(self, "_param_segments", per_param)
+
+
+def tier_sizes(total: int, fractions: dict) -> dict:
+    """Elements per tier for fractions summing to 1, rounded so the sizes sum to ``total``.
+
+    Device and NVMe sizes are rounded to the nearest element; the host takes the rest, so
+    an ``Offload(cpu=1.0)`` never loses an element to rounding.
+    """
+    device = round(total * fractions.get(TierKind.DEVICE, 0.0))
+    nvme = round(total * fractions.get(TierKind.NVME, 0.0))
+    nvme = min(nvme, total - device)
+    return {TierKind.DEVICE: device, TierKind.HOST: total - device - nvme, TierKind.NVME: nvme}
+
+
+def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: int) -> Layout:
+    """Cut the flat index space of ``param_numels`` into tiered sub-groups.
+
+    Args:
+        param_numels: element count of each trainable parameter, in order (zeros allowed).
+        fractions: TierKind -> fraction of the elements to place there (sums to 1).
+        subgroup_numel: the largest sub-group, in elements.
+    """
+    if subgroup_numel <= 0:
+        raise ValueError(f"subgroup_numel={subgroup_numel}: must be positive")
+    numels = tuple(int(n) for n in param_numels)
+    starts, acc = [], 0
+    for n in numels:
+        starts.append(acc)
+        acc += n
+    total = acc
+    sizes = tier_sizes(total, fractions)
+
+    subgroups: list[SubGroup] = []
+    tier_start = 0
+    param_cursor = 0  # first parameter that may overlap the next sub-group
+    for tier in TIER_ORDER:
+        size = sizes[tier]
+        offset = 0
+        while offset < size:
+            n = min(subgroup_numel, size - offset)
+            start = tier_start + offset
+            end = start + n
+            segs = []
+            while param_cursor < len(numels) and starts[param_cursor] + numels[param_cursor] <= start:
+                param_cursor += 1
+            p = param_cursor
+            while p < len(numels) and starts[p] < end:
+                lo = max(start, starts[p])
+                hi = min(end, starts[p] + numels[p])
+                if hi > lo:
+                    segs.append(Segment(p, lo - starts[p], len(subgroups), lo - start, hi - lo))
+                p += 1
+            subgroups.append(SubGroup(len(subgroups), tier, start, n, offset, tuple(segs)))
+            offset += n
+        tier_start += size
+    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total)

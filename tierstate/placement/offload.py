@@ -1,0 +1,117 @@
+"""The offload policy: which fraction of the optimizer state lives in which tier."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+
+PathLike = Union[str, os.PathLike]
+
+OFFLOAD_MODES = ("cpu", "nvme", "auto")
+
+# 16 Mi elements per sub-group: 64 MiB of fp32 master + 128 MiB of fp32 moments. Large
+# enough that one NVMe request stream runs at full disk speed (>= 8 MiB requests), small
+# enough that a 4-buffer pool stays under 1 GiB of host RAM.
+DEFAULT_SUBGROUP_NUMEL = 1 << 24
+
+
+def default_nvme_root() -> Path:
+    """Where NVMe-tier files go when no ``nvme_dir`` is given.
+
+    ``$TIERSTATE_NVME_DIR`` if set, else ``$XDG_CACHE_HOME/tierstate/nvme`` (default
+    ``~/.cache/tierstate/nvme``). Each run makes its own sub-folder there.
+    """
+    env = os.environ.get("TIERSTATE_NVME_DIR")
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tierstate" / "nvme"
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where the optimizer state lives, as fractions of it per tier.
+
+    ``gpu + cpu + nvme`` must be 1. The state is cut into sub-groups of
+    ``subgroup_numel`` elements and each sub-group is assigned one tier so that the
+    tiers hold the requested fractions (rounded to whole sub-groups).
+
+    Args:
+        gpu: fraction updated on the accelerator by torch's fused kernels.
+        cpu: fraction kept in host RAM and updated by the native kernels.
+        nvme: fraction kept in files under ``nvme_dir``, streamed through a bounded pool.
+        nvme_dir: a folder or a list of folders (one per drive; sub-groups are striped
+            across them). Default: :func:`default_nvme_root`.
+        subgroup_numel: elements per sub-group (the unit of placement and streaming).
+        buffer_count: host buffers in the NVMe streaming pool (>= 2: one being updated,
+            one in flight); host RAM of the NVMe tier is bounded by this pool.
+        moment_dtype: dtype of the optimizer moments (``torch.float32`` or
+            ``torch.bfloat16``; bf16 saves 4 B/param of memory traffic and storage).
+        pin_memory: page-lock host buffers when a CUDA device is used.
+        grad_streaming: copy each gradient to a host buffer from a backward hook as soon
+            as it is produced (default: on for CUDA parameters, off for CPU ones, whose
+            gradients already are in host RAM).
+        keep_device_grads: keep ``param.grad`` on the device after it was streamed to the
+            host (default False: its memory is released once copied).
+    """
+
+    gpu: float = 0.0
+    cpu: float = 1.0
+    nvme: float = 0.0
+    nvme_dir: PathLike | Sequence[PathLike] | None = None
+    subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
+    buffer_count: int = 4
+    moment_dtype: torch.dtype = torch.float32
+    pin_memory: bool = True
+    grad_streaming: bool | None = None
+    keep_device_grads: bool = False
+    nvme_dirs: tuple[Path, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("gpu", "cpu", "nvme"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"Offload({name}={value!r}): a tier's fraction must be a number in [0, 1]")
+        total = self.gpu + self.cpu + self.nvme
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(
+                f"Offload(gpu={self.gpu}, cpu={self.cpu}, nvme={self.nvme}): the fractions sum to "
+                f"{total:g}; they must sum to 1 (e.g. Offload(cpu=0.6, nvme=0.4))"
+            )
+        if not isinstance(self.subgroup_numel, int) or self.subgroup_numel < 1024:
+            raise ValueError(
+                f"Offload(subgroup_numel={self.subgroup_numel!r}): must be an int >= 1024 "
+                f"(default {DEFAULT_SUBGROUP_NUMEL})"
+            )
+        if not isinstance(self.buffer_count, int) or self.buffer_count < 2:
+            raise ValueError(f"Offload(buffer_count={self.buffer_count!r}): must be an int >= 2")
+        if self.moment_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32 or torch.bfloat16"
+            )
+        dirs: Sequence[PathLike]
+        if self.nvme_dir is None:
+            dirs = [default_nvme_root()]
+        elif isinstance(self.nvme_dir, (str, os.PathLike)):
+            dirs = [self.nvme_dir]
+        else:
+            dirs = list(self.nvme_dir)
+            if not dirs:
+                raise ValueError("Offload(nvme_dir=[]): give at least one folder, or None for the default")
+        object.__setattr__(self, "nvme_dirs", tuple(Path(d) for d in dirs))
+
+    @classmethod
+    def from_mode(cls, mode: "str | Offload", **overrides) -> "Offload":
+        """``"cpu"`` -> all state in host RAM; ``"nvme"`` -> all state in files."""
+        if isinstance(mode, Offload):
+            return mode
+        if mode == "cpu":
+            return cls(cpu=1.0, **overrides)
+        if mode == "nvme":
+            return cls(cpu=0.0, nvme=1.0, **overrides)
+        raise ValueError(
+            f"offload={mode!r} is not a known mode: use one of {OFFLOAD_MODES} or a tierstate.Offload(...)"
+        )

@@ -1,0 +1,68 @@
+"""HostTier: optimizer state resident in host RAM (pinned when a CUDA device is used)."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from ..placement import Layout, SubGroup, TierKind
+
+
+class HostTier:
+    """One flat host buffer ("arena") per state key over the host range of the layout.
+
+    Sub-group ``sg`` owns ``arena[key][sg.tier_offset : sg.tier_offset + sg.numel]``; a
+    parameter that lies wholly in the host range has a contiguous view in every arena,
+    which is what ``optimizer.state[p]`` exposes. ``acquire``/``release`` cost nothing here;
+    they exist so the step pipeline treats every tier alike.
+    """
+
+    kind = TierKind.HOST
+
+    def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
+                 pin_memory: bool = False) -> None:
+        self.layout = layout
+        self.numel = layout.tier_numel[TierKind.HOST]
+        self.arenas: dict[str, Tensor] = {}
+        for key, dtype in dtypes.items():
+            # torch.zeros on the CPU maps fresh zero pages lazily: a key nobody touches costs no RSS.
+            arena = torch.zeros(self.numel, dtype=dtype, pin_memory=pin_memory)
+            if inits.get(key, 0.0) != 0.0:
+                arena.fill_(inits[key])
+            self.arenas[key] = arena
+        self._start = min((sg.start for sg in layout.subgroups if sg.tier is TierKind.HOST), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self.arenas.values())
+
+    def schedule(self, subgroups: list[SubGroup]) -> None:
+        """Host state needs no read-ahead."""
+
+    def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
+        return {k: a[sg.tier_offset: sg.tier_offset + sg.numel] for k, a in self.arenas.items()}
+
+    def release(self, sg: SubGroup, dirty: bool) -> None:
+        """Nothing to write back: the views are the storage."""
+
+    def drain(self) -> None:
+        """No writes in flight."""
+
+    def read_range(self, key: str, sg: SubGroup, offset: int, numel: int) -> Tensor:
+        """``numel`` elements of ``key`` from ``offset`` inside sub-group ``sg`` (a view)."""
+        lo = sg.tier_offset + offset
+        return self.arenas[key][lo: lo + numel]
+
+    def write_range(self, key: str, sg: SubGroup, offset: int, values: Tensor) -> None:
+        """Store ``values`` (converted to the key's dtype) at ``offset`` inside sub-group ``sg``."""
+        lo = sg.tier_offset + offset
+        self.arenas[key][lo: lo + values.numel()].copy_(values)
+
+    def flat_range(self, key: str, flat_start: int, numel: int) -> Tensor:
+        """A view of ``numel`` elements of ``key`` starting at flat index ``flat_start``."""
+        lo = flat_start - self._start
+        return self.arenas[key][lo: lo + numel]
+
+    def close(self) -> None:
+        self.arenas.clear()
