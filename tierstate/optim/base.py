@@ -45,10 +45,11 @@ NONFINITE_POLICIES = ("skip", "raise")
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
-@dataclass
+@dataclass(eq=False)  # slots are compared by identity, never by their tensors' values
 class _Slot:
     """One parameter of the optimizer, whatever its tier."""
 
+    index: int  # position in the flattened param_groups, as in torch's state_dict
     param: Tensor
     group: int  # index into param_groups
     trainable: int | None  # index into the layout (None: frozen at construction)
@@ -141,10 +142,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         slots, trainable = [], []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
-                t = len(trainable) if p.requires_grad else None
+                # torch's Adagrad creates state for every parameter, frozen or not, so eager rules place all
+                t = len(trainable) if p.requires_grad or self.rule.eager_state else None
                 if t is not None:
                     trainable.append(p)
-                slots.append(_Slot(p, gi, t, needs_master=on_accel or p.dtype != torch.float32))
+                slots.append(_Slot(len(slots), p, gi, t, needs_master=on_accel or p.dtype != torch.float32))
         self._slots = slots
         self._trainable = trainable
         self._slot_of = {id(s.param): s for s in slots}  # parameters are hashed by identity, as in torch
@@ -231,6 +233,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.rule.has_step:
             st["step"] = torch.tensor(float(s.step), dtype=torch.float32)
         for key in self._state_keys(s):
+            if key == "master" and not s.master_ready:
+                continue  # filled from the parameter at its first step
             view = self._host_view(s, key)
             if view is not None:
                 st[key] = view
@@ -285,7 +289,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if not isinstance(value, Tensor) or value.numel() != s.param.numel():
                     got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                     raise ValueError(
-                        f"load_state_dict: state {key!r} of parameter {self._slots.index(s)} has shape {got}, "
+                        f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, "
                         f"the parameter has shape {tuple(s.param.shape)}"
                     )
                 self._write_state(s, key, value)
@@ -375,7 +379,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self.skipped_steps += 1
                     return  # GradScaler lowers its scale in update(); nothing to say
                 if self.on_nonfinite == "raise":
-                    bad = [self._slots.index(s) for s, g in active if not math.isfinite(kernels.grad_sumsq(g))]
+                    bad = [s.index for s, g in active if not math.isfinite(kernels.grad_sumsq(g))]
                     raise FloatingPointError(
                         f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan); pass on_nonfinite='skip' "
                         "to skip such steps, or use torch.amp.GradScaler"

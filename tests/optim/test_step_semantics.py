@@ -1,0 +1,162 @@
+"""Gradient accumulation, streaming, clipping, loss scaling and non-finite gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierstate as ts
+from test_parity import FP32_TOL, assert_same, make_net
+
+
+def big_and_micro_batches(seed: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 6, generator=gen)
+    return x, x.chunk(4)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_accumulating_four_micro_batches_equals_one_big_batch(streaming: bool) -> None:
+    net_ours, net_ref = make_net(), make_net()
+    ours = ts.AdamW(net_ours.parameters(), lr=1e-2, offload=ts.Offload(grad_streaming=streaming))
+    ref = torch.optim.AdamW(net_ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(7):
+        x, micro = big_and_micro_batches(step)
+        ours.zero_grad()
+        for xm in micro:  # mean over the big batch == sum of micro means / 4
+            (net_ours(xm).pow(2).mean() / 4).backward()
+        if streaming:
+            # the device gradient was released after its copy to the host
+            assert all(p.grad is None for p in net_ours.parameters())
+        ours.step()
+        ref.zero_grad()
+        net_ref(x).pow(2).mean().backward()
+        ref.step()
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+
+
+def test_streaming_can_keep_device_grads() -> None:
+    net = make_net()
+    opt = ts.AdamW(net.parameters(), offload=ts.Offload(grad_streaming=True, keep_device_grads=True))
+    net(torch.randn(3, 6)).sum().backward()
+    assert net.a.weight.grad is not None
+    opt.step()
+    opt.zero_grad()
+    assert net.a.weight.grad is None
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_clipping_equals_clip_grad_norm_then_torch_adamw(max_norm: float, streaming: bool) -> None:
+    net_ours, net_ref = make_net(), make_net()
+    ours = ts.AdamW(net_ours.parameters(), lr=1e-2, max_grad_norm=max_norm,
+                    offload=ts.Offload(grad_streaming=streaming))
+    ref = torch.optim.AdamW(net_ref.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(7):
+        x = torch.randn(8, 6, generator=gen) * 3
+        ours.zero_grad()
+        net_ours(x).pow(2).mean().backward()
+        ours.step()
+        ref.zero_grad()
+        net_ref(x).pow(2).mean().backward()
+        norm = torch.nn.utils.clip_grad_norm_(net_ref.parameters(), max_norm)
+        torch.testing.assert_close(torch.tensor(ours.last_grad_norm, dtype=torch.float32), norm, rtol=1e-5, atol=0)
+        ref.step()
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+
+
+def snapshot(opt: torch.optim.Optimizer, net) -> dict:
+    sd = opt.state_dict()
+    return {
+        "params": [p.detach().clone() for p in net.parameters()],
+        "state": {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()},
+    }
+
+
+def assert_snapshots_equal(a: dict, b: dict) -> None:
+    for x, y in zip(a["params"], b["params"]):
+        assert torch.equal(x, y)
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for k in a["state"][i]:
+            assert torch.equal(a["state"][i][k], b["state"][i][k]), f"state {i}/{k} changed"
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_grad_scaler_matches_unscaled_training_and_skips_inf_steps(streaming: bool) -> None:
+    """Power-of-two loss scales unscale exactly, so scaled training is bit-identical to
+    unscaled training; a step with an inf gradient leaves every state bit-identical and
+    makes the scaler back off."""
+    net_ours, net_plain = make_net(), make_net()
+    ours = ts.AdamW(net_ours.parameters(), lr=1e-2, offload=ts.Offload(grad_streaming=streaming))
+    plain = ts.AdamW(net_plain.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(8):
+        x = torch.randn(4, 6, generator=gen)
+        poison = torch.tensor(float("inf") if step == 4 else 1.0)
+        ours.zero_grad()
+        scaler.scale(net_ours(x).pow(2).mean() * poison).backward()
+        before = snapshot(ours, net_ours)
+        scale_before = scaler.get_scale()
+        scaler.step(ours)
+        scaler.update()
+        if step == 4:
+            assert_snapshots_equal(before, snapshot(ours, net_ours))
+            assert scaler.get_scale() == scale_before / 2
+            assert ours.skipped_steps == 1
+            continue
+        plain.zero_grad()
+        net_plain(x).pow(2).mean().backward()
+        plain.step()
+        assert_snapshots_equal(snapshot(ours, net_ours), snapshot(plain, net_plain))
+
+
+def test_grad_scaler_after_unscale_and_clip_grad_norm() -> None:
+    """The documented torch recipe (unscale_, clip_grad_norm_, step) still works when the
+    gradients are in param.grad (no streaming)."""
+    net_ours, net_ref = make_net(), make_net()
+    ours = ts.AdamW(net_ours.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(net_ref.parameters(), lr=1e-2, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    for _ in range(7):
+        x = torch.randn(4, 6)
+        ours.zero_grad()
+        scaler.scale(net_ours(x).pow(2).mean()).backward()
+        scaler.unscale_(ours)
+        torch.nn.utils.clip_grad_norm_(net_ours.parameters(), 0.1)
+        scaler.step(ours)
+        scaler.update()
+        ref.zero_grad()
+        net_ref(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(net_ref.parameters(), 0.1)
+        ref.step()
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_nonfinite_gradient_skips_and_leaves_state_untouched(streaming: bool, caplog) -> None:
+    net = make_net()
+    opt = ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(grad_streaming=streaming))
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(4, 6)).pow(2).mean().backward()
+        opt.step()
+    before = snapshot(opt, net)
+    opt.zero_grad()
+    (net(torch.randn(4, 6)).pow(2).mean() * torch.tensor(float("nan"))).backward()
+    with caplog.at_level("WARNING", logger="tierstate"):
+        opt.step()
+    assert_snapshots_equal(before, snapshot(opt, net))
+    assert opt.skipped_steps == 1
+    assert "step skipped" in caplog.text
+    assert opt.stats().as_dict()["counters"].get("skipped_steps") == 1
+
+
+def test_nonfinite_gradient_raises_when_asked() -> None:
+    net = make_net()
+    opt = ts.AdamW(net.parameters(), on_nonfinite="raise")
+    (net(torch.randn(4, 6)).sum() * torch.tensor(float("inf"))).backward()
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        opt.step()
+    assert not opt.state or all(float(st.get("step", 0)) == 0 for st in opt.state.values())
