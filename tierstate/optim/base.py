@@ -228,7 +228,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return keys + (["master"] if s.needs_master else [])
 
     def _publish(self, s: _Slot) -> None:
-        """Refresh ``optimizer.state[p]`` of a slot (see the note at the top of the file)."""
+        """Fill ``optimizer.state[p]`` of a slot (see the note at the top of the file).
+
+        The views stay valid as long as the tiers do, so a step only refreshes ``step``
+        (:meth:`_publish_step`); this runs when state starts existing or is loaded.
+        """
         st = self.state[s.param]
         if self.rule.has_step:
             st["step"] = torch.tensor(float(s.step), dtype=torch.float32)
@@ -238,6 +242,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             view = self._host_view(s, key)
             if view is not None:
                 st[key] = view
+
+    def _publish_step(self, s: _Slot) -> None:
+        if self.rule.has_step:
+            self.state[s.param]["step"].fill_(float(s.step))  # in place, as torch increments it
 
     def _read_state(self, s: _Slot, key: str) -> Tensor:
         """A parameter's state ``key`` as a CPU tensor shaped like the parameter."""
@@ -421,7 +429,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         run_subgroups(work, self.tiers, update, tel)
         for s, _ in active:
-            self._publish(s)
+            if s.trainable in fresh or s.needs_master and "master" not in self.state[s.param]:
+                self._publish(s)
+            else:
+                self._publish_step(s)
         if self.device.type == "cuda":
             self._upload(tel, [s for s, _ in active])
 
