@@ -1,0 +1,44 @@
+"""Asynchronous direct file I/O for host buffers (tensors, numpy arrays, bytearrays).
+
+    import tierstate.io as tio
+    buf = tio.aligned_empty(64 << 20)
+    with tio.File("/nvme/state.bin", "w+") as f:
+        f.pwrite(buf).get()                 # bytes written
+        n = f.read(buf, offset=0)           # bytes read (short at end of file)
+
+Backends: io_uring when the kernel and container allow it, else a thread pool doing
+pread/pwrite; :func:`default_engine` ``.backend`` says which one runs.
+"""
+from .buffers import DEFAULT_ALIGNMENT, aligned_empty
+from .engine import Engine, default_engine, set_default_engine, uring_available
+from .errors import (
+    DiskFullError,
+    FileIOError,
+    FileIOExistsError,
+    FileIONotFoundError,
+    FileIOPermissionError,
+    ReadOnlyFilesystemError,
+    ShortReadError,
+)
+from .file import File, IOFuture
+from .space import free_bytes, reserve
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "DiskFullError",
+    "Engine",
+    "File",
+    "FileIOError",
+    "FileIOExistsError",
+    "FileIONotFoundError",
+    "FileIOPermissionError",
+    "IOFuture",
+    "ReadOnlyFilesystemError",
+    "ShortReadError",
+    "aligned_empty",
+    "default_engine",
+    "free_bytes",
+    "reserve",
+    "set_default_engine",
+    "uring_available",
+]

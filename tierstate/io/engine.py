@@ -1,0 +1,171 @@
+"""The engine that runs reads and writes: worker threads, each either blocking in
+pread/pwrite ("threads") or driving its own io_uring ("uring").
+
+A process-wide default engine is created on first use; :func:`set_default_engine`
+replaces it (for example with more threads on a machine with several drives).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+from tierstate._native_loader import native, native_status
+
+from .errors import from_oserror
+
+_log = logging.getLogger("tierstate")
+_said: set[str] = set()
+
+
+def say_once(key: str, message: str, *args: object) -> None:
+    """Logs a fallback (no io_uring, no O_DIRECT) once per process at WARNING level."""
+    if key not in _said:
+        _said.add(key)
+        _log.warning(message, *args)
+
+
+BACKENDS = ("auto", "uring", "threads")
+
+# 1 MiB tasks x 32 in flight matches fio's usual sequential setting and DeepSpeed's aio
+# defaults; on this kind of VM it saturates the virtio disk with one ring.
+DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_QUEUE_DEPTH = 32
+
+
+def _require_native() -> Any:
+    mod = native()
+    if mod is None:
+        _, why = native_status()
+        raise ImportError(
+            f"tierstate.io needs the native module, which did not load ({why}); rebuild it "
+            "with `pip install --no-build-isolation -e .` or scripts/build_native.sh"
+        )
+    return mod
+
+
+class Engine:
+    """Worker threads that execute file reads and writes.
+
+    Args:
+        threads: worker threads. With the ``uring`` backend each owns one ring with
+            ``queue_depth`` requests in flight; with ``threads`` each does one blocking
+            syscall at a time. ``None``: one ring, or ``min(queue_depth, 8)`` blocking
+            workers when the thread pool runs.
+        queue_depth: tasks in flight per ring (``uring``); for the thread pool it only
+            caps the automatic number of workers.
+        block_size: bytes per task; larger requests are split. A multiple of 4096.
+        backend: ``"auto"`` (io_uring when the runtime probe allows it, else threads),
+            ``"uring"`` (raise if unavailable) or ``"threads"``.
+
+    :attr:`backend` says which backend runs; :attr:`backend_note` says why io_uring was
+    not used when ``"auto"`` fell back.
+    """
+
+    def __init__(
+        self,
+        *,
+        threads: int | None = None,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        backend: str = "auto",
+    ) -> None:
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads={threads!r}: expected an int >= 1, or None for automatic")
+        if not isinstance(queue_depth, int) or not 1 <= queue_depth <= 4096:
+            raise ValueError(f"queue_depth={queue_depth!r}: expected an int in [1, 4096]")
+        if not isinstance(block_size, int) or block_size < 4096 or block_size % 4096:
+            raise ValueError(f"block_size={block_size!r}: expected a positive multiple of 4096 bytes")
+        if block_size > 256 << 20:
+            raise ValueError(f"block_size={block_size!r}: expected at most 256 MiB")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        mod = _require_native()
+        try:
+            self._native = mod.IOEngine(threads or 0, queue_depth, block_size, backend)
+        except OSError as exc:
+            raise from_oserror(exc, None, None, f"starting the {backend} I/O backend") from exc
+        if self._native.backend_note:
+            say_once("uring", "tierstate.io: %s", self._native.backend_note)
+
+    @property
+    def backend(self) -> str:
+        """``"uring"`` or ``"threads"``: the backend actually running."""
+        return self._native.backend
+
+    @property
+    def backend_note(self) -> str:
+        """Why io_uring is not in use (empty when it is, or when threads were asked for)."""
+        return self._native.backend_note
+
+    @property
+    def threads(self) -> int:
+        return self._native.threads
+
+    @property
+    def queue_depth(self) -> int:
+        return self._native.queue_depth
+
+    @property
+    def block_size(self) -> int:
+        return self._native.block_size
+
+    def close(self) -> None:
+        """Finishes the queued work and stops the workers. Idempotent."""
+        self._native.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        note = f", note={self.backend_note!r}" if self.backend_note else ""
+        return (f"Engine(backend={self.backend!r}, threads={self.threads}, "
+                f"queue_depth={self.queue_depth}, block_size={self.block_size}{note})")
+
+
+def uring_available(queue_depth: int = DEFAULT_QUEUE_DEPTH) -> tuple[bool, str]:
+    """(whether io_uring can be used in this process, why not)."""
+    ok, note = _require_native().io_probe_uring(queue_depth)
+    return bool(ok), note
+
+
+_default: Engine | None = None
+_default_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """The process-wide engine (created on first use with the defaults, backend "auto")."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Engine()
+        return _default
+
+
+def set_default_engine(engine: Engine | None = None, **config: Any) -> Engine:
+    """Replaces the process-wide engine with ``engine`` or with ``Engine(**config)``.
+
+    The previous default is closed after its queued work finishes."""
+    global _default
+    if engine is not None and config:
+        raise ValueError("pass either an Engine or configuration keywords, not both")
+    new = engine if engine is not None else Engine(**config)
+    with _default_lock:
+        old, _default = _default, new
+    if old is not None and old is not new:
+        old.close()
+    return new
+
+
+@atexit.register
+def _close_default() -> None:
+    # Join the workers before interpreter teardown rather than during static destruction.
+    global _default
+    with _default_lock:
+        old, _default = _default, None
+    if old is not None:
+        old.close()

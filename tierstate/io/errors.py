@@ -1,0 +1,99 @@
+"""Typed I/O errors: every failure of the engine is an :class:`OSError` subclass that
+carries ``errno``, ``filename`` (the path) and ``offset`` (the file offset it concerns).
+
+The class follows the errno, so ordinary ``except`` clauses keep working::
+
+    except FileNotFoundError:      # ENOENT
+    except PermissionError:        # EACCES / EPERM
+    except DiskFullError:          # ENOSPC / EDQUOT
+    except ReadOnlyFilesystemError:  # EROFS
+    except FileIOError as e:       # any of them; e.errno, e.filename, e.offset
+"""
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class FileIOError(OSError):
+    """An I/O failure on ``filename`` at file ``offset`` (``None`` when no offset applies)."""
+
+    def __init__(self, err: int | None, message: str, path: str | None, offset: int | None = None):
+        super().__init__(err, message, path)
+        self.offset = offset
+
+    def __str__(self) -> str:
+        where = f" at offset {self.offset}" if self.offset is not None else ""
+        code = f"[Errno {self.errno}] " if self.errno is not None else ""
+        return f"{code}{self.strerror}: {self.filename!r}{where}"
+
+    def __reduce__(self):
+        return (type(self), (self.errno, self.strerror, self.filename, self.offset))
+
+
+class DiskFullError(FileIOError):
+    """No space left on the device (ENOSPC) or over quota (EDQUOT)."""
+
+
+class ReadOnlyFilesystemError(FileIOError):
+    """The file lives on a read-only filesystem (EROFS)."""
+
+
+class FileIONotFoundError(FileIOError, FileNotFoundError):
+    """The path does not exist (ENOENT)."""
+
+
+class FileIOPermissionError(FileIOError, PermissionError):
+    """Permission denied (EACCES, EPERM)."""
+
+
+class FileIOExistsError(FileIOError, FileExistsError):
+    """The file exists and exclusive creation was asked (EEXIST)."""
+
+
+class ShortReadError(FileIOError, EOFError):
+    """``read_exact`` reached the end of the file before filling the buffer.
+
+    ``expected`` and ``got`` give the requested and the actual byte counts."""
+
+    def __init__(self, path: str, offset: int, expected: int, got: int):
+        super().__init__(
+            None,
+            f"read_exact wanted {expected} bytes but the file ends after {got} "
+            f"(file offset {offset}); use read() to accept a short count",
+            path,
+            offset,
+        )
+        self.expected = expected
+        self.got = got
+
+    def __reduce__(self):
+        return (type(self), (self.filename, self.offset, self.expected, self.got))
+
+
+_BY_ERRNO: dict[int, type[FileIOError]] = {
+    _errno.ENOSPC: DiskFullError,
+    _errno.EDQUOT: DiskFullError,
+    _errno.EROFS: ReadOnlyFilesystemError,
+    _errno.ENOENT: FileIONotFoundError,
+    _errno.EACCES: FileIOPermissionError,
+    _errno.EPERM: FileIOPermissionError,
+    _errno.EEXIST: FileIOExistsError,
+}
+
+
+def io_error(err: int, path: str | None, offset: int | None, operation: str) -> FileIOError:
+    """The typed error for ``err`` raised by ``operation`` ("read", "write", "open", ...)."""
+    cls = _BY_ERRNO.get(err, FileIOError)
+    return cls(err, f"{operation} failed: {os.strerror(err)}", path, offset)
+
+
+def from_oserror(exc: OSError, path: str | None, offset: int | None, operation: str) -> FileIOError:
+    """Re-types an ``OSError`` from the native module (or ``os``) as a :class:`FileIOError`."""
+    if isinstance(exc, FileIOError):
+        return exc
+    err = exc.errno if exc.errno is not None else _errno.EIO
+    new = io_error(err, exc.filename or path, offset, operation)
+    detail = exc.strerror or str(exc)
+    new.strerror = f"{operation} failed: {detail}"
+    return new
