@@ -318,7 +318,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if g.device.type != "cpu":
             with self.telemetry.phase("grad_transfer"):
                 g = g.detach().to("cpu")
-            self.telemetry.add_bytes("host", "d2h", g.numel() * g.element_size())
+            self.telemetry.add_bytes("device", "d2h", g.numel() * g.element_size())
         return g.detach().reshape(-1)
 
     def _scaler_inputs(self, grad_scaler) -> tuple[float, bool, dict | None]:
@@ -409,7 +409,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._ensure_master(s)
             s.step += 1
             grads[s.trainable] = g
-            tel.add_bytes("host", "read", g.numel() * g.element_size())
+            read, written = self._kernel_traffic(s, g)
+            tel.add_bytes("host", "read", read)
+            tel.add_bytes("host", "write", written)
         by_trainable = {s.trainable: s for s, _ in active}
         work = []
         for sg in self.layout.subgroups:
@@ -435,6 +437,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._publish_step(s)
         if self.device.type == "cuda":
             self._upload(tel, [s for s, _ in active])
+        for tier_name, nbytes in self.tier_bytes().items():
+            tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
+
+    def _kernel_traffic(self, s: _Slot, grad: Tensor) -> tuple[int, int]:
+        """Host-memory bytes the update of one parameter reads and writes (one fused pass)."""
+        n = s.param.numel()
+        state = sum(self._state_dtypes[k].itemsize for k in self._state_keys(s) if k != "master")
+        weight = 4 if s.needs_master else s.param.element_size()  # the master, or the fp32 param itself
+        out = s.param.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
+        return n * (grad.element_size() + state + weight), n * (state + weight + out)
 
     def _weight_views(self, s: _Slot, views, lo: int, hi: int, plo: int, phi: int) -> tuple[Tensor, Tensor | None]:
         """(fp32 weight the kernel updates, low-precision output it also writes, or None)."""
@@ -456,7 +468,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for s in slots:
                 src = self._staging.get(s.trainable) if s.param.dtype != torch.float32 else self._read_state(s, "master")
                 s.param.data.view(-1).copy_(src.view(-1), non_blocking=True)
-                tel.add_bytes("host", "h2d", src.numel() * src.element_size())
+                tel.add_bytes("device", "h2d", src.numel() * src.element_size())
             done = torch.cuda.Event()
             done.record(self._upload_stream)
         torch.cuda.current_stream(self.device).wait_event(done)

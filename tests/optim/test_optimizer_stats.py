@@ -1,0 +1,61 @@
+"""The optimizer's telemetry: bytes per tier are the analytic count; phases add up to the step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tierstate as ts
+from tierstate.telemetry import validate_trace
+
+
+def model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, moment_dtype, read_per_param, write_per_param",
+    [
+        # fp32 params on the CPU are their own master: read grad 4 + param 4 + m 4 + v 4,
+        # write param 4 + m 4 + v 4
+        (torch.float32, torch.float32, 16, 12),
+        # bf16 params: read grad 2 + master 4 + m 4 + v 4; write master 4 + m 4 + v 4 + bf16 weight 2
+        (torch.bfloat16, torch.float32, 14, 14),
+        # bf16 moments save 4 B each way
+        (torch.bfloat16, torch.bfloat16, 10, 10),
+    ],
+)
+def test_host_bytes_are_the_analytic_count(dtype, moment_dtype, read_per_param, write_per_param) -> None:
+    net = model(dtype)
+    n = sum(p.numel() for p in net.parameters())
+    opt = ts.AdamW(net.parameters(), offload=ts.Offload(moment_dtype=moment_dtype))
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(4, 64, dtype=dtype)).float().sum().backward()
+        opt.step()
+    stats = opt.stats().as_dict()
+    assert stats["bytes"]["host/read"] == read_per_param * n
+    assert stats["bytes"]["host/write"] == write_per_param * n
+    # state arenas: 2 moments (+ an fp32 master for bf16 params), nothing else
+    master = 4 if dtype != torch.float32 else 0
+    assert opt.tier_bytes() == {"host": n * (2 * moment_dtype.itemsize + master)}
+
+
+def test_phases_add_up_to_the_step_and_trace_is_valid(tmp_path) -> None:
+    net = model(torch.float32)
+    opt = ts.AdamW(net.parameters(), max_grad_norm=1.0)
+    trace = tmp_path / "trace.json"
+    opt.trace(trace)
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    stats = opt.stats()
+    d = stats.as_dict()
+    assert d["phases"]["cpu_update"] > 0 and d["phases"]["clip"] > 0
+    # "other" is what no phase covered, so the main lane's phases sum to the wall time
+    assert sum(d["phases"].values()) == pytest.approx(d["wall_s"], rel=1e-6, abs=1e-9)
+    opt.telemetry.stop_trace()
+    validate_trace(json.loads(trace.read_text()))
