@@ -1,13 +1,26 @@
 """One optimizer step as a stream of sub-groups through their tiers.
 
-    for each sub-group with work:   acquire (read-ahead done by the tier) -> update its
-                                    segments -> release (write-behind done by the tier)
+    each tier plans its part (schedule)  ->  repeat: acquire a sub-group (the NVMe tier's
+    read-ahead has usually landed it) -> update its segments -> release it (it becomes
+    evictable; the NVMe tier writes it back when it reuses the buffer)
 
 The pipeline knows tiers and segments, not optimizers: the caller passes a function that
 updates one segment given the sub-group's flat state views.
+
+[Note: interleaving tiers]
+With ``Offload(cpu=0.5, nvme=0.5)`` the host sub-groups need no I/O while the NVMe ones
+wait on the disk. Rather than walking the flat index space in order (and blocking on
+the disk in the middle), the loop takes the next NVMe sub-group whenever its read has
+landed and fills the waits with host sub-groups. Every update is elementwise on its own
+segment, so the order changes nothing in the result, only where the waits go.
+
+The step ends without waiting for write-behind: what is still in flight (or still dirty
+in the NVMe pool) overlaps whatever runs before the next step, and every later reader
+of the state goes through the tier, which orders it after those writes.
 """
 from __future__ import annotations
 
+from collections import deque
 from contextlib import nullcontext
 from typing import Callable, Mapping, Sequence
 
@@ -17,6 +30,10 @@ from ..placement import Segment, SubGroup, TierKind
 
 SegmentUpdate = Callable[[Segment, Mapping[str, Tensor]], None]
 
+# Which tier's sub-group to take first when several are ready: NVMe, so that its buffers
+# are released (and its I/O keeps moving) as early as possible.
+_PRIORITY = (TierKind.NVME, TierKind.HOST, TierKind.DEVICE)
+
 
 def _wait_span(telemetry, kind: TierKind):
     """Time blocked on a tier: only the NVMe tier can make the step wait."""
@@ -25,22 +42,32 @@ def _wait_span(telemetry, kind: TierKind):
 
 def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping[TierKind, object],
                   update: SegmentUpdate, telemetry) -> None:
-    """Update every listed segment, sub-group by sub-group, in the order given.
+    """Update every listed segment once, sub-group by sub-group.
 
-    Each tier is first told its part of the order (so the NVMe tier can read ahead), then
-    the sub-groups are acquired, updated and released one after the other; finally every
-    tier drains its write-behind, so the step ends with all state durable in its tier.
+    Each tier is told the sub-groups it holds and answers the order it wants them in (the
+    NVMe tier reads ahead along it); the loop then takes, among the tiers' next
+    sub-groups, one that is ready, preferring NVMe (see [Note: interleaving tiers]), and
+    blocks (booked as ``nvme_wait``) only when none is.
     """
+    segments = {sg.index: segs for sg, segs in work}
+    pending: dict[TierKind, deque] = {}
     for kind, tier in tiers.items():
-        tier.schedule([sg for sg, _ in work if sg.tier is kind])
-    for sg, segments in work:
-        tier = tiers[sg.tier]
-        with _wait_span(telemetry, sg.tier):
-            views = tier.acquire(sg)
-        with telemetry.phase("cpu_update"):
-            for seg in segments:
-                update(seg, views)
-        tier.release(sg, dirty=True)
-    for kind, tier in tiers.items():
+        mine = [sg for sg, _ in work if sg.tier is kind]
+        if mine:
+            pending[kind] = deque(tier.schedule(mine))
+    order = [k for k in _PRIORITY if k in pending]
+    while order:
+        kind = next((k for k in order if tiers[k].ready(pending[k][0])), order[0])
+        queue = pending[kind]
+        sg = queue.popleft()
+        if not queue:
+            order.remove(kind)
+        tier = tiers[kind]
         with _wait_span(telemetry, kind):
-            tier.drain()
+            views = tier.acquire(sg)
+        try:
+            with telemetry.phase("cpu_update"):
+                for seg in segments[sg.index]:
+                    update(seg, views)
+        finally:  # a failed update may have written part of the state: keep it as the tier's truth
+            tier.release(sg, dirty=True)

@@ -1,11 +1,30 @@
 """Where state lives: each tier owns its storage and hands the step pipeline flat views.
 
-A tier implements: ``schedule(subgroups)`` (the order of upcoming ``acquire`` calls, for
-read-ahead), ``acquire(sg) -> {key: 1-D tensor}``, ``release(sg, dirty)`` (write-behind),
-``drain()`` (wait for writes in flight), ``read_range(key, sg, offset, numel)`` and
-``write_range(key, sg, offset, values)`` for state outside a step (init, state_dict),
-``nbytes`` and ``close()``.
+A tier implements:
+
+- ``schedule(subgroups) -> list[SubGroup]``: the step will acquire these sub-groups;
+  the tier answers the order it wants them in (a permutation; the NVMe tier picks the
+  direction that meets the sub-groups already in its pool first) and may start reading
+  ahead along it.
+- ``ready(sg) -> bool``: whether ``acquire(sg)`` would return without waiting for I/O.
+- ``acquire(sg) -> {key: 1-D tensor}``: flat views of every state key of ``sg``, valid
+  until ``release``.
+- ``release(sg, dirty)``: done with ``sg``; dirty state is written back by the tier
+  (the NVMe tier lazily, when it reuses the buffer: write-behind).
+- ``drain()``: wait for I/O in flight and raise its errors; ``flush()``: also write back
+  every dirty buffer, so the tier's files hold all the state.
+- ``read_range(key, sg, offset, numel)`` / ``write_range(key, sg, offset, values)``: state
+  outside a step (init, state_dict, load_state_dict); always the newest values.
+- ``nbytes`` (bytes of state the tier holds) and ``close()``.
 """
 from .host import HostTier
 
-__all__ = ["HostTier"]
+__all__ = ["HostTier", "NvmeTier"]
+
+
+def __getattr__(name: str):
+    if name == "NvmeTier":  # imported on use: it loads the native I/O engine
+        from .nvme import NvmeTier
+
+        return NvmeTier
+    raise AttributeError(f"module 'tierstate.tiers' has no attribute {name!r}")

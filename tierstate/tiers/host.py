@@ -37,8 +37,13 @@ class HostTier:
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self.arenas.values())
 
-    def schedule(self, subgroups: list[SubGroup]) -> None:
-        """Host state needs no read-ahead."""
+    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
+        """Host state needs no read-ahead; any order is as good: the given one."""
+        return list(subgroups)
+
+    def ready(self, sg: SubGroup) -> bool:
+        """Always: the state is in RAM."""
+        return True
 
     def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
         return {k: a[sg.tier_offset: sg.tier_offset + sg.numel] for k, a in self.arenas.items()}
@@ -48,6 +53,9 @@ class HostTier:
 
     def drain(self) -> None:
         """No writes in flight."""
+
+    def flush(self) -> None:
+        """Nothing to write back."""
 
     def read_range(self, key: str, sg: SubGroup, offset: int, numel: int) -> Tensor:
         """``numel`` elements of ``key`` from ``offset`` inside sub-group ``sg`` (a view)."""

@@ -1,0 +1,52 @@
+"""Child process of the bounded-memory test: prints the peak RSS growth of an optimizer.
+
+argv: mode ("nvme" or "cpu"), folder. Parameters and gradients are made first and a tiny
+optimizer of the same mode runs once (loading the I/O engine, its threads and the
+kernels), so that what grows afterwards is the optimizer's own memory."""
+import json
+import resource
+import sys
+
+import psutil
+import torch
+
+import tierstate as ts
+from tierstate.placement import TierKind
+
+NUMEL = 25_000_000  # AdamW fp32: 8 B/param of state = 200 MB
+PER_PARAM = 1_000_000
+SUBGROUP = 1 << 20  # records of 8 MiB; pool of 2 = 16 MiB, 1/12 of the state
+
+
+def offload(mode: str, folder: str, tag: str):
+    if mode == "cpu":
+        return ts.Offload(cpu=1.0, subgroup_numel=SUBGROUP)
+    return ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=f"{folder}/{tag}", subgroup_numel=SUBGROUP, buffer_count=2)
+
+
+def main() -> None:
+    mode, folder = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(PER_PARAM)) for _ in range(NUMEL // PER_PARAM)]
+    for p in params:
+        p.grad = torch.randn(PER_PARAM)
+    tiny = [torch.nn.Parameter(torch.randn(4096))]
+    tiny[0].grad = torch.randn(4096)
+    warm = ts.AdamW(tiny, offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=f"{folder}/warm", subgroup_numel=1024,
+                                            buffer_count=2) if mode == "nvme" else "cpu")
+    warm.step()
+    warm.close()
+    before = psutil.Process().memory_info().rss
+    opt = ts.AdamW(params, lr=1e-3, offload=offload(mode, folder, "run"))
+    for _ in range(3):
+        opt.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    tier = opt.tiers.get(TierKind.NVME)
+    print(json.dumps({"growth": peak - before, "state": NUMEL * 8,
+                      "pool": tier.pool_nbytes if tier else 0,
+                      "read": opt.stats().bytes.get("nvme/read", 0)}))
+    opt.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""NvmeTier on its own: record format, initial values, the write-back cache, flush."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tierstate.placement import Offload, TierKind, plan_layout
+from tierstate.tiers.nvme import ALIGN, NvmeTier
+
+
+def _tier(tmp_path, numels=(5000, 3000), subgroup=1024, buffers=2, dtypes=None, inits=None, dirs=None):
+    layout = plan_layout(list(numels), {TierKind.NVME: 1.0}, subgroup)
+    dtypes = dtypes or {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+    offload = Offload(cpu=0.0, nvme=1.0, nvme_dir=dirs or tmp_path / "nv", subgroup_numel=subgroup,
+                      buffer_count=buffers)
+    return NvmeTier(layout, dtypes, inits or {}, offload)
+
+
+def _raw(tier, sg, key):
+    """``key`` of ``sg`` read straight from the file, bypassing the tier."""
+    index, offset, rec = tier._where(sg)
+    start, nbytes = rec.regions[key]
+    data = np.fromfile(tier.files[index], dtype=np.uint8, count=nbytes, offset=offset + start)
+    return torch.from_numpy(data.copy()).view(tier.dtypes[key])
+
+
+def test_record_layout_is_aligned(tmp_path):
+    tier = _tier(tmp_path, dtypes={"exp_avg": torch.bfloat16, "master": torch.float32, "exp_avg_sq": torch.bfloat16})
+    rec = tier.record(tier.subgroups[0])
+    assert list(rec.regions) == ["master", "exp_avg", "exp_avg_sq"]
+    assert all(start % ALIGN == 0 for start, _ in rec.regions.values())
+    assert rec.regions["master"][1] == 1024 * 4 and rec.regions["exp_avg"][1] == 1024 * 2
+    assert tier.pool_nbytes == 2 * rec.nbytes
+    tier.close()
+
+
+def test_files_start_with_the_init_values(tmp_path):
+    tier = _tier(tmp_path, dtypes={"master": torch.float32, "sum": torch.bfloat16}, inits={"sum": 0.37})
+    for sg in tier.subgroups:  # last sub-group is partial: 8000 = 7 x 1024 + 832
+        assert torch.equal(_raw(tier, sg, "sum"), torch.full((sg.numel,), 0.37, dtype=torch.bfloat16))
+        assert torch.equal(_raw(tier, sg, "master"), torch.zeros(sg.numel))
+        assert torch.equal(tier.read_range("sum", sg, 0, sg.numel), torch.full((sg.numel,), 0.37, dtype=torch.bfloat16))
+    tier.close()
+
+
+def test_write_back_reaches_the_files(tmp_path):
+    tier = _tier(tmp_path, buffers=2)
+    expected = {}
+    for sg in tier.subgroups:  # 8 sub-groups through 2 buffers: every load evicts
+        values = torch.arange(sg.numel, dtype=torch.float32) + 10_000 * sg.index
+        tier.write_range("exp_avg_sq", sg, 0, values)
+        tier.write_range("exp_avg", sg, 7, -values[: sg.numel - 7])
+        expected[sg.index] = values
+    for sg in tier.subgroups:  # read back through the cache (some resident, some evicted)
+        assert torch.equal(tier.read_range("exp_avg_sq", sg, 0, sg.numel), expected[sg.index])
+    tier.flush()
+    for sg in tier.subgroups:
+        assert torch.equal(_raw(tier, sg, "exp_avg_sq"), expected[sg.index])
+        assert torch.equal(_raw(tier, sg, "exp_avg")[7:], -expected[sg.index][: sg.numel - 7])
+        assert torch.equal(_raw(tier, sg, "exp_avg")[:7], torch.zeros(7))
+    tier.close()
+
+
+def test_schedule_meets_resident_subgroups_first(tmp_path):
+    tier = _tier(tmp_path, buffers=3)
+    sgs = tier.subgroups
+    assert tier.schedule(sgs) == sgs  # nothing resident: forward
+    for sg in sgs:
+        views = tier.acquire(sg)
+        views["exp_avg"].add_(1.0)
+        tier.release(sg, dirty=True)
+    order = tier.schedule(sgs)
+    assert order == sgs[::-1]
+    assert all(tier.ready(sg) for sg in order[:3]), "the last three of the previous step are still in the pool"
+    for sg in order:
+        views = tier.acquire(sg)
+        views["exp_avg"].add_(1.0)
+        tier.release(sg, dirty=True)
+    for sg in sgs:
+        assert torch.equal(tier.read_range("exp_avg", sg, 0, sg.numel), torch.full((sg.numel,), 2.0))
+    tier.close()
+
+
+def test_release_of_unacquired_subgroup_raises(tmp_path):
+    tier = _tier(tmp_path)
+    with pytest.raises(RuntimeError, match="not acquired"):
+        tier.release(tier.subgroups[0], dirty=True)
+    tier.close()
+
+
+def test_state_larger_than_pool_never_uses_more_buffers(tmp_path):
+    tier = _tier(tmp_path, numels=(50_000,), buffers=2)
+    tier.schedule(tier.subgroups)
+    for sg in tier.subgroups:
+        tier.acquire(sg)
+        tier.release(sg, dirty=True)
+    assert len(tier._pool) == 2 and len(tier._resident) == 2
+    tier.close()

@@ -1,0 +1,475 @@
+"""NvmeTier: optimizer state in files, streamed through a fixed pool of aligned host buffers.
+
+[Note: records, files and stripes]
+Each NVMe sub-group owns one *record* on disk holding all its state keys back to back,
+``[master | exp_avg | exp_avg_sq]`` for AdamW with a master, each region starting on a
+4 KiB boundary so that every region is a valid O_DIRECT target and a host view of it is
+aligned for any dtype. A record moves in one request (the engine splits it into
+block-size tasks), so one 16 Mi-element AdamW record is a 192 MiB sequential read and a
+192 MiB sequential write per step. With several ``nvme_dir`` folders the sub-groups are
+dealt round-robin, one file per folder: sub-group ``r`` of the tier goes to file
+``r % len(dirs)`` at slot ``r // len(dirs)``, so consecutive sub-groups hit different
+drives and the reads of k+1 and the writes of k-1 run on different disks.
+
+[Note: the buffer pool is a write-back cache]
+``Offload.buffer_count`` buffers, each the size of the largest record, are the tier's
+whole host memory. A buffer holds one sub-group's record; it is *pinned* while the step
+updates it and *dirty* once updated. A dirty buffer is written back only when it is
+evicted to make room for a sub-group the schedule needs (or on :meth:`NvmeTier.flush`):
+its write and the read of the newcomer are queued on the buffer's own I/O thread, write
+first, so they overlap the update of the sub-group pinned at that moment. Victims are
+buffers holding nothing the rest of the schedule needs, clean before dirty, least
+recently used first, so a sub-group is never evicted just before it is used.
+
+At the end of a step the last ``buffer_count`` sub-groups stay dirty in the pool, and
+:meth:`NvmeTier.schedule` walks the next step in whichever direction (forward or
+reversed) meets them first. Those sub-groups then cost no I/O at all in that step: per
+step the tier moves ``S - buffer_count`` records each way instead of ``S``, and the pipeline
+has no fill bubble (the step starts on data already in RAM). Because the files are
+private to the run and removed at exit, a dirty buffer is as good as the file; every
+read or write of state outside a step (:meth:`read_range`, :meth:`write_range`) goes
+through the same pool, so it always sees the newest values.
+
+[Note: ordering between I/O threads]
+Every buffer has one I/O thread that runs its operations in order, so "write the old
+record, then read the new one into the same memory" needs no further locking. Across
+buffers one dependency remains: a sub-group evicted from buffer A (write queued on A)
+and needed again soon in buffer B must not be read before A's write lands; the read
+carries that write as a prerequisite. Writes never wait on anything, so the threads
+cannot deadlock.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from torch import Tensor
+
+from .. import io as tio
+from ..placement import Layout, Offload, SubGroup, TierKind
+from .rundir import RunFolder, claim_folders, reserve_files
+
+
+# Every region of a record starts on this boundary: the O_DIRECT offset/length
+# alignment of every Linux filesystem (statx DIOALIGN reports 512 or 4096 on NVMe).
+ALIGN = 4096
+
+
+def _align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class RecordLayout:
+    """Byte layout of one sub-group's record: ``{key: (offset, nbytes)}`` and its size.
+
+    Pure arithmetic, shared by the buffers (views) and the files (offsets)."""
+
+    def __init__(self, keys: list[str], dtypes: Mapping[str, torch.dtype], numel: int) -> None:
+        self.numel = numel
+        self.regions: dict[str, tuple[int, int]] = {}
+        cursor = 0
+        for key in keys:
+            nbytes = numel * torch.empty((), dtype=dtypes[key]).element_size()
+            self.regions[key] = (cursor, nbytes)
+            cursor = _align_up(cursor + nbytes)
+        self.nbytes = cursor
+
+
+class _Stripes:
+    """Where each sub-group's record lives: (file index, byte offset, layout); see the note on stripes.
+
+    Shared by the tier and its I/O threads (which must not hold the tier itself, or the
+    tier's finalizer could never run)."""
+
+    def __init__(self, subgroups: list[SubGroup], keys: list[str], dtypes: Mapping[str, torch.dtype],
+                 nfiles: int) -> None:
+        self.keys, self.dtypes, self.nfiles = keys, dtypes, nfiles
+        self._rank = {sg.index: r for r, sg in enumerate(subgroups)}
+        self._records: dict[int, RecordLayout] = {}
+        self.stride = RecordLayout(keys, dtypes, max(sg.numel for sg in subgroups)).nbytes
+
+    def record(self, sg: SubGroup) -> RecordLayout:
+        rec = self._records.get(sg.numel)
+        if rec is None:
+            rec = self._records[sg.numel] = RecordLayout(self.keys, self.dtypes, sg.numel)
+        return rec
+
+    def __call__(self, sg: SubGroup) -> tuple[int, int, RecordLayout]:
+        rank = self._rank[sg.index]
+        return rank % self.nfiles, (rank // self.nfiles) * self.stride, self.record(sg)
+
+
+@dataclass
+class _Op:
+    """One read or write of a record, run by a buffer's I/O thread."""
+
+    write: bool
+    sg: SubGroup
+    buffer: Tensor
+    after: "_Op | None" = None  # a write of the same record on another buffer, to land first
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+@dataclass
+class _Buffer:
+    index: int
+    memory: Tensor  # uint8, ALIGN-aligned, one record of the largest sub-group
+    sg: SubGroup | None = None
+    dirty: bool = False
+    pinned: bool = False  # acquired: the step is updating it
+    last_use: int = 0
+    last_op: _Op | None = None
+
+
+class _IOThread:
+    """Runs one buffer's reads and writes in order (see [Note: ordering between I/O threads])."""
+
+    def __init__(self, index: int, files: list, where, telemetry) -> None:
+        self.lane = f"nvme-io-{index}"
+        self._files = files
+        self._where = where  # SubGroup -> (file index, file offset, RecordLayout)
+        self._telemetry = telemetry
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=self.lane, daemon=True)
+        self.thread.start()
+
+    def submit(self, op: _Op) -> None:
+        self._queue.put(op)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            try:
+                if self._failed is not None:
+                    # An earlier write from this buffer failed: what the buffer holds now
+                    # is not what later operations assume. Refuse rather than guess.
+                    raise self._failed
+                if op.after is not None:
+                    op.after.done.wait()
+                    if op.after.error is not None:
+                        raise op.after.error
+                self._execute(op)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                op.error = exc
+                if op.write:
+                    self._failed = exc
+            finally:
+                op.done.set()
+
+    def _execute(self, op: _Op) -> None:
+        file_index, offset, record = self._where(op.sg)
+        f = self._files[file_index]
+        t0 = time.perf_counter()
+        if op.write:
+            f.write(op.buffer, offset, record.nbytes)
+        else:
+            f.read_exact(op.buffer, offset, record.nbytes)
+        seconds = time.perf_counter() - t0
+        tel = self._telemetry
+        if tel is not None:
+            tel.add_phase_time("nvme_write" if op.write else "nvme_read", seconds, lane=self.lane, start=t0)
+            tel.add_bytes("nvme", "write" if op.write else "read", record.nbytes)
+
+
+class _Resources:
+    """What must be released even if the tier is never closed (held by the finalizer)."""
+
+    def __init__(self) -> None:
+        self.threads: list[_IOThread] = []
+        self.files: list = []
+        self.folders: list[RunFolder] = []
+
+    def release(self) -> None:
+        for t in self.threads:
+            t.stop()
+        for f in self.files:
+            f.close()
+        for folder in self.folders:
+            folder.close()
+        self.threads, self.files, self.folders = [], [], []
+
+
+class NvmeTier:
+    """Optimizer state in files under ``offload.nvme_dirs``; host RAM bounded by the buffer pool.
+
+    See the notes at the top of the file for the record format, the cache policy and the
+    I/O threads, and :mod:`tierstate.tiers.rundir` for folders, locks and cleanup.
+
+    Args:
+        layout: the optimizer's layout; this tier holds its NVMe sub-groups.
+        dtypes: state key -> dtype stored (``master`` is fp32; moments per ``moment_dtype``).
+        inits: state key -> the value a fresh state starts from.
+        offload: the policy (``nvme_dirs``, ``nvme_dir``, ``buffer_count``, ``pin_memory``).
+        telemetry: where I/O time and bytes are booked (optional).
+        pin_memory: page-lock the pool (CUDA runs); default ``offload.pin_memory`` when
+            CUDA is available.
+    """
+
+    kind = TierKind.NVME
+
+    def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
+                 offload: Offload, telemetry=None, pin_memory: bool | None = None) -> None:
+        self.layout = layout
+        self.subgroups = [sg for sg in layout.subgroups if sg.tier is TierKind.NVME]
+        if not self.subgroups:
+            raise ValueError("NvmeTier needs a layout with NVMe sub-groups (Offload(nvme=...) > 0)")
+        self.dtypes = dict(dtypes)
+        # master first: the record reads [master | moments...] as in the docs.
+        order = list(self.dtypes)
+        self.keys = sorted(order, key=lambda k: (k != "master", order.index(k)))
+        self._telemetry = telemetry
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, _Resources.release, self._res)
+        self._pool: list[_Buffer] = []
+        try:
+            self._res.folders = claim_folders(tuple(Path(d) for d in offload.nvme_dirs), offload.nvme_dir is not None)
+            self.folders = [f.path for f in self._res.folders]
+            self._where = _Stripes(self.subgroups, self.keys, self.dtypes, len(self.folders))
+            self.record_nbytes = self._where.stride
+            self._open_files()
+            if pin_memory is None:
+                pin_memory = offload.pin_memory and torch.cuda.is_available()
+            self.pin_memory = bool(pin_memory)
+            self._pool = [_Buffer(i, self._allocate(self.record_nbytes)) for i in range(offload.buffer_count)]
+            self._write_initial_values(inits)
+            self._res.threads = [_IOThread(b.index, self._res.files, self._where, telemetry) for b in self._pool]
+        except BaseException:
+            self._finalizer()
+            raise
+        self._resident: dict[int, _Buffer] = {}  # sub-group index -> the buffer holding it
+        self._writes: dict[int, _Op] = {}  # sub-group index -> its latest write-back in flight
+        self._plan: list[SubGroup] = []
+        self._plan_pos = 0
+        self._tick = 0
+
+    # -- construction ------------------------------------------------------------------------
+    def record(self, sg: SubGroup) -> RecordLayout:
+        """The byte layout of ``sg``'s record."""
+        return self._where.record(sg)
+
+    def _open_files(self) -> None:
+        nfiles = len(self._res.folders)
+        sizes = [0] * nfiles
+        for sg in self.subgroups:
+            index, offset, rec = self._where(sg)
+            sizes[index] = max(sizes[index], offset + rec.nbytes)
+        paths = [folder.state_file(i) for i, folder in enumerate(self._res.folders)]
+        for path in paths:  # a stale file of the same name must not lend us its contents
+            path.unlink(missing_ok=True)
+        # fallocate'd extents read back as zeros, which is every zero-init key's start value.
+        reserve_files([(p, n) for p, n in zip(paths, sizes) if n > 0])
+        self._res.files = [tio.File(p, "r+", direct=True) for p in paths]
+
+    def _allocate(self, nbytes: int) -> Tensor:
+        if self.pin_memory:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if buf.data_ptr() % ALIGN == 0:
+                return buf
+        return tio.aligned_empty(nbytes, ALIGN)
+
+    def _write_initial_values(self, inits: Mapping[str, float]) -> None:
+        """Write the start value of every key whose start is not 0 into each record (only those regions)."""
+        scratch = self._pool[0].memory
+        for key in self.keys:
+            value = inits.get(key, 0.0)
+            if not torch.tensor(value, dtype=self.dtypes[key]).view(-1).view(torch.uint8).any():
+                continue  # all-zero bytes (not -0.0): fallocate'd space already reads so
+            itemsize = torch.empty((), dtype=self.dtypes[key]).element_size()
+            largest = self.record_nbytes // itemsize
+            scratch[: largest * itemsize].view(self.dtypes[key]).fill_(value)
+            futures = []
+            for sg in self.subgroups:
+                index, offset, rec = self._where(sg)
+                start, nbytes = rec.regions[key]
+                futures.append(self._res.files[index].pwrite(scratch, offset + start, _align_up(nbytes)))
+            for fut in futures:
+                fut.get()
+
+    # -- properties ----------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state on disk (records incl. alignment padding)."""
+        return sum(self.record(sg).nbytes for sg in self.subgroups)
+
+    @property
+    def pool_nbytes(self) -> int:
+        """Host RAM held by the tier: the buffer pool."""
+        return len(self._pool) * self.record_nbytes
+
+    @property
+    def direct(self) -> bool:
+        """Whether every state file uses O_DIRECT (False on filesystems that refuse it, e.g. tmpfs)."""
+        return all(f.direct for f in self._res.files)
+
+    @property
+    def files(self) -> list[Path]:
+        return [Path(f.path) for f in self._res.files]
+
+    # -- the pool ------------------------------------------------------------------------------
+    def _views(self, buf: _Buffer) -> dict[str, Tensor]:
+        rec = self.record(buf.sg)
+        out = {}
+        for key in self.keys:
+            start, nbytes = rec.regions[key]
+            out[key] = buf.memory[start: start + nbytes].view(self.dtypes[key])
+        return out
+
+    def _victim(self, needed: set[int]) -> _Buffer | None:
+        """A buffer to reuse: not pinned, holding nothing in ``needed``; empty, then clean, then LRU."""
+        best = None
+        for buf in self._pool:
+            if buf.pinned or (buf.sg is not None and buf.sg.index in needed):
+                continue
+            rank = (buf.sg is not None, buf.dirty, buf.last_use)
+            if best is None or rank < best[0]:
+                best = (rank, buf)
+        return None if best is None else best[1]
+
+    def _submit(self, buf: _Buffer, op: _Op) -> None:
+        buf.last_op = op
+        self._res.threads[buf.index].submit(op)
+
+    def _load(self, buf: _Buffer, sg: SubGroup) -> None:
+        """Queue on ``buf``: write back what it holds (if dirty), then read ``sg``."""
+        if buf.sg is not None:
+            del self._resident[buf.sg.index]
+            if buf.dirty:
+                write = _Op(True, buf.sg, buf.memory)
+                self._writes[buf.sg.index] = write
+                self._submit(buf, write)
+        self._submit(buf, _Op(False, sg, buf.memory, after=self._writes.pop(sg.index, None)))
+        buf.sg, buf.dirty = sg, False
+        self._resident[sg.index] = buf
+
+    def _needed(self) -> set[int]:
+        return {sg.index for sg in self._plan[self._plan_pos:]}
+
+    def _read_ahead(self) -> None:
+        needed = self._needed()
+        for sg in self._plan[self._plan_pos:]:
+            if sg.index in self._resident:
+                continue
+            buf = self._victim(needed)
+            if buf is None:
+                return
+            self._load(buf, sg)
+
+    def _hold(self, sg: SubGroup) -> _Buffer:
+        """The buffer holding ``sg``, loading it if needed, with its I/O finished."""
+        buf = self._resident.get(sg.index)
+        if buf is None:
+            buf = self._victim(self._needed() - {sg.index}) or self._victim({sg.index})
+            if buf is None:
+                raise RuntimeError(f"no NVMe buffer free for sub-group {sg.index}: all "
+                                   f"{len(self._pool)} are acquired (release one first)")
+            self._load(buf, sg)
+        if buf.last_op is not None:
+            buf.last_op.wait()
+        self._tick += 1
+        buf.last_use = self._tick
+        return buf
+
+    # -- the tier interface --------------------------------------------------------------------
+    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
+        """Plan the step: forward or reversed, whichever meets the resident sub-groups first.
+
+        Returns the order in which the sub-groups will be acquired and starts reading
+        ahead into the buffers the plan lets it reuse."""
+        order = list(subgroups)
+        window = len(self._pool)
+        ahead = sum(sg.index in self._resident for sg in order[:window])
+        behind = sum(sg.index in self._resident for sg in order[-window:])
+        if behind > ahead:
+            order.reverse()
+        self._plan, self._plan_pos = order, 0
+        self._read_ahead()
+        return order
+
+    def ready(self, sg: SubGroup) -> bool:
+        """Whether :meth:`acquire` of ``sg`` would return without waiting for I/O."""
+        buf = self._resident.get(sg.index)
+        return buf is not None and (buf.last_op is None or buf.last_op.done.is_set())
+
+    def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
+        """Flat views of every state key of ``sg`` in its buffer (waits for its read)."""
+        plan = self._plan
+        if self._plan_pos < len(plan) and plan[self._plan_pos].index == sg.index:
+            self._plan_pos += 1
+        else:  # off the plan: take it out so it is not read twice
+            self._plan = plan[: self._plan_pos] + [s for s in plan[self._plan_pos:] if s.index != sg.index]
+        buf = self._hold(sg)
+        buf.pinned = True
+        self._read_ahead()
+        return self._views(buf)
+
+    def release(self, sg: SubGroup, dirty: bool) -> None:
+        """Done with ``sg``: its buffer becomes evictable (written back when evicted)."""
+        buf = self._resident.get(sg.index)
+        if buf is None or not buf.pinned:
+            raise RuntimeError(f"release of sub-group {sg.index}, which is not acquired")
+        buf.pinned = False
+        buf.dirty = buf.dirty or dirty
+        self._read_ahead()
+
+    def drain(self) -> None:
+        """Wait for every read and write in flight; raise the first error among them."""
+        for buf in self._pool:
+            if buf.last_op is not None:
+                buf.last_op.wait()
+        for op in list(self._writes.values()):
+            op.wait()
+        self._writes.clear()
+
+    def flush(self) -> None:
+        """Write every dirty buffer to its file and wait (the files then hold all the state)."""
+        for buf in self._pool:
+            if buf.sg is not None and buf.dirty and not buf.pinned:
+                op = _Op(True, buf.sg, buf.memory)
+                self._writes[buf.sg.index] = op
+                self._submit(buf, op)
+                buf.dirty = False
+        self.drain()
+
+    def read_range(self, key: str, sg: SubGroup, offset: int, numel: int) -> Tensor:
+        """A copy of ``numel`` elements of ``key`` from ``offset`` inside ``sg``."""
+        buf = self._hold(sg)
+        return self._views(buf)[key][offset: offset + numel].clone()
+
+    def write_range(self, key: str, sg: SubGroup, offset: int, values: Tensor) -> None:
+        """Store ``values`` (converted to the key's dtype) at ``offset`` inside ``sg``."""
+        buf = self._hold(sg)
+        self._views(buf)[key][offset: offset + values.numel()].copy_(values)
+        buf.dirty = True
+
+    def close(self) -> None:
+        """Stop the I/O threads, remove the files and unlock the folders. Idempotent."""
+        self._pool = []
+        self._resident.clear()
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return (f"NvmeTier({len(self.subgroups)} sub-groups, {self.nbytes / 2**30:.2f} GiB on disk in "
+                f"{[str(f) for f in getattr(self, 'folders', [])]}, pool {len(self._pool)} x "
+                f"{self.record_nbytes / 2**20:.1f} MiB)")
+
+
+__all__ = ["NvmeTier", "RecordLayout"]
