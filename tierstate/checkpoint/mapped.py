@@ -1,0 +1,86 @@
+"""``mmap_state_dict``: torch's optimizer state_dict with file-backed tensors.
+
+``optimizer.state_dict()`` reads NVMe-tier state into new RAM tensors, which cannot work
+when the state is larger than RAM. :func:`mmap_state_dict` returns the same schema, but
+each tensor not already in host RAM is written, piece by piece, into a file under
+``scratch_dir`` and handed out as a ``MAP_SHARED`` mapping of it (``torch.from_file``).
+The file is unlinked as soon as it is mapped: its blocks live exactly as long as the
+tensor, and a crashed run leaves nothing behind in ``scratch_dir``. Pages come from the
+page cache on access and can be evicted again, so ``torch.save(sd)`` or ``dcp.save(sd)``
+streams through it without holding the state in RAM.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from torch import Tensor
+
+from ..io.errors import from_oserror
+from ..optim.base import OffloadOptimizer
+from .access import OffloadAccess
+
+# Pieces of 4 MiB: each a single buffered pwrite into the scratch file.
+_PIECE_BYTES = 4 << 20
+
+
+def _file_backed(scratch_dir: str, numel: int, dtype: torch.dtype, pieces) -> Tensor:
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    fd, path = tempfile.mkstemp(prefix="tierstate-state-", suffix=".bin", dir=scratch_dir)
+    try:
+        try:
+            os.ftruncate(fd, numel * dtype.itemsize)
+            offset = 0
+            for piece in pieces:
+                view = memoryview(piece.numpy())
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
+                offset += len(view)
+        except OSError as exc:
+            raise from_oserror(exc, path, None, "write") from exc
+        finally:
+            os.close(fd)
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    finally:
+        os.unlink(path)  # the mapping keeps the blocks; nothing is left on disk after it
+
+
+def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike) -> dict:
+    """``opt.state_dict()`` whose off-host tensors are file mappings under ``scratch_dir``.
+
+    Host-tier state is returned as views, as ``state_dict()`` does; state in other tiers
+    (NVMe) is streamed into unlinked files of ``scratch_dir`` and mapped, so building the
+    dict needs ``4 MiB`` of RAM beyond the page cache, whatever the state's size. Choose a
+    ``scratch_dir`` on a filesystem with room for the off-host state (not a tmpfs).
+    The result is an ordinary state dict: ``torch.save`` it, hand it to
+    ``torch.distributed.checkpoint``, or ``load_state_dict`` it into another optimizer.
+    """
+    if not isinstance(opt, OffloadOptimizer):
+        raise TypeError(f"opt is a {type(opt).__name__}; mmap_state_dict takes a tierstate optimizer "
+                        "(other optimizers hold their state in RAM already: use opt.state_dict())")
+    scratch = os.fspath(scratch_dir)
+    os.makedirs(scratch, exist_ok=True)
+    access = OffloadAccess(opt)
+    sd = torch.optim.Optimizer.state_dict(opt)  # param_groups packed by torch (and its hooks)
+    state = {}
+    for info in access.describe():
+        if not info.initialized:
+            continue
+        s = access._slots[info.index]
+        entry = {}
+        for key, dtype in info.keys.items():
+            view = opt._host_view(s, key)
+            if view is not None:
+                entry[key] = view
+            else:
+                numel = s.param.numel()
+                pieces = access.read_state(info.index, key, max(1, _PIECE_BYTES // dtype.itemsize))
+                entry[key] = _file_backed(scratch, numel, dtype, pieces).view(s.param.shape)
+        if info.step is not None:
+            entry["step"] = torch.tensor(info.step, dtype=torch.float32)
+        state[info.index] = entry
+    sd["state"] = state
+    return sd
