@@ -56,6 +56,7 @@ class _Slot:
     needs_master: bool  # an fp32 master copy exists in the tiers
     initialized: bool = False  # state exists in torch's sense (first step with a grad done)
     master_ready: bool = False  # master holds the parameter's value
+    written: bool = False  # its state regions may differ from the init values the tiers start with
     step: int = 0
 
 
@@ -204,6 +205,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._close_engine()
 
     def __del__(self) -> None:  # files of the NVMe tier must not outlive the run
+        if "tiers" not in self.__dict__:  # a forwarding wrapper (LightningOptimizer) owns no engine
+            return
         try:
             self._close_engine()
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to report to
@@ -269,17 +272,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, s: _Slot) -> None:
         """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
-        specs = self.rule.state_specs(self.param_groups[s.group])
-        for spec in specs:
-            fill = torch.full((s.param.numel(),), spec.init, dtype=self._state_dtypes[spec.name])
-            self._write_state(s, spec.name, fill)
+        if s.written:  # tiers start at the init values, so only a region written before is reset
+            for spec in self.rule.state_specs(self.param_groups[s.group]):
+                # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
+                fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.param.numel())
+                self._write_state(s, spec.name, fill)
+            s.written = False
         s.initialized = True
         s.step = 0
         self._publish(s)
 
     def _ensure_master(self, s: _Slot) -> None:
         if s.needs_master and not s.master_ready:
-            self._write_state(s, "master", s.param.detach().float())
+            flat = s.param.detach().reshape(-1)
+            for seg in self._segments(s):  # segment by segment: temporaries stay sub-group sized
+                sg = self.layout.subgroups[seg.subgroup]
+                piece = flat[seg.param_offset: seg.param_offset + seg.numel].to("cpu", torch.float32)
+                self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
             s.master_ready = True
 
     def _export_state(self, s: _Slot) -> dict:
@@ -290,7 +299,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _import_state(self, s: _Slot, state: dict, master_ready: bool | None = None) -> None:
         if not s.initialized:
-            self._init_state(s)
+            # Only keys the state dict lacks start from their init value: the given ones may be
+            # this optimizer's own views (DCP loads in place), which a reset would wipe first.
+            for spec in self.rule.state_specs(self.param_groups[s.group]):
+                if state.get(spec.name) is None and s.written:
+                    fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.param.numel())
+                    self._write_state(s, spec.name, fill)
+            s.initialized, s.step, s.written = True, 0, True
         for key in self._state_keys(s):
             if key in state and state[key] is not None:
                 value = state[key]
@@ -323,6 +338,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _scaler_inputs(self, grad_scaler) -> tuple[float, bool, dict | None]:
         """(inverse loss scale to apply, inf already found, the scaler's per-optimizer record)."""
+        if grad_scaler is None and getattr(self, "grad_scale", None) is not None:
+            # GradScaler's attribute protocol (used when a wrapper hides our grad_scaler argument)
+            return 1.0 / float(self.grad_scale), bool(float(getattr(self, "found_inf", 0.0))), None
         if grad_scaler is None or not grad_scaler.is_enabled():
             return 1.0, False, None
         from torch.amp.grad_scaler import OptState
@@ -396,6 +414,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 return
             norm = math.sqrt(sumsq)
             self.last_grad_norm = norm
+            if sumsq == 0.0 and not self.state and all(
+                    float(g["lr"]) == 0.0 and self.rule.zero_step_is_noop(g) for g in self.param_groups):
+                # torch.distributed.checkpoint's _init_optim_state: a step with zero gradients and
+                # lr 0 only to make state exist. Its outcome is known (state at init, step 1), so
+                # no sub-group is streamed through the tiers for it.
+                for s, _ in active:
+                    self._init_state(s)
+                    s.step = 1
+                    self._publish(s)
+                return
             if self.max_grad_norm is not None:
                 # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1
                 grad_scale = inv_scale * min(1.0, self.max_grad_norm / (norm + 1e-6))
@@ -407,6 +435,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._init_state(s)
                 fresh.add(s.trainable)
             self._ensure_master(s)
+            s.written = True
             s.step += 1
             grads[s.trainable] = g
             read, written = self._kernel_traffic(s, g)

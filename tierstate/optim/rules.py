@@ -78,6 +78,13 @@ class UpdateRule:
                group: Mapping[str, Any], step: int, first_step: bool, grad_scale: float) -> None:
         raise NotImplementedError
 
+    def zero_step_is_noop(self, group: Mapping[str, Any]) -> bool:
+        """True when a first step with all-zero gradients and lr 0 leaves the state at its init.
+
+        L2 weight decay turns a zero gradient into ``wd * w``, which moves the moments.
+        """
+        return float(group.get("weight_decay", 0.0)) == 0.0
+
 class AdamRule(UpdateRule):
     """Adam and AdamW (torch.optim.Adam / AdamW), incl. amsgrad and maximize."""
 
@@ -94,6 +101,9 @@ class AdamRule(UpdateRule):
         _check_betas(group["betas"])
         _check_number("eps", group["eps"], low=0.0, low_open=True, hint=" (e.g. 1e-8)")
         _check_number("weight_decay", group["weight_decay"], low=0.0)
+
+    def zero_step_is_noop(self, group):
+        return self.decoupled or super().zero_step_is_noop(group)
 
     def state_specs(self, group):
         specs = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
@@ -123,6 +133,9 @@ class LionRule(UpdateRule):
         super().validate(group)
         _check_betas(group["betas"])
         _check_number("weight_decay", group["weight_decay"], low=0.0)
+
+    def zero_step_is_noop(self, group):
+        return True  # decoupled weight decay times lr 0
 
     def state_specs(self, group):
         return (StateSpec("exp_avg"),)
