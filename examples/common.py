@@ -1,0 +1,69 @@
+"""Models and data shared by the examples: transformers models built from configs (random
+init, nothing downloaded) and a synthetic next-token task whose loss visibly falls.
+
+``--tiny`` sizes run in seconds on 2 CPU cores (CI); the full sizes are what you would
+fine-tune by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SIZES = {
+    # kind -> (tiny, full) config arguments
+    "gpt2": (dict(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32),
+             dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257, n_positions=1024)),   # GPT-2 small, 124M
+    "llama": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, vocab_size=64, max_position_embeddings=32),
+              dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)),    # ~220M
+}
+
+
+def build_model(kind: str, tiny: bool, **overrides):
+    """A causal LM of ``kind`` ("gpt2" or "llama") with random weights."""
+    import transformers
+
+    cfg = {**SIZES[kind][0 if tiny else 1], **overrides}
+    if kind == "gpt2":
+        config = transformers.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0, **cfg)
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(bos_token_id=0, eos_token_id=0, **cfg)
+    return transformers.LlamaForCausalLM(config)
+
+
+class CountingTokens(torch.utils.data.Dataset):
+    """Sequences counting up from a random start (mod ``vocab``): a learnable next-token task."""
+
+    def __init__(self, n: int, seq: int, vocab: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = (torch.randint(0, vocab, (n, 1), generator=g) + torch.arange(seq)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def dataset_for(model, tiny: bool, n: int | None = None) -> CountingTokens:
+    seq = 16 if tiny else 256
+    return CountingTokens(n or (64 if tiny else 2048), seq, model.config.vocab_size)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--tiny", action="store_true", help="a tiny model and a few steps (CI)")
+    p.add_argument("--model", choices=sorted(SIZES), default="gpt2")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 8 tiny, 200 full)")
+    p.add_argument("--out", default=None, help="output directory (default: a temporary one)")
+    return p
+
+
+def steps_of(args) -> int:
+    return args.steps or (8 if args.tiny else 200)

@@ -1,0 +1,83 @@
+"""HF Trainer with a tierstate optimizer: loss falls, checkpoints stream our state and
+resume bit-identically, our metrics reach Trainer's log history."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed (pip install tierstate[hf])")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install tierstate[hf])")
+
+from transformers import Trainer, TrainingArguments  # noqa: E402
+
+import tierstate as ts  # noqa: E402
+from tierstate.integrations.hf import TierstateCallback, TierstateTrainer  # noqa: E402
+from tiny_lm import TokenStream, assert_bit_identical, params_of, tiny_model  # noqa: E402
+
+STEPS = 6
+
+
+def _args(out, **kw) -> TrainingArguments:
+    base = dict(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, learning_rate=1e-2,
+                lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[],
+                use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=0.0)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+# Trainer passes its learning_rate only to optimizers it builds itself: ours gets lr here.
+OPT = (ts.AdamW, {"lr": 1e-2, "offload": "cpu", "max_grad_norm": 1.0, "betas": (0.9, 0.95)})
+
+
+def _trainer(cls, out, kind="gpt2", **kw):
+    return cls(model=tiny_model(kind), args=_args(out, **kw), train_dataset=TokenStream(), optimizer_cls_and_kwargs=OPT)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_trainer_trains_and_logs_our_metrics(tmp_path, kind):
+    trainer = _trainer(TierstateTrainer, tmp_path, kind)
+    trainer.train()
+    assert isinstance(trainer.optimizer.optimizer, ts.AdamW)  # Trainer wraps it in AcceleratedOptimizer
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == STEPS
+    assert losses[-1] < losses[0] - 0.3, losses
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["tierstate/step_ms"] > 0 for h in logged)
+    assert all(h["tierstate/grad_norm"] > 0 for h in logged)
+    assert logged[-1]["tierstate/state_gib_host"] > 0
+    assert logged[-1]["tierstate/skipped_steps"] == 0
+
+
+def test_callback_alone_reaches_log_history(tmp_path):
+    trainer = _trainer(Trainer, tmp_path)
+    callback = TierstateCallback.install(trainer)
+    assert trainer.callback_handler.callbacks[0] is callback
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all("tierstate/step_ms" in h and "tierstate/grad_norm" in h for h in logged)
+
+
+def test_checkpoint_streams_state_and_resumes_bit_identically(tmp_path):
+    straight = _trainer(TierstateTrainer, tmp_path / "straight")
+    straight.train()
+    expected = params_of(straight.model)
+
+    first = _trainer(TierstateTrainer, tmp_path / "resumed", save_strategy="steps", save_steps=3)
+    first.train()
+    ckpt = tmp_path / "resumed" / "checkpoint-3"
+    names = set(os.listdir(ckpt))
+    assert "optimizer.pt" not in names  # no single pickled optimizer file
+    assert names & {"tierstate_optimizer", "tierstate_optimizer.pt"}, names
+
+    # A fresh process would start here: new model, new optimizer, state from the checkpoint.
+    second = _trainer(TierstateTrainer, tmp_path / "resumed", save_strategy="no")
+    second.train(resume_from_checkpoint=str(ckpt))
+    assert second.state.global_step == STEPS
+    assert_bit_identical(params_of(second.model), expected)
+    # The optimizer's state continues too, not only the weights.
+    sd_a, sd_b = straight.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
+    for i in sd_a:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sd_a[i][key], sd_b[i][key]), (i, key)

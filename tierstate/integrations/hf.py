@@ -1,0 +1,129 @@
+"""Hugging Face ``transformers.Trainer`` with a tierstate optimizer.
+
+The optimizer itself needs no glue: ``Trainer(..., optimizer_cls_and_kwargs=(tierstate.AdamW,
+{"lr": 3e-4, "offload": "cpu"}))`` builds it with Trainer's own parameter groups (the
+no-weight-decay group for biases and norms included). Unlike ``optimizers=(opt, sched)``,
+this form is also accepted when Trainer wraps the model itself (FSDP).
+
+What the glue adds:
+
+- :class:`TierstateTrainerMixin` (or the ready-made :class:`TierstateTrainer`): checkpoints
+  write the offloaded state through tierstate's streaming save into the checkpoint folder
+  (``checkpoint-N/tierstate_optimizer/``) instead of Trainer's single pickled
+  ``optimizer.pt``, ``resume_from_checkpoint`` reads it back, and every Trainer log line
+  carries our metrics (``tierstate/step_ms``, ``tierstate/grad_norm``, ... see
+  :class:`~tierstate.integrations.common.OptimizerMetrics`).
+- :class:`TierstateCallback`: the metrics alone, for code that cannot change its Trainer class.
+
+Gradient clipping: Trainer clips with ``accelerator.clip_grad_norm_`` over ``param.grad``, which
+on an accelerator no longer holds the gradients tierstate has streamed to the host. Set
+``TrainingArguments(max_grad_norm=0)`` and pass ``max_grad_norm=`` to the tierstate optimizer,
+which clips over every tier (its norm is logged as ``tierstate/grad_norm``). On a CPU-only run
+both work.
+
+DeepSpeed and FSDP keep their own optimizer checkpoint formats; under them the mixin leaves
+Trainer's checkpointing as it is.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import SCHEDULER_NAME
+
+from .common import (OptimizerMetrics, find_offload_optimizer, has_optimizer_dir, load_optimizer_dir,
+                     save_optimizer_dir)
+
+__all__ = ["TierstateCallback", "TierstateTrainer", "TierstateTrainerMixin"]
+
+
+class TierstateCallback(TrainerCallback):
+    """Adds the tierstate optimizer's metrics to every Trainer log.
+
+    Trainer calls callbacks in order and its reporting integrations (TensorBoard, W&B, ...)
+    come first, so register this one with :meth:`install`, which puts it ahead of them::
+
+        trainer = Trainer(..., optimizer_cls_and_kwargs=(tierstate.AdamW, {"lr": 3e-4}))
+        TierstateCallback.install(trainer)
+
+    Optimizers that are not tierstate's are ignored.
+    """
+
+    def __init__(self) -> None:
+        self._metrics: OptimizerMetrics | None = None
+
+    @classmethod
+    def install(cls, trainer: Trainer) -> "TierstateCallback":
+        """Create the callback and register it ahead of ``trainer``'s other callbacks."""
+        callback = cls()
+        trainer.callback_handler.callbacks.insert(0, callback)
+        return callback
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        if logs is None or optimizer is None:
+            return
+        if self._metrics is None or self._metrics.optimizer is not find_offload_optimizer(optimizer):
+            if find_offload_optimizer(optimizer) is None:
+                return
+            self._metrics = OptimizerMetrics(optimizer)
+        metrics = self._metrics.collect()
+        logs.update(metrics)
+        # Trainer appended its copy of the logs to the history before calling us.
+        if state.log_history:
+            state.log_history[-1].update(metrics)
+
+
+class TierstateTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before it): streaming optimizer checkpoints
+    and tierstate metrics in the logs. Has no effect when the optimizer is not tierstate's.
+
+    ::
+
+        class MyTrainer(TierstateTrainerMixin, Trainer): ...
+    """
+
+    _tierstate_metrics: OptimizerMetrics | None = None
+
+    def _tierstate_optimizer(self):
+        """Our optimizer when this checkpoint path is ours to handle, else None."""
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            return None
+        return find_offload_optimizer(getattr(self, "optimizer", None))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        opt = self._tierstate_optimizer()
+        if opt is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Every rank holds a full replica under DDP; one writer is enough (Trainer's own rule).
+        if self.args.should_save:
+            save_optimizer_dir(opt, output_dir)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "please also save the optimizer state"
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        opt = self._tierstate_optimizer()
+        if checkpoint is None or opt is None or not has_optimizer_dir(checkpoint):
+            # A checkpoint written without the mixin (optimizer.pt) still loads the usual way.
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_optimizer_dir(opt, checkpoint)
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler_file):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        opt = find_offload_optimizer(getattr(self, "optimizer", None))
+        if opt is not None:
+            if self._tierstate_metrics is None or self._tierstate_metrics.optimizer is not opt:
+                self._tierstate_metrics = OptimizerMetrics(opt)
+            logs.update(self._tierstate_metrics.collect())
+        return super().log(logs, *args, **kwargs)
+
+
+class TierstateTrainer(TierstateTrainerMixin, Trainer):
+    """``transformers.Trainer`` with :class:`TierstateTrainerMixin` applied."""
