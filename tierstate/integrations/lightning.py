@@ -38,17 +38,6 @@ from .common import OptimizerMetrics, find_offload_optimizer
 
 __all__ = ["TierstateMetrics"]
 
-# [Note: LightningOptimizer and our finalizer]
-# Lightning wraps every optimizer in a LightningOptimizer whose class is made a subclass of the
-# optimizer's class (for isinstance) and which forwards attribute access to the optimizer. When
-# such a wrapper is collected (Lightning makes a new one whenever trainer.optimizers is set),
-# the finalizer it inherits from OffloadOptimizer runs on the wrapper, reads the *wrapped*
-# optimizer's tiers through the forwarding and closes them: the next step then fails with
-# KeyError 'exp_avg'. A LightningOptimizer owns nothing to release, so it gets a finalizer that
-# does nothing; it precedes the optimizer's class in the wrapper's MRO. (The lasting fix is in
-# OffloadOptimizer.__del__: close only an engine this very object built.)
-pl.core.optimizer.LightningOptimizer.__del__ = lambda self: None
-
 
 class TierstateMetrics(pl.Callback):
     """Logs the tierstate optimizer's metrics (``tierstate/step_ms``, ``tierstate/grad_norm``, ...;
