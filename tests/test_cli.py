@@ -1,0 +1,101 @@
+"""The ``tierstate`` command line: help, subcommand dispatch, and how failures are reported."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierstate import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, code=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "tierstate", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_help_lists_every_command():
+    result = _run("--help")
+    assert result.returncode == 0, result.stderr
+    for word in ("demo", "probe", "plan", "bench", "report"):
+        assert f"\n    {word} " in result.stdout
+
+
+def test_help_imports_no_subcommand_module():
+    # Whatever `import tierstate` itself loads is the package's business; the listing must
+    # add none of the subcommand modules on top of it.
+    code = (
+        "import sys\nimport tierstate\nfrom tierstate.cli import COMMANDS, main\n"
+        "before = set(sys.modules)\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as exit:\n    assert exit.code == 0\n"
+        "print(sorted(c.module for c in COMMANDS if c.module in set(sys.modules) - before))"
+    )
+    result = _run(code=code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_demo_help_shows_the_demo_options():
+    result = _run("demo", "--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--model", "--steps", "--offload", "--nvme-dir", "--dtype", "--json", "--trace"):
+        assert option in result.stdout
+
+
+def test_unknown_subcommand_is_a_usage_error():
+    result = _run("frobnicate")
+    assert result.returncode == 2
+    assert "invalid choice: 'frobnicate'" in result.stderr
+
+
+def test_bench_needs_a_benchmark_name(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["bench"])
+    assert exit.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_a_subcommand_that_cannot_import_fails_alone(monkeypatch, capsys):
+    ghost = cli.Command(("ghost",), "tierstate.no_such_module", "a command whose module is missing")
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, ghost))
+    assert cli.main(["ghost", "--flag"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "tierstate.no_such_module" in err and "ghost" in err
+    # The listing still works and still shows it.
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["--help"])
+    assert exit.value.code == 0
+    assert "ghost" in capsys.readouterr().out
+
+
+def test_a_module_without_the_entry_points_is_reported(monkeypatch, capsys):
+    # tierstate.demo.model is importable but has no add_arguments()/main().
+    odd = cli.Command(("odd",), "tierstate.demo.model", "not a command module")
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, odd))
+    assert cli.main(["odd"]) == 2
+    assert "does not define add_arguments and main()" in capsys.readouterr().err
+
+
+def test_a_module_that_raises_at_import_is_reported(tmp_path, monkeypatch, capsys):
+    (tmp_path / "broken_command.py").write_text("raise RuntimeError('half-written')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, cli.Command(("broken",), "broken_command", "broken")))
+    assert cli.main(["broken"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "broken_command (RuntimeError: half-written)" in err
+
+
+def test_dispatch_runs_the_chosen_module(tmp_path, monkeypatch):
+    module = tmp_path / "echo_command.py"
+    module.write_text(
+        "def add_arguments(parser):\n    parser.add_argument('--code', type=int, default=0)\n"
+        "def main(args):\n    return args.code\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, cli.Command(("bench", "echo"), "echo_command", "echo")))
+    monkeypatch.setattr(cli, "_GROUP_SUMMARIES", {"bench": "benchmarks"})
+    assert cli.main(["bench", "echo", "--code", "7"]) == 7
