@@ -1,0 +1,200 @@
+// Python bindings of tierstate._native: the only file that includes nanobind.
+// Kernels and the I/O engine are plain C++ behind csrc/kernels/kernels.h and
+// csrc/io/engine.h; each section below only converts arguments and releases the GIL.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+namespace nb = nanobind;
+
+// ---- kernels section ------------------------------------------------------
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+// The Python faces (tierstate/kernels/) validate the tensors and pass raw data
+// pointers, element counts and dtype codes (0 fp32, 1 bf16, 2 fp16, 3 none); a
+// null pointer (0) means "absent". The kernels run with the GIL released.
+static void bind_kernels(nb::module_& m) {
+  namespace k = tierstate::kernels;
+  using ptr = uintptr_t;
+  auto as_dtype = [](int code) { return static_cast<k::DType>(code); };
+  nb::module_ km = m.def_submodule("kernels", "optimizer kernels over raw CPU buffers");
+
+  km.def(
+      "adam_update",
+      [as_dtype](ptr weight, ptr grad, ptr exp_avg, ptr exp_avg_sq, ptr max_exp_avg_sq,
+                 ptr weight_out, int64_t n, int grad_dtype, int moment_dtype, int out_dtype,
+                 double lr, double beta1, double beta2, double eps, double weight_decay,
+                 bool decoupled, double bias_correction1, double bias_correction2, bool maximize,
+                 double grad_scale) {
+        const k::AdamParams p{lr, beta1, beta2, eps, weight_decay, decoupled,
+                              bias_correction1, bias_correction2, maximize, grad_scale};
+        nb::gil_scoped_release release;
+        k::adam_update(reinterpret_cast<float*>(weight), reinterpret_cast<const void*>(grad),
+                       reinterpret_cast<void*>(exp_avg), reinterpret_cast<void*>(exp_avg_sq),
+                       reinterpret_cast<void*>(max_exp_avg_sq), reinterpret_cast<void*>(weight_out),
+                       n, as_dtype(grad_dtype), as_dtype(moment_dtype), as_dtype(out_dtype), p);
+      },
+      "Adam/AdamW over n elements at raw addresses (see tierstate.kernels.adam_update).");
+
+  km.def(
+      "lion_update",
+      [as_dtype](ptr weight, ptr grad, ptr exp_avg, ptr weight_out, int64_t n, int grad_dtype,
+                 int moment_dtype, int out_dtype, double lr, double beta1, double beta2,
+                 double weight_decay, bool maximize, double grad_scale) {
+        const k::LionParams p{lr, beta1, beta2, weight_decay, maximize, grad_scale};
+        nb::gil_scoped_release release;
+        k::lion_update(reinterpret_cast<float*>(weight), reinterpret_cast<const void*>(grad),
+                       reinterpret_cast<void*>(exp_avg), reinterpret_cast<void*>(weight_out), n,
+                       as_dtype(grad_dtype), as_dtype(moment_dtype), as_dtype(out_dtype), p);
+      },
+      "Lion over n elements at raw addresses (see tierstate.kernels.lion_update).");
+
+  km.def(
+      "sgd_update",
+      [as_dtype](ptr weight, ptr grad, ptr momentum_buffer, ptr weight_out, int64_t n,
+                 int grad_dtype, int moment_dtype, int out_dtype, double lr, double momentum,
+                 double dampening, double weight_decay, bool nesterov, bool maximize,
+                 bool first_step, double grad_scale) {
+        const k::SgdParams p{lr, momentum, dampening, weight_decay, nesterov, maximize,
+                             first_step, grad_scale};
+        nb::gil_scoped_release release;
+        k::sgd_update(reinterpret_cast<float*>(weight), reinterpret_cast<const void*>(grad),
+                      reinterpret_cast<void*>(momentum_buffer), reinterpret_cast<void*>(weight_out),
+                      n, as_dtype(grad_dtype), as_dtype(moment_dtype), as_dtype(out_dtype), p);
+      },
+      "SGD (momentum, Nesterov) over n elements at raw addresses (see tierstate.kernels.sgd_update).");
+
+  km.def(
+      "adagrad_update",
+      [as_dtype](ptr weight, ptr grad, ptr state_sum, ptr weight_out, int64_t n, int grad_dtype,
+                 int moment_dtype, int out_dtype, double clr, double weight_decay, double eps,
+                 bool maximize, double grad_scale) {
+        const k::AdagradParams p{clr, weight_decay, eps, maximize, grad_scale};
+        nb::gil_scoped_release release;
+        k::adagrad_update(reinterpret_cast<float*>(weight), reinterpret_cast<const void*>(grad),
+                          reinterpret_cast<void*>(state_sum), reinterpret_cast<void*>(weight_out),
+                          n, as_dtype(grad_dtype), as_dtype(moment_dtype), as_dtype(out_dtype), p);
+      },
+      "Adagrad over n elements at raw addresses (see tierstate.kernels.adagrad_update).");
+
+  km.def(
+      "grad_sumsq",
+      [as_dtype](ptr grad, int64_t n, int grad_dtype, double scale) {
+        nb::gil_scoped_release release;
+        return k::grad_sumsq(reinterpret_cast<const void*>(grad), n, as_dtype(grad_dtype), scale);
+      },
+      "Sum of (grad * scale)^2 in float64 (see tierstate.kernels.grad_sumsq).");
+
+  km.def("available_isas", &k::available_isas, "ISA variants this CPU and build can run, widest first.");
+  km.def("current_isa", &k::current_isa, "The ISA variant the kernels use now.");
+  km.def("set_isa", &k::set_isa, nb::arg("name"),
+         "Use an ISA variant ('auto' picks the widest supported); raises ValueError otherwise.");
+  km.def(
+      "set_num_threads",
+      [](int n) {
+        nb::gil_scoped_release release;  // waits for a running kernel to finish
+        k::set_num_threads(n);
+      },
+      nb::arg("n"), "Threads used per kernel call, the caller included.");
+  km.def("num_threads", &k::num_threads, "Threads used per kernel call, the caller included.");
+}
+
+// ---- io section -----------------------------------------------------------
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/tuple.h>
+
+#include "io/engine.h"
+
+// IoError becomes OSError(errno, message, path): Python picks the errno's subclass
+// (FileNotFoundError, PermissionError, ...); tierstate.io adds the file offset.
+static void translate_io_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const tierstate::io::IoError& e) {
+    PyObject* args = e.path.empty() ? Py_BuildValue("(is)", e.err, e.what())
+                                    : Py_BuildValue("(iss)", e.err, e.what(), e.path.c_str());
+    PyErr_SetObject(PyExc_OSError, args);
+    Py_XDECREF(args);
+  }
+}
+
+static void bind_io(nb::module_& m) {
+  namespace tio = tierstate::io;
+  using namespace nb::literals;
+  nb::register_exception_translator(translate_io_error);
+
+  nb::class_<tio::File>(m, "IOFile", "An open file of the I/O engine (O_DIRECT when allowed).")
+      .def(nb::init<const std::string&, int, unsigned, bool>(), "path"_a, "flags"_a, "perm"_a,
+           "direct"_a)
+      .def("close", &tio::File::close, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("closed", &tio::File::closed)
+      .def("size", &tio::File::size)
+      .def("truncate", &tio::File::truncate, "nbytes"_a)
+      .def("sync", &tio::File::sync, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("path", &tio::File::path)
+      .def_prop_ro("direct", &tio::File::direct)
+      .def_prop_ro("direct_note", &tio::File::direct_note)
+      .def_prop_ro("mem_align", &tio::File::mem_align)
+      .def_prop_ro("offset_align", &tio::File::offset_align)
+      .def_prop_ro("alignment_source", &tio::File::alignment_source)
+      .def("stats", [](const tio::File& f) {
+        return std::make_tuple(f.bytes_direct.load(), f.bytes_bounced.load(), f.bytes_buffered.load());
+      });
+
+  nb::class_<tio::Request>(m, "IORequest", "Completion state of one submitted read or write.")
+      .def("done", &tio::Request::done)
+      .def("wait", [](tio::Request& r) {
+        tio::Request::Result res;
+        {
+          nb::gil_scoped_release nogil;
+          res = r.wait();
+        }
+        return std::make_tuple(res.bytes, res.err, res.err_offset);
+      });
+
+  nb::class_<tio::Engine>(m, "IOEngine", "Thread pool or io_uring workers doing direct I/O.")
+      .def("__init__",
+           [](tio::Engine* self, int threads, int queue_depth, size_t block_size, const std::string& backend) {
+             tio::EngineConfig c;
+             c.threads = threads;
+             c.queue_depth = queue_depth;
+             c.block_size = block_size;
+             c.backend = backend;
+             new (self) tio::Engine(c);
+           },
+           "threads"_a, "queue_depth"_a, "block_size"_a, "backend"_a)
+      .def("submit",
+           [](tio::Engine& e, const std::shared_ptr<tio::File>& f, bool write, uintptr_t address,
+              size_t nbytes, int64_t offset) {
+             return e.submit(f, write, reinterpret_cast<void*>(address), nbytes, offset);
+           },
+           "file"_a, "write"_a, "address"_a, "nbytes"_a, "offset"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("shutdown", &tio::Engine::shutdown, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("backend", &tio::Engine::backend)
+      .def_prop_ro("backend_note", &tio::Engine::backend_note)
+      .def_prop_ro("threads", [](const tio::Engine& e) { return e.config().threads; })
+      .def_prop_ro("queue_depth", [](const tio::Engine& e) { return e.config().queue_depth; })
+      .def_prop_ro("block_size", [](const tio::Engine& e) { return e.config().block_size; });
+
+  m.def("io_probe_uring", [](unsigned queue_depth) {
+    tio::UringProbe p = tio::probe_uring(queue_depth);
+    return std::make_tuple(p.ok, p.note);
+  }, "queue_depth"_a = 32);
+
+  m.def("io_aligned_empty", [](size_t nbytes, size_t alignment) {
+    void* p = tio::aligned_alloc_bytes(nbytes, alignment);
+    nb::capsule owner(p, [](void* q) noexcept { tio::aligned_free(q); });
+    size_t shape[1] = {nbytes};
+    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner);
+  }, "nbytes"_a, "alignment"_a, "Uninitialised host memory from posix_memalign, as a numpy uint8 array.");
+}
+
+NB_MODULE(_native, m) {
+  m.doc() = "tierstate native core: optimizer kernels and the direct-I/O engine";
+  bind_kernels(m);
+  bind_io(m);
+}

@@ -1,0 +1,104 @@
+#include "common/thread_pool.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace tierstate {
+
+ThreadPool& pool_for_this_process() {
+  static std::mutex create_mutex;
+  static ThreadPool* pool = nullptr;
+  std::lock_guard<std::mutex> lock(create_mutex);
+  const long pid = static_cast<long>(getpid());
+  if (pool == nullptr || pool->owner_pid_ != pid) {
+    // After fork() the old pool's workers do not exist in this process: leak it (its
+    // std::thread handles must not be joined or destroyed here) and start afresh.
+    const int threads = pool == nullptr ? 1 : pool->num_threads_;
+    pool = new ThreadPool(threads);
+    pool->owner_pid_ = pid;
+  }
+  return *pool;
+}
+
+ThreadPool& ThreadPool::instance() { return pool_for_this_process(); }
+
+ThreadPool::ThreadPool(int num_threads) { set_num_threads(num_threads); }
+
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::set_num_threads(int num_threads) {
+  std::lock_guard<std::mutex> submit(submit_mutex_);
+  num_threads = std::max(1, num_threads);
+  if (num_threads == num_threads_ && static_cast<int>(workers_.size()) == num_threads - 1) return;
+  stop_workers();
+  num_threads_ = num_threads;
+  start_workers(num_threads - 1);
+}
+
+int ThreadPool::num_threads() const { return num_threads_; }
+
+void ThreadPool::start_workers(int n_workers) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = false;
+  }
+  workers_.reserve(n_workers);
+  for (int i = 0; i < n_workers; ++i) workers_.emplace_back([this] { worker_loop(); });
+}
+
+void ThreadPool::stop_workers() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (auto& t : workers_) t.join();
+  workers_.clear();
+}
+
+void ThreadPool::run_tasks() {
+  for (;;) {
+    const int64_t i = next_task_.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n_tasks_) return;
+    fn_(ctx_, i);
+  }
+}
+
+void ThreadPool::worker_loop() {
+  uint64_t seen = 0;
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+    if (stopping_) return;
+    seen = generation_;
+    lock.unlock();
+    run_tasks();
+    lock.lock();
+    if (--workers_busy_ == 0) done_.notify_one();
+  }
+}
+
+void ThreadPool::parallel_for(int64_t n_tasks, TaskFn fn, void* ctx) {
+  if (n_tasks <= 0) return;
+  std::lock_guard<std::mutex> submit(submit_mutex_);
+  if (workers_.empty() || n_tasks == 1) {
+    for (int64_t i = 0; i < n_tasks; ++i) fn(ctx, i);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fn_ = fn;
+    ctx_ = ctx;
+    n_tasks_ = n_tasks;
+    next_task_.store(0, std::memory_order_relaxed);
+    workers_busy_ = static_cast<int>(workers_.size());
+    ++generation_;
+  }
+  wake_.notify_all();
+  run_tasks();
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_.wait(lock, [&] { return workers_busy_ == 0; });
+}
+
+}  // namespace tierstate

@@ -1,0 +1,67 @@
+// A small persistent thread pool for the optimizer kernels.
+//
+// Why our own pool and not OpenMP: torch ships its own libgomp and torchrun sets
+// OMP_NUM_THREADS=1, so an OpenMP kernel would either fight torch's runtime or run
+// on one thread. Workers are started once and sleep on a condition variable between
+// jobs; the calling thread always takes part, so N threads means N-1 workers.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tierstate {
+
+class ThreadPool {
+ public:
+  // The process-wide pool. Recreated lazily in a child after fork(), whose copy of
+  // the parent's pool has no worker threads behind it.
+  static ThreadPool& instance();
+
+  // Total threads used by parallel_for, the caller included (>= 1).
+  void set_num_threads(int num_threads);
+  int num_threads() const;
+
+  // Runs task(ctx, i) for every i in [0, n_tasks), spread over the pool; returns when
+  // all have finished. Calls from several threads at once are serialised.
+  using TaskFn = void (*)(void* ctx, int64_t task);
+  void parallel_for(int64_t n_tasks, TaskFn fn, void* ctx);
+
+  template <class F>
+  void parallel_for(int64_t n_tasks, F& body) {
+    parallel_for(
+        n_tasks, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &body);
+  }
+
+  ~ThreadPool();
+
+ private:
+  explicit ThreadPool(int num_threads);
+  void start_workers(int n_workers);
+  void stop_workers();
+  void worker_loop();
+  void run_tasks();
+
+  std::mutex submit_mutex_;  // one job at a time
+  std::mutex mutex_;         // guards the fields below
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  std::vector<std::thread> workers_;
+  uint64_t generation_ = 0;
+  bool stopping_ = false;
+  int workers_busy_ = 0;
+  int num_threads_ = 1;
+
+  TaskFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int64_t n_tasks_ = 0;
+  std::atomic<int64_t> next_task_{0};
+
+  long owner_pid_ = 0;
+  friend ThreadPool& pool_for_this_process();
+};
+
+}  // namespace tierstate

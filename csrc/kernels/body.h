@@ -1,0 +1,344 @@
+// The kernel bodies: one per op, written once over a vector type V (see
+// vec_scalar.h for the interface) and instantiated by every kernels_<isa>.cpp inside
+// its own namespace TIERSTATE_KERNEL_ISA.
+//
+// The arithmetic follows tierstate/kernels/reference.py (torch's single-tensor
+// optimizers) operation by operation; where torch rounds twice and we fuse (a*b+c),
+// results differ by an ulp or so, which the parity tests bound.
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/isa_table.h"
+
+#ifndef TIERSTATE_KERNEL_ISA
+#error "define TIERSTATE_KERNEL_ISA (the per-ISA namespace) before including body.h"
+#endif
+
+namespace tierstate {
+namespace kernels {
+namespace TIERSTATE_KERNEL_ISA {
+
+template <DType D>
+using DTypeTag = std::integral_constant<DType, D>;
+
+template <class V, DType D>
+inline V load_as(const void* base, int64_t i) {
+  if constexpr (D == DType::kF32) return V::load(static_cast<const float*>(base) + i);
+  else if constexpr (D == DType::kBF16) return V::load_bf16(static_cast<const uint16_t*>(base) + i);
+  else return V::load_f16(static_cast<const uint16_t*>(base) + i);
+}
+
+template <class V, DType D>
+inline void store_as(void* base, int64_t i, V x) {
+  if constexpr (D == DType::kF32) V::store(static_cast<float*>(base) + i, x);
+  else if constexpr (D == DType::kBF16) V::store_bf16(static_cast<uint16_t*>(base) + i, x);
+  else if constexpr (D == DType::kF16) V::store_f16(static_cast<uint16_t*>(base) + i, x);
+  // DType::kNone: no low-precision copy requested
+}
+
+// [Note: streaming stores for weight_out]
+// weight_out is only written in a step, never read, so an ordinary store first reads
+// each of its lines into the cache (read-for-ownership). Non-temporal stores skip that
+// read and the later eviction. Measured on the Zen 5 VM (100M params, 2 threads,
+// interleaved with torch's fused fp32 AdamW): the mixed-precision step went from
+// 1.20-1.22x to 0.98-1.00x of that floor. The master and moments are read before they
+// are written, so streaming them would save nothing. Streaming needs the store address
+// aligned to the vector's output width; dispatch.cpp aligns chunks to weight_out's cache
+// lines, so only a misaligned (odd-byte) buffer falls back to ordinary stores.
+template <class V>
+inline bool can_stream_out(const void* weight_out, int64_t begin) {
+  if constexpr (V::kWidth == 1) {
+    return false;
+  } else {
+    if (weight_out == nullptr) return false;
+    const auto address = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(weight_out) + begin);
+    return address % (2 * V::kWidth) == 0;
+  }
+}
+
+template <class V, DType O>
+inline void store_out(void* base, int64_t i, V x, bool stream) {
+  if constexpr (V::kWidth > 1 && O == DType::kBF16) {
+    if (stream) return V::stream_bf16(static_cast<uint16_t*>(base) + i, x);
+  } else if constexpr (V::kWidth > 1 && O == DType::kF16) {
+    if (stream) return V::stream_f16(static_cast<uint16_t*>(base) + i, x);
+  }
+  store_as<V, O>(base, i, x);
+}
+
+// Streaming stores are weakly ordered: fence them before the chunk counts as done.
+template <class V>
+inline void end_stream(bool stream) {
+  if constexpr (V::kWidth > 1) {
+    if (stream) V::stream_fence();
+  }
+}
+
+// torch's lerp (ATen lerp_vec): start + w * (end - start), or for |w| >= 0.5
+// end + (w - 1) * (end - start), which keeps lerp(a, b, 1) == b exact.
+template <class V>
+inline V lerp(V start, V end, V coeff, bool from_end) {
+  const V diff = end - start;
+  return V::fmadd(coeff, diff, from_end ? end : start);
+}
+
+// Calls f(tag) with the dtype as a compile-time constant.
+template <class F>
+inline void visit_value_dtype(DType d, F&& f) {
+  if (d == DType::kBF16) f(DTypeTag<DType::kBF16>{});
+  else if (d == DType::kF16) f(DTypeTag<DType::kF16>{});
+  else f(DTypeTag<DType::kF32>{});
+}
+
+template <class F>
+inline void visit_out_dtype(DType d, F&& f) {
+  if (d == DType::kBF16) f(DTypeTag<DType::kBF16>{});
+  else if (d == DType::kF16) f(DTypeTag<DType::kF16>{});
+  else f(DTypeTag<DType::kNone>{});
+}
+
+// ---- Adam / AdamW -----------------------------------------------------------
+template <class V, DType G, DType M, DType O, bool kAmsgrad>
+void adam_loop(const AdamTask& t, int64_t begin, int64_t end) {
+  // Copy everything into locals: stores through the float pointers below could
+  // alias the task's fields, which would force reloads in the loop.
+  float* const weight = t.weight;
+  const void* const grad = t.grad;
+  void* const exp_avg = t.exp_avg;
+  void* const exp_avg_sq = t.exp_avg_sq;
+  void* const max_exp_avg_sq = t.max_exp_avg_sq;
+  void* const weight_out = t.weight_out;
+  const bool coupled_wd = t.coupled_wd, decoupled_wd = t.decoupled_wd;
+  const bool m_from_end = t.m_lerp.from_end;
+  const V grad_mul = V::set1(t.grad_mul), wd = V::set1(t.wd), decay = V::set1(t.decay);
+  const V m_coeff = V::set1(t.m_lerp.coeff);
+  const V beta2 = V::set1(t.beta2), one_minus_beta2 = V::set1(t.one_minus_beta2);
+  const V neg_step_size = V::set1(t.neg_step_size), bc2_sqrt = V::set1(t.bc2_sqrt);
+  const V eps = V::set1(t.eps);
+
+  const bool stream = can_stream_out<V>(weight_out, begin);
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    V g = load_as<V, G>(grad, i) * grad_mul;
+    V w = V::load(weight + i);
+    if (coupled_wd) g = V::fmadd(w, wd, g);      // grad.add(weight, alpha=wd)
+    if (decoupled_wd) w = w * decay;             // weight.mul_(1 - lr * wd)
+    const V m = lerp(load_as<V, M>(exp_avg, i), g, m_coeff, m_from_end);
+    const V v = V::fmadd(one_minus_beta2 * g, g, load_as<V, M>(exp_avg_sq, i) * beta2);
+    V v_used = v;
+    if constexpr (kAmsgrad) {
+      v_used = V::max_nan(load_as<V, M>(max_exp_avg_sq, i), v);
+      store_as<V, M>(max_exp_avg_sq, i, v_used);
+    }
+    const V denom = V::sqrt(v_used) / bc2_sqrt + eps;
+    w = V::fmadd(neg_step_size, m / denom, w);   // weight.addcdiv_(m, denom, value=-step_size)
+    V::store(weight + i, w);
+    store_as<V, M>(exp_avg, i, m);
+    store_as<V, M>(exp_avg_sq, i, v);
+    store_out<V, O>(weight_out, i, w, stream);
+  }
+  end_stream<V>(stream);
+}
+
+template <class V>
+void adam_range(const AdamTask& t, int64_t begin, int64_t end) {
+  visit_value_dtype(t.grad_dtype, [&](auto g) {
+    visit_value_dtype(t.moment_dtype, [&](auto m) {
+      visit_out_dtype(t.out_dtype, [&](auto o) {
+        constexpr DType kG = decltype(g)::value, kM = decltype(m)::value, kO = decltype(o)::value;
+        if constexpr (kM != DType::kF16) {  // moments are fp32 or bf16 only
+          if (t.max_exp_avg_sq != nullptr) adam_loop<V, kG, kM, kO, true>(t, begin, end);
+          else adam_loop<V, kG, kM, kO, false>(t, begin, end);
+        }
+      });
+    });
+  });
+}
+
+// ---- Lion -------------------------------------------------------------------
+template <class V, DType G, DType M, DType O>
+void lion_loop(const LionTask& t, int64_t begin, int64_t end) {
+  float* const weight = t.weight;
+  const void* const grad = t.grad;
+  void* const exp_avg = t.exp_avg;
+  void* const weight_out = t.weight_out;
+  const bool has_wd = t.has_wd;
+  const bool update_from_end = t.update_lerp.from_end, m_from_end = t.m_lerp.from_end;
+  const V grad_mul = V::set1(t.grad_mul), decay = V::set1(t.decay);
+  const V update_coeff = V::set1(t.update_lerp.coeff), m_coeff = V::set1(t.m_lerp.coeff);
+  const V neg_lr = V::set1(t.neg_lr);
+
+  const bool stream = can_stream_out<V>(weight_out, begin);
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    const V g = load_as<V, G>(grad, i) * grad_mul;
+    const V m = load_as<V, M>(exp_avg, i);
+    V w = V::load(weight + i);
+    if (has_wd) w = w * decay;
+    const V update = V::sign(lerp(m, g, update_coeff, update_from_end));
+    w = V::fmadd(update, neg_lr, w);             // weight.add_(update, alpha=-lr)
+    V::store(weight + i, w);
+    store_as<V, M>(exp_avg, i, lerp(m, g, m_coeff, m_from_end));
+    store_out<V, O>(weight_out, i, w, stream);
+  }
+  end_stream<V>(stream);
+}
+
+template <class V>
+void lion_range(const LionTask& t, int64_t begin, int64_t end) {
+  visit_value_dtype(t.grad_dtype, [&](auto g) {
+    visit_value_dtype(t.moment_dtype, [&](auto m) {
+      visit_out_dtype(t.out_dtype, [&](auto o) {
+        constexpr DType kG = decltype(g)::value, kM = decltype(m)::value, kO = decltype(o)::value;
+        if constexpr (kM != DType::kF16) lion_loop<V, kG, kM, kO>(t, begin, end);
+      });
+    });
+  });
+}
+
+// ---- SGD (optionally with (Nesterov) momentum) -------------------------------
+template <class V, DType G, DType M, DType O, bool kMomentum>
+void sgd_loop(const SgdTask& t, int64_t begin, int64_t end) {
+  float* const weight = t.weight;
+  const void* const grad = t.grad;
+  void* const buffer = t.momentum_buffer;
+  void* const weight_out = t.weight_out;
+  const bool has_wd = t.has_wd, nesterov = t.nesterov, first_step = t.first_step;
+  const V grad_mul = V::set1(t.grad_mul), wd = V::set1(t.wd);
+  const V momentum = V::set1(t.momentum), one_minus_dampening = V::set1(t.one_minus_dampening);
+  const V neg_lr = V::set1(t.neg_lr);
+
+  const bool stream = can_stream_out<V>(weight_out, begin);
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    V g = load_as<V, G>(grad, i) * grad_mul;
+    V w = V::load(weight + i);
+    if (has_wd) g = V::fmadd(w, wd, g);          // grad.add(weight, alpha=wd)
+    if constexpr (kMomentum) {
+      // The first step starts the buffer at the gradient itself (no dampening), as
+      // torch's clone(grad) does.
+      const V buf = first_step ? g
+                               : V::fmadd(g, one_minus_dampening, load_as<V, M>(buffer, i) * momentum);
+      store_as<V, M>(buffer, i, buf);
+      g = nesterov ? V::fmadd(buf, momentum, g) : buf;
+    }
+    w = V::fmadd(g, neg_lr, w);                  // weight.add_(g, alpha=-lr)
+    V::store(weight + i, w);
+    store_out<V, O>(weight_out, i, w, stream);
+  }
+  end_stream<V>(stream);
+}
+
+template <class V>
+void sgd_range(const SgdTask& t, int64_t begin, int64_t end) {
+  visit_value_dtype(t.grad_dtype, [&](auto g) {
+    visit_value_dtype(t.moment_dtype, [&](auto m) {
+      visit_out_dtype(t.out_dtype, [&](auto o) {
+        constexpr DType kG = decltype(g)::value, kM = decltype(m)::value, kO = decltype(o)::value;
+        if constexpr (kM != DType::kF16) {
+          if (t.momentum_buffer != nullptr) sgd_loop<V, kG, kM, kO, true>(t, begin, end);
+          else sgd_loop<V, kG, kM, kO, false>(t, begin, end);
+        }
+      });
+    });
+  });
+}
+
+// ---- Adagrad ----------------------------------------------------------------
+template <class V, DType G, DType M, DType O>
+void adagrad_loop(const AdagradTask& t, int64_t begin, int64_t end) {
+  float* const weight = t.weight;
+  const void* const grad = t.grad;
+  void* const state_sum = t.state_sum;
+  void* const weight_out = t.weight_out;
+  const bool has_wd = t.has_wd;
+  const V grad_mul = V::set1(t.grad_mul), wd = V::set1(t.wd), eps = V::set1(t.eps);
+  const V neg_clr = V::set1(t.neg_clr);
+
+  const bool stream = can_stream_out<V>(weight_out, begin);
+  for (int64_t i = begin; i < end; i += V::kWidth) {
+    V g = load_as<V, G>(grad, i) * grad_mul;
+    V w = V::load(weight + i);
+    if (has_wd) g = V::fmadd(w, wd, g);
+    const V s = V::fmadd(g, g, load_as<V, M>(state_sum, i));  // state_sum.addcmul_(g, g)
+    const V std_dev = V::sqrt(s) + eps;
+    w = V::fmadd(neg_clr, g / std_dev, w);       // weight.addcdiv_(g, std, value=-clr)
+    V::store(weight + i, w);
+    store_as<V, M>(state_sum, i, s);
+    store_out<V, O>(weight_out, i, w, stream);
+  }
+  end_stream<V>(stream);
+}
+
+template <class V>
+void adagrad_range(const AdagradTask& t, int64_t begin, int64_t end) {
+  visit_value_dtype(t.grad_dtype, [&](auto g) {
+    visit_value_dtype(t.moment_dtype, [&](auto m) {
+      visit_out_dtype(t.out_dtype, [&](auto o) {
+        constexpr DType kG = decltype(g)::value, kM = decltype(m)::value, kO = decltype(o)::value;
+        if constexpr (kM != DType::kF16) adagrad_loop<V, kG, kM, kO>(t, begin, end);
+      });
+    });
+  });
+}
+
+// ---- sum of squares ---------------------------------------------------------
+template <class V, DType G>
+double sumsq_loop(const void* grad, int64_t begin, int64_t end) {
+  // Two independent accumulators: one chain of dependent adds would be bound by
+  // the add latency (4 cycles), not by memory.
+  auto acc0 = V::dacc_zero(), acc1 = V::dacc_zero();
+  int64_t i = begin;
+  for (; i + 2 * V::kWidth <= end; i += 2 * V::kWidth) {
+    acc0 = V::dacc_add_squares(acc0, load_as<V, G>(grad, i));
+    acc1 = V::dacc_add_squares(acc1, load_as<V, G>(grad, i + V::kWidth));
+  }
+  for (; i + V::kWidth <= end; i += V::kWidth) acc0 = V::dacc_add_squares(acc0, load_as<V, G>(grad, i));
+  return V::dacc_total(acc0) + V::dacc_total(acc1);
+}
+
+template <class V>
+double sumsq_range(const void* grad, DType grad_dtype, int64_t begin, int64_t end) {
+  double total = 0.0;
+  visit_value_dtype(grad_dtype, [&](auto g) { total = sumsq_loop<V, decltype(g)::value>(grad, begin, end); });
+  return total;
+}
+
+// ---- vector body + scalar tail ----------------------------------------------
+template <class V>
+inline int64_t vector_end(int64_t begin, int64_t end) {
+  return begin + (end - begin) / V::kWidth * V::kWidth;
+}
+
+template <class V, class S>
+struct KernelSet {
+  static void adam(const AdamTask& t, int64_t b, int64_t e) {
+    const int64_t m = vector_end<V>(b, e);
+    adam_range<V>(t, b, m);
+    adam_range<S>(t, m, e);
+  }
+  static void lion(const LionTask& t, int64_t b, int64_t e) {
+    const int64_t m = vector_end<V>(b, e);
+    lion_range<V>(t, b, m);
+    lion_range<S>(t, m, e);
+  }
+  static void sgd(const SgdTask& t, int64_t b, int64_t e) {
+    const int64_t m = vector_end<V>(b, e);
+    sgd_range<V>(t, b, m);
+    sgd_range<S>(t, m, e);
+  }
+  static void adagrad(const AdagradTask& t, int64_t b, int64_t e) {
+    const int64_t m = vector_end<V>(b, e);
+    adagrad_range<V>(t, b, m);
+    adagrad_range<S>(t, m, e);
+  }
+  static double sumsq(const void* grad, DType d, int64_t b, int64_t e) {
+    const int64_t m = vector_end<V>(b, e);
+    return sumsq_range<V>(grad, d, b, m) + sumsq_range<S>(grad, d, m, e);
+  }
+  static const KernelTable* table(const char* name) {
+    static const KernelTable t{name, &adam, &lion, &sgd, &adagrad, &sumsq};
+    return &t;
+  }
+};
+
+}  // namespace TIERSTATE_KERNEL_ISA
+}  // namespace kernels
+}  // namespace tierstate

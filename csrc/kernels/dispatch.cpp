@@ -1,0 +1,249 @@
+// Runtime ISA choice and the split of one update into chunks over the thread pool.
+// Compiled for the baseline ISA: nothing here may execute a wider instruction.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <stdexcept>
+#include <vector>
+
+#include "common/cpu_features.h"
+#include "common/thread_pool.h"
+#include "kernels/isa_table.h"
+#include "kernels/kernels.h"
+
+namespace tierstate {
+namespace kernels {
+namespace {
+
+struct Variant {
+  const char* name;
+  const KernelTable* (*table)();
+  bool (*supported)();
+};
+
+// Widest first: "auto" takes the first supported one.
+const std::vector<Variant>& variants() {
+  static const std::vector<Variant> all = {
+#if defined(__x86_64__) || defined(_M_X64)
+      {"avx512_bf16", &avx512_bf16_table, [] { return cpu_features().can_run_avx512_bf16(); }},
+      {"avx512", &avx512_table, [] { return cpu_features().can_run_avx512(); }},
+      {"avx2", &avx2_table, [] { return cpu_features().can_run_avx2(); }},
+#endif
+#if defined(__aarch64__)
+      {"neon", &neon_table, [] { return cpu_features().neon; }},
+#endif
+      {"scalar", &scalar_table, [] { return true; }},
+  };
+  return all;
+}
+
+const KernelTable* best_table() {
+  for (const Variant& v : variants())
+    if (v.supported()) return v.table();
+  return scalar_table();
+}
+
+std::atomic<const KernelTable*>& active_table() {
+  static std::atomic<const KernelTable*> table{best_table()};
+  return table;
+}
+
+const KernelTable& table() { return *active_table().load(std::memory_order_acquire); }
+
+// Chunk boundaries fall on 64-byte lines of `anchor` (weight_out or the weight, or
+// the gradient for grad_sumsq), so full-width accesses to the anchor never split a
+// cache line even when a view starts at an unaligned element offset.
+struct ChunkPlan {
+  int64_t n, head, n_tasks;
+  int64_t begin(int64_t task) const { return task == 0 ? 0 : std::min(n, head + task * kChunkElements); }
+  int64_t end(int64_t task) const { return std::min(n, head + (task + 1) * kChunkElements); }
+};
+
+ChunkPlan plan_chunks(const void* anchor, int64_t n, int64_t element_size) {
+  const auto address = reinterpret_cast<uintptr_t>(anchor);
+  int64_t head = static_cast<int64_t>((64 - address % 64) % 64) / element_size;
+  if (address % element_size != 0 || head >= n) head = 0;
+  const int64_t rest = n - head;
+  const int64_t n_tasks = std::max<int64_t>(1, (rest + kChunkElements - 1) / kChunkElements);
+  return {n, head, n_tasks};
+}
+
+// Chunks align to weight_out's lines when there is one, so that its streaming stores
+// (see body.h) are aligned in every chunk; else to the weight's.
+template <class Task>
+void run_chunked(const Task& task, int64_t n, void (*kernel)(const Task&, int64_t, int64_t)) {
+  if (n <= 0) return;
+  const ChunkPlan plan = task.weight_out != nullptr ? plan_chunks(task.weight_out, n, 2)
+                                                    : plan_chunks(task.weight, n, sizeof(float));
+  auto body = [&](int64_t i) { kernel(task, plan.begin(i), plan.end(i)); };
+  ThreadPool::instance().parallel_for(plan.n_tasks, body);
+}
+
+void check_common(const void* weight, const void* grad, int64_t n, DType grad_dtype,
+                  DType moment_dtype, DType out_dtype) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (n > 0 && (weight == nullptr || grad == nullptr))
+    throw std::invalid_argument("weight and grad must be non-null");
+  if (grad_dtype != DType::kF32 && grad_dtype != DType::kBF16 && grad_dtype != DType::kF16)
+    throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
+  if (moment_dtype != DType::kF32 && moment_dtype != DType::kBF16)
+    throw std::invalid_argument("moment dtype must be fp32 or bf16");
+  if (out_dtype != DType::kNone && out_dtype != DType::kBF16 && out_dtype != DType::kF16)
+    throw std::invalid_argument("weight_out dtype must be bf16, fp16 or none");
+}
+
+float grad_multiplier(double grad_scale, bool maximize) {
+  return static_cast<float>(maximize ? -grad_scale : grad_scale);
+}
+
+}  // namespace
+
+void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq,
+                 void* max_exp_avg_sq, void* weight_out, int64_t n, DType grad_dtype,
+                 DType moment_dtype, DType out_dtype, const AdamParams& p) {
+  check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
+  if (n > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr))
+    throw std::invalid_argument("exp_avg and exp_avg_sq must be non-null");
+  AdamTask t{};
+  t.weight = weight;
+  t.grad = grad;
+  t.exp_avg = exp_avg;
+  t.exp_avg_sq = exp_avg_sq;
+  t.max_exp_avg_sq = max_exp_avg_sq;
+  t.weight_out = weight_out;
+  t.grad_dtype = grad_dtype;
+  t.moment_dtype = moment_dtype;
+  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
+  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
+  t.coupled_wd = p.weight_decay != 0 && !p.decoupled;
+  t.decoupled_wd = p.weight_decay != 0 && p.decoupled;
+  t.wd = static_cast<float>(p.weight_decay);
+  t.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
+  t.m_lerp = make_lerp(1.0 - p.beta1);
+  t.beta2 = static_cast<float>(p.beta2);
+  t.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
+  t.neg_step_size = static_cast<float>(-(p.lr / p.bias_correction1));
+  t.bc2_sqrt = static_cast<float>(std::sqrt(p.bias_correction2));
+  t.eps = static_cast<float>(p.eps);
+  run_chunked(t, n, table().adam);
+}
+
+void lion_update(float* weight, const void* grad, void* exp_avg, void* weight_out, int64_t n,
+                 DType grad_dtype, DType moment_dtype, DType out_dtype, const LionParams& p) {
+  check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
+  if (n > 0 && exp_avg == nullptr) throw std::invalid_argument("exp_avg must be non-null");
+  LionTask t{};
+  t.weight = weight;
+  t.grad = grad;
+  t.exp_avg = exp_avg;
+  t.weight_out = weight_out;
+  t.grad_dtype = grad_dtype;
+  t.moment_dtype = moment_dtype;
+  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
+  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
+  t.has_wd = p.weight_decay != 0;
+  t.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
+  t.update_lerp = make_lerp(1.0 - p.beta1);
+  t.m_lerp = make_lerp(1.0 - p.beta2);
+  t.neg_lr = static_cast<float>(-p.lr);
+  run_chunked(t, n, table().lion);
+}
+
+void sgd_update(float* weight, const void* grad, void* momentum_buffer, void* weight_out,
+                int64_t n, DType grad_dtype, DType moment_dtype, DType out_dtype,
+                const SgdParams& p) {
+  check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
+  if (n > 0 && p.momentum != 0 && momentum_buffer == nullptr)
+    throw std::invalid_argument("momentum != 0 needs a momentum_buffer");
+  SgdTask t{};
+  t.weight = weight;
+  t.grad = grad;
+  t.momentum_buffer = p.momentum != 0 ? momentum_buffer : nullptr;
+  t.weight_out = weight_out;
+  t.grad_dtype = grad_dtype;
+  t.moment_dtype = moment_dtype;
+  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
+  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
+  t.has_wd = p.weight_decay != 0;
+  t.wd = static_cast<float>(p.weight_decay);
+  t.momentum = static_cast<float>(p.momentum);
+  t.one_minus_dampening = static_cast<float>(1.0 - p.dampening);
+  t.nesterov = p.nesterov;
+  t.first_step = p.first_step;
+  t.neg_lr = static_cast<float>(-p.lr);
+  run_chunked(t, n, table().sgd);
+}
+
+void adagrad_update(float* weight, const void* grad, void* state_sum, void* weight_out,
+                    int64_t n, DType grad_dtype, DType moment_dtype, DType out_dtype,
+                    const AdagradParams& p) {
+  check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
+  if (n > 0 && state_sum == nullptr) throw std::invalid_argument("state_sum must be non-null");
+  AdagradTask t{};
+  t.weight = weight;
+  t.grad = grad;
+  t.state_sum = state_sum;
+  t.weight_out = weight_out;
+  t.grad_dtype = grad_dtype;
+  t.moment_dtype = moment_dtype;
+  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
+  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
+  t.has_wd = p.weight_decay != 0;
+  t.wd = static_cast<float>(p.weight_decay);
+  t.eps = static_cast<float>(p.eps);
+  t.neg_clr = static_cast<float>(-p.clr);
+  run_chunked(t, n, table().adagrad);
+}
+
+double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (n == 0) return 0.0;
+  if (grad == nullptr) throw std::invalid_argument("grad must be non-null");
+  if (grad_dtype != DType::kF32 && grad_dtype != DType::kBF16 && grad_dtype != DType::kF16)
+    throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
+  const KernelTable& k = table();
+  const ChunkPlan plan = plan_chunks(grad, n, grad_dtype == DType::kF32 ? 4 : 2);
+  std::vector<double> partial(static_cast<size_t>(plan.n_tasks), 0.0);
+  auto body = [&](int64_t i) { partial[i] = k.sumsq(grad, grad_dtype, plan.begin(i), plan.end(i)); };
+  ThreadPool::instance().parallel_for(plan.n_tasks, body);
+  double total = 0.0;
+  for (double s : partial) total += s;  // fixed order: the sum does not depend on the thread count
+  return total * (scale * scale);
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (const Variant& v : variants())
+    if (v.supported()) names.emplace_back(v.name);
+  return names;
+}
+
+std::string current_isa() { return table().name; }
+
+void set_isa(const std::string& name) {
+  if (name == "auto") {
+    active_table().store(best_table(), std::memory_order_release);
+    return;
+  }
+  std::string known;
+  for (const Variant& v : variants()) {
+    if (name == v.name) {
+      if (!v.supported())
+        throw std::invalid_argument("ISA variant '" + name + "' is not supported by this CPU/OS");
+      active_table().store(v.table(), std::memory_order_release);
+      return;
+    }
+    known += (known.empty() ? "" : ", ") + std::string(v.name);
+  }
+  throw std::invalid_argument("unknown ISA variant '" + name + "'; this build has: auto, " + known);
+}
+
+void set_num_threads(int n) {
+  if (n < 1) throw std::invalid_argument("num_threads must be >= 1");
+  ThreadPool::instance().set_num_threads(n);
+}
+
+int num_threads() { return ThreadPool::instance().num_threads(); }
+
+}  // namespace kernels
+}  // namespace tierstate

@@ -1,0 +1,112 @@
+// The boundary between dispatch.cpp (baseline ISA) and the per-ISA translation
+// units. Each kernels_<isa>.cpp instantiates the same kernel bodies over its own
+// vector type and exports one KernelTable; dispatch.cpp picks a table at run time
+// from cpu_features() and splits the work into chunks over the thread pool.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace tierstate {
+namespace kernels {
+
+// Lerp as torch computes it (ATen lerp_vec): for |w| < 0.5, start + w * (end - start);
+// else end + (w - 1) * (end - start). `coeff` is w or w - 1, `from_end` picks the base.
+struct LerpCoeff {
+  float coeff;
+  bool from_end;
+};
+
+inline LerpCoeff make_lerp(double weight) {
+  const float w = static_cast<float>(weight);
+  const bool small = (w < 0 ? -w : w) < 0.5f;
+  return {small ? w : w - 1.0f, !small};
+}
+
+// Scalars are rounded to float the way torch rounds a Python float used with an
+// fp32 tensor, so the kernels see the same coefficients as the reference.
+struct AdamTask {
+  float* weight;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;  // null: no amsgrad
+  void* weight_out;      // null: no low-precision copy
+  DType grad_dtype, moment_dtype, out_dtype;
+  float grad_mul;        // +-grad_scale (the sign is `maximize`)
+  bool coupled_wd;       // Adam's L2 term: grad += wd * weight
+  float wd;
+  bool decoupled_wd;     // AdamW: weight *= decay
+  float decay;           // 1 - lr * wd
+  LerpCoeff m_lerp;      // exp_avg.lerp_(grad, 1 - beta1)
+  float beta2, one_minus_beta2;
+  float neg_step_size;   // -lr / bias_correction1
+  float bc2_sqrt;
+  float eps;
+};
+
+struct LionTask {
+  float* weight;
+  const void* grad;
+  void* exp_avg;
+  void* weight_out;
+  DType grad_dtype, moment_dtype, out_dtype;
+  float grad_mul;
+  bool has_wd;
+  float decay;
+  LerpCoeff update_lerp;  // sign(exp_avg.lerp(grad, 1 - beta1))
+  LerpCoeff m_lerp;       // exp_avg.lerp_(grad, 1 - beta2)
+  float neg_lr;
+};
+
+struct SgdTask {
+  float* weight;
+  const void* grad;
+  void* momentum_buffer;  // null when momentum == 0
+  void* weight_out;
+  DType grad_dtype, moment_dtype, out_dtype;
+  float grad_mul;
+  bool has_wd;
+  float wd;
+  float momentum, one_minus_dampening;
+  bool nesterov, first_step;
+  float neg_lr;
+};
+
+struct AdagradTask {
+  float* weight;
+  const void* grad;
+  void* state_sum;
+  void* weight_out;
+  DType grad_dtype, moment_dtype, out_dtype;
+  float grad_mul;
+  bool has_wd;
+  float wd;
+  float eps;
+  float neg_clr;
+};
+
+// Each entry processes elements [begin, end) of its task: a vector loop over the
+// widest multiple of the vector width, then the same body over a 1-wide type.
+struct KernelTable {
+  const char* name;
+  void (*adam)(const AdamTask&, int64_t begin, int64_t end);
+  void (*lion)(const LionTask&, int64_t begin, int64_t end);
+  void (*sgd)(const SgdTask&, int64_t begin, int64_t end);
+  void (*adagrad)(const AdagradTask&, int64_t begin, int64_t end);
+  double (*sumsq)(const void* grad, DType grad_dtype, int64_t begin, int64_t end);
+};
+
+const KernelTable* scalar_table();
+#if defined(__x86_64__) || defined(_M_X64)
+const KernelTable* avx2_table();
+const KernelTable* avx512_table();
+const KernelTable* avx512_bf16_table();
+#endif
+#if defined(__aarch64__)
+const KernelTable* neon_table();
+#endif
+
+}  // namespace kernels
+}  // namespace tierstate

@@ -1,0 +1,84 @@
+// Public C++ face of the optimizer kernels (the only header bindings.cpp needs).
+//
+// Contract (mirrors tierstate/kernels/reference.py): every pointer addresses n
+// contiguous elements; weight is the fp32 master; grad is fp32/bf16/fp16 and only
+// read; the moments share one dtype (fp32 or bf16, computed in fp32, stored rounded
+// to nearest even); weight_out (bf16/fp16 or null) receives the updated weight
+// rounded to its dtype in the same pass. Hyper-parameters, step counts and bias
+// corrections all come from the caller: the kernels hold no state.
+// The functions block until done and use the process thread pool; they never touch
+// Python, so callers may release the GIL around them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tierstate {
+namespace kernels {
+
+// Element types, with the codes the Python faces pass.
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kNone = 3 };
+
+struct AdamParams {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool decoupled;  // AdamW: weight *= 1 - lr * weight_decay; else Adam: grad += weight_decay * weight
+  double bias_correction1, bias_correction2;
+  bool maximize;
+  double grad_scale;  // folds loss-scale unscaling and clipping into the same pass
+};
+
+struct LionParams {
+  double lr, beta1, beta2, weight_decay;
+  bool maximize;
+  double grad_scale;
+};
+
+struct SgdParams {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov, maximize, first_step;
+  double grad_scale;
+};
+
+struct AdagradParams {
+  double clr, weight_decay, eps;  // clr = lr / (1 + (step - 1) * lr_decay)
+  bool maximize;
+  double grad_scale;
+};
+
+void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq,
+                 void* max_exp_avg_sq, void* weight_out, int64_t n, DType grad_dtype,
+                 DType moment_dtype, DType out_dtype, const AdamParams& p);
+
+void lion_update(float* weight, const void* grad, void* exp_avg, void* weight_out, int64_t n,
+                 DType grad_dtype, DType moment_dtype, DType out_dtype, const LionParams& p);
+
+// momentum_buffer may be null when p.momentum == 0.
+void sgd_update(float* weight, const void* grad, void* momentum_buffer, void* weight_out,
+                int64_t n, DType grad_dtype, DType moment_dtype, DType out_dtype,
+                const SgdParams& p);
+
+void adagrad_update(float* weight, const void* grad, void* state_sum, void* weight_out,
+                    int64_t n, DType grad_dtype, DType moment_dtype, DType out_dtype,
+                    const AdagradParams& p);
+
+// Sum of (grad * scale)^2 accumulated in double; inf/nan propagate. The result does
+// not depend on the thread count (partial sums per fixed chunk, added in order).
+double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale);
+
+// ---- ISA selection and threads ----
+// Variants, widest first: "avx512_bf16" (AVX-512 with native bf16 rounding),
+// "avx512", "avx2", "neon", "scalar".
+std::vector<std::string> available_isas();   // the ones this CPU and build can run
+std::string current_isa();
+void set_isa(const std::string& name);       // "auto" or a variant; throws std::invalid_argument
+void set_num_threads(int n);
+int num_threads();
+
+// Elements per task: 16384 = 64 KiB per fp32 stream, so one task's streams (at most 6:
+// amsgrad Adam, <= 352 KiB) fit the 1 MiB L2 of a Zen 5 / recent Xeon core, while a
+// task (~20 us at memory speed) dwarfs the cost of taking it from the pool's counter.
+constexpr int64_t kChunkElements = 16384;
+
+}  // namespace kernels
+}  // namespace tierstate

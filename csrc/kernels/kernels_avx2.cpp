@@ -1,0 +1,97 @@
+// AVX2 + FMA + F16C variant (8 floats per vector). Compiled with -mavx2 -mfma
+// -mf16c (CMakeLists.txt); dispatch.cpp only calls it when cpu_features() says
+// the CPU and OS support all three.
+#include <immintrin.h>
+
+#define TIERSTATE_KERNEL_ISA isa_avx2
+#include "kernels/vec_scalar.h"
+#include "kernels/body.h"
+
+namespace tierstate {
+namespace kernels {
+namespace isa_avx2 {
+
+struct VecAvx2 {
+  static constexpr int kWidth = 8;
+  __m256 v;
+
+  static VecAvx2 set1(float x) { return {_mm256_set1_ps(x)}; }
+  static VecAvx2 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static void store(float* p, VecAvx2 x) { _mm256_storeu_ps(p, x.v); }
+
+  static VecAvx2 load_bf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+  }
+  // Round to nearest even by integer arithmetic (see f32_to_bf16_rne); NaN -> 0x7FC0.
+  static void store_bf16(uint16_t* p, VecAvx2 x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x));
+  }
+  static void stream_bf16(uint16_t* p, VecAvx2 x) {  // p: 16-byte aligned
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x));
+  }
+  static __m128i bf16_bits(VecAvx2 x) {
+    const __m256i bits = _mm256_castps_si256(x.v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, bias), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
+    // Values fit in 16 bits, so the unsigned-saturating pack is an exact narrowing.
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  }
+  static VecAvx2 load_f16(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  static void store_f16(uint16_t* p, VecAvx2 x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void stream_f16(uint16_t* p, VecAvx2 x) {  // p: 16-byte aligned
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void stream_fence() { _mm_sfence(); }
+
+  friend VecAvx2 operator+(VecAvx2 a, VecAvx2 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend VecAvx2 operator-(VecAvx2 a, VecAvx2 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend VecAvx2 operator*(VecAvx2 a, VecAvx2 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend VecAvx2 operator/(VecAvx2 a, VecAvx2 b) { return {_mm256_div_ps(a.v, b.v)}; }
+  static VecAvx2 fmadd(VecAvx2 a, VecAvx2 b, VecAvx2 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static VecAvx2 sqrt(VecAvx2 a) { return {_mm256_sqrt_ps(a.v)}; }
+  static VecAvx2 max_nan(VecAvx2 a, VecAvx2 b) {
+    const __m256 unordered = _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q);
+    return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), _mm256_add_ps(a.v, b.v), unordered)};
+  }
+  static VecAvx2 sign(VecAvx2 a) {
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 pos = _mm256_and_ps(_mm256_cmp_ps(a.v, zero, _CMP_GT_OQ), _mm256_set1_ps(1.0f));
+    const __m256 neg = _mm256_and_ps(_mm256_cmp_ps(a.v, zero, _CMP_LT_OQ), _mm256_set1_ps(-1.0f));
+    return {_mm256_or_ps(pos, neg)};
+  }
+
+  struct DAcc {
+    __m256d lo, hi;
+  };
+  static DAcc dacc_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  static DAcc dacc_add_squares(DAcc acc, VecAvx2 x) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x.v));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x.v, 1));
+    return {_mm256_fmadd_pd(lo, lo, acc.lo), _mm256_fmadd_pd(hi, hi, acc.hi)};
+  }
+  static double dacc_total(DAcc acc) {
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, _mm256_add_pd(acc.lo, acc.hi));
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  }
+};
+
+}  // namespace isa_avx2
+
+const KernelTable* avx2_table() {
+  using namespace isa_avx2;
+  return KernelSet<VecAvx2, VecScalar>::table("avx2");
+}
+
+}  // namespace kernels
+}  // namespace tierstate

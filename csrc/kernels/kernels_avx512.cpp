@@ -1,0 +1,119 @@
+// AVX-512 variants (16 floats per vector), compiled with -mavx512f/bw/vl/dq/bf16
+// -mfma -mf16c (CMakeLists.txt). Two instantiations:
+//   "avx512_bf16": rounds to bf16 with VCVTNEPS2BF16 (CPUs with AVX512_BF16);
+//   "avx512":      rounds by integer arithmetic, for AVX-512 CPUs without it.
+// dispatch.cpp calls each only when cpu_features() allows it.
+#include <immintrin.h>
+
+#define TIERSTATE_KERNEL_ISA isa_avx512
+#include "kernels/vec_scalar.h"
+#include "kernels/body.h"
+
+namespace tierstate {
+namespace kernels {
+namespace isa_avx512 {
+
+// Round to nearest even by integer arithmetic (see f32_to_bf16_rne); NaN -> 0x7FC0.
+inline __m256i bf16_bits_rne(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+template <bool kNativeBf16>
+struct VecAvx512 {
+  static constexpr int kWidth = 16;
+  __m512 v;
+
+  static VecAvx512 set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VecAvx512 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static void store(float* p, VecAvx512 x) { _mm512_storeu_ps(p, x.v); }
+
+  static VecAvx512 load_bf16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  static void store_bf16(uint16_t* p, VecAvx512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
+  }
+  static void stream_bf16(uint16_t* p, VecAvx512 x) {  // p: 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bf16_bits(x));
+  }
+  static __m256i bf16_bits(VecAvx512 x) {
+    __m256i out;
+    if constexpr (kNativeBf16) {
+      // VCVTNEPS2BF16 rounds to nearest even but flushes subnormal inputs to zero
+      // and keeps NaN payloads; those lanes (fpclass: QNaN 0x01, subnormal 0x20,
+      // SNaN 0x80) take the integer path, so every variant writes the same bits
+      // (subnormals rounded like torch, NaN as 0x7FC0).
+      out = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x.v));
+      const __mmask16 special = _mm512_fpclass_ps_mask(x.v, 0xA1);
+      if (special) out = _mm256_mask_mov_epi16(out, special, bf16_bits_rne(x.v));
+    } else {
+      out = bf16_bits_rne(x.v);
+    }
+    return out;
+  }
+  static VecAvx512 load_f16(const uint16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  static void store_f16(uint16_t* p, VecAvx512 x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void stream_f16(uint16_t* p, VecAvx512 x) {  // p: 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static void stream_fence() { _mm_sfence(); }
+
+  friend VecAvx512 operator+(VecAvx512 a, VecAvx512 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend VecAvx512 operator-(VecAvx512 a, VecAvx512 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend VecAvx512 operator*(VecAvx512 a, VecAvx512 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend VecAvx512 operator/(VecAvx512 a, VecAvx512 b) { return {_mm512_div_ps(a.v, b.v)}; }
+  static VecAvx512 fmadd(VecAvx512 a, VecAvx512 b, VecAvx512 c) {
+    return {_mm512_fmadd_ps(a.v, b.v, c.v)};
+  }
+  static VecAvx512 sqrt(VecAvx512 a) { return {_mm512_sqrt_ps(a.v)}; }
+  static VecAvx512 max_nan(VecAvx512 a, VecAvx512 b) {
+    const __mmask16 unordered = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
+    return {_mm512_mask_add_ps(_mm512_max_ps(a.v, b.v), unordered, a.v, b.v)};
+  }
+  static VecAvx512 sign(VecAvx512 a) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __mmask16 pos = _mm512_cmp_ps_mask(a.v, zero, _CMP_GT_OQ);
+    const __mmask16 neg = _mm512_cmp_ps_mask(a.v, zero, _CMP_LT_OQ);
+    const __m512 ones = _mm512_maskz_mov_ps(pos, _mm512_set1_ps(1.0f));
+    return {_mm512_mask_mov_ps(ones, neg, _mm512_set1_ps(-1.0f))};
+  }
+
+  struct DAcc {
+    __m512d lo, hi;
+  };
+  static DAcc dacc_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
+  static DAcc dacc_add_squares(DAcc acc, VecAvx512 x) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x.v));
+    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(x.v, 1));
+    return {_mm512_fmadd_pd(lo, lo, acc.lo), _mm512_fmadd_pd(hi, hi, acc.hi)};
+  }
+  static double dacc_total(DAcc acc) { return _mm512_reduce_add_pd(_mm512_add_pd(acc.lo, acc.hi)); }
+};
+
+}  // namespace isa_avx512
+
+const KernelTable* avx512_table() {
+  using namespace isa_avx512;
+  return KernelSet<VecAvx512<false>, VecScalar>::table("avx512");
+}
+
+const KernelTable* avx512_bf16_table() {
+  using namespace isa_avx512;
+  return KernelSet<VecAvx512<true>, VecScalar>::table("avx512_bf16");
+}
+
+}  // namespace kernels
+}  // namespace tierstate

@@ -1,0 +1,79 @@
+// NEON variant (4 floats per vector) for AArch64, where Advanced SIMD, fp16
+// conversion, vector sqrt and divide are all part of the base ISA.
+#include <arm_neon.h>
+
+#define TIERSTATE_KERNEL_ISA isa_neon
+#include "kernels/vec_scalar.h"
+#include "kernels/body.h"
+
+namespace tierstate {
+namespace kernels {
+namespace isa_neon {
+
+struct VecNeon {
+  static constexpr int kWidth = 4;
+  float32x4_t v;
+
+  static VecNeon set1(float x) { return {vdupq_n_f32(x)}; }
+  static VecNeon load(const float* p) { return {vld1q_f32(p)}; }
+  static void store(float* p, VecNeon x) { vst1q_f32(p, x.v); }
+
+  static VecNeon load_bf16(const uint16_t* p) {
+    return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))};
+  }
+  // Round to nearest even by integer arithmetic (see f32_to_bf16_rne); NaN -> 0x7FC0.
+  static void store_bf16(uint16_t* p, VecNeon x) {
+    const uint32x4_t bits = vreinterpretq_u32_f32(x.v);
+    const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+    const uint32x4_t biased = vaddq_u32(bits, vaddq_u32(lsb, vdupq_n_u32(0x7FFF)));
+    const uint32x4_t is_number = vceqq_f32(x.v, x.v);
+    const uint32x4_t rounded = vbslq_u32(is_number, vshrq_n_u32(biased, 16), vdupq_n_u32(0x7FC0));
+    vst1_u16(p, vmovn_u32(rounded));
+  }
+  // Plain stores: streaming (STNP) has not been measured on an AArch64 machine.
+  static void stream_bf16(uint16_t* p, VecNeon x) { store_bf16(p, x); }
+  static void stream_f16(uint16_t* p, VecNeon x) { store_f16(p, x); }
+  static void stream_fence() {}
+  static VecNeon load_f16(const uint16_t* p) {
+    return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))};
+  }
+  // FCVTN rounds with the FPCR mode, round-to-nearest-even unless a program changed it.
+  static void store_f16(uint16_t* p, VecNeon x) {
+    vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(x.v)));
+  }
+
+  friend VecNeon operator+(VecNeon a, VecNeon b) { return {vaddq_f32(a.v, b.v)}; }
+  friend VecNeon operator-(VecNeon a, VecNeon b) { return {vsubq_f32(a.v, b.v)}; }
+  friend VecNeon operator*(VecNeon a, VecNeon b) { return {vmulq_f32(a.v, b.v)}; }
+  friend VecNeon operator/(VecNeon a, VecNeon b) { return {vdivq_f32(a.v, b.v)}; }
+  static VecNeon fmadd(VecNeon a, VecNeon b, VecNeon c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+  static VecNeon sqrt(VecNeon a) { return {vsqrtq_f32(a.v)}; }
+  static VecNeon max_nan(VecNeon a, VecNeon b) { return {vmaxq_f32(a.v, b.v)}; }  // FMAX propagates NaN
+  static VecNeon sign(VecNeon a) {
+    const float32x4_t zero = vdupq_n_f32(0.0f);
+    const uint32x4_t pos = vandq_u32(vcgtq_f32(a.v, zero), vreinterpretq_u32_f32(vdupq_n_f32(1.0f)));
+    const uint32x4_t neg = vandq_u32(vcltq_f32(a.v, zero), vreinterpretq_u32_f32(vdupq_n_f32(-1.0f)));
+    return {vreinterpretq_f32_u32(vorrq_u32(pos, neg))};
+  }
+
+  struct DAcc {
+    float64x2_t lo, hi;
+  };
+  static DAcc dacc_zero() { return {vdupq_n_f64(0.0), vdupq_n_f64(0.0)}; }
+  static DAcc dacc_add_squares(DAcc acc, VecNeon x) {
+    const float64x2_t lo = vcvt_f64_f32(vget_low_f32(x.v));
+    const float64x2_t hi = vcvt_high_f64_f32(x.v);
+    return {vfmaq_f64(acc.lo, lo, lo), vfmaq_f64(acc.hi, hi, hi)};
+  }
+  static double dacc_total(DAcc acc) { return vaddvq_f64(vaddq_f64(acc.lo, acc.hi)); }
+};
+
+}  // namespace isa_neon
+
+const KernelTable* neon_table() {
+  using namespace isa_neon;
+  return KernelSet<VecNeon, VecScalar>::table("neon");
+}
+
+}  // namespace kernels
+}  // namespace tierstate

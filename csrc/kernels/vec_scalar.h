@@ -1,0 +1,122 @@
+// The 1-wide vector type: the whole "scalar" ISA variant, and the tail of every
+// wider one. Included by each kernels_<isa>.cpp inside its own namespace
+// (TIERSTATE_KERNEL_ISA), so the copies compiled with different -m flags never
+// merge at link time.
+//
+// bf16 and fp16 conversions are integer/bit arithmetic that is exact on every CPU:
+// round-to-nearest-even, NaN kept NaN (bf16 NaN becomes 0x7FC0, as torch writes it),
+// subnormals kept (unlike VCVTNEPS2BF16, which flushes them to zero).
+#include <cstdint>
+#include <cstring>
+
+#ifndef TIERSTATE_KERNEL_ISA
+#error "define TIERSTATE_KERNEL_ISA (the per-ISA namespace) before including vec_scalar.h"
+#endif
+
+namespace tierstate {
+namespace kernels {
+namespace TIERSTATE_KERNEL_ISA {
+
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16_rne(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN
+  // Adding 0x7FFF plus the lowest kept bit rounds ties to the even neighbour;
+  // a carry into the exponent is the correct round-up (up to infinity).
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_to_f32(uint16_t h) { return bits_float(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t f32_to_f16_rne(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag >= 0x7F800000u)  // inf stays inf; NaN stays NaN (quiet, top payload bits kept)
+    return static_cast<uint16_t>(sign | (mag > 0x7F800000u ? 0x7E00u | ((mag >> 13) & 0x3FFu) : 0x7C00u));
+  if (mag >= 0x477FF000u)  // >= 65520 = max half + half an ulp: rounds to inf
+    return static_cast<uint16_t>(sign | 0x7C00u);
+  if (mag < 0x38800000u) {  // below 2^-14: a half subnormal (or zero)
+    // Adding 0.5f puts the value's 2^-24 units (the half subnormal step) in the low
+    // mantissa bits of 0.5f's representation, rounded to nearest even by the FPU.
+    const float shifted = bits_float(mag) + 0.5f;
+    return static_cast<uint16_t>(sign | (float_bits(shifted) - 0x3F000000u));
+  }
+  // Normal: rebias the exponent (127 -> 15: subtract 112 << 23) and round away 13
+  // mantissa bits to nearest even; a carry into the exponent is the right result.
+  const uint32_t odd = (mag >> 13) & 1u;
+  return static_cast<uint16_t>(sign | ((mag - (112u << 23) + 0xFFFu + odd) >> 13));
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0x1F) return bits_float(sign | 0x7F800000u | (mantissa << 13));
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in fp32
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+struct VecScalar {
+  static constexpr int kWidth = 1;
+  float v;
+
+  static VecScalar set1(float x) { return {x}; }
+  static VecScalar load(const float* p) { return {*p}; }
+  static void store(float* p, VecScalar x) { *p = x.v; }
+  static VecScalar load_bf16(const uint16_t* p) { return {bf16_to_f32(*p)}; }
+  static void store_bf16(uint16_t* p, VecScalar x) { *p = f32_to_bf16_rne(x.v); }
+  static VecScalar load_f16(const uint16_t* p) { return {f16_to_f32(*p)}; }
+  static void store_f16(uint16_t* p, VecScalar x) { *p = f32_to_f16_rne(x.v); }
+
+  friend VecScalar operator+(VecScalar a, VecScalar b) { return {a.v + b.v}; }
+  friend VecScalar operator-(VecScalar a, VecScalar b) { return {a.v - b.v}; }
+  friend VecScalar operator*(VecScalar a, VecScalar b) { return {a.v * b.v}; }
+  friend VecScalar operator/(VecScalar a, VecScalar b) { return {a.v / b.v}; }
+  // a * b + c. Fused where the translation unit has FMA (the tails of the AVX2 and
+  // AVX-512 variants, so tail and body round alike); two roundings in the baseline
+  // build, where a software fmaf would cost ~100x.
+  static VecScalar fmadd(VecScalar a, VecScalar b, VecScalar c) {
+#if defined(__FMA__) || defined(__aarch64__)
+    return {__builtin_fmaf(a.v, b.v, c.v)};
+#else
+    return {a.v * b.v + c.v};
+#endif
+  }
+  static VecScalar sqrt(VecScalar a) { return {__builtin_sqrtf(a.v)}; }
+  // torch.maximum: NaN if either is NaN.
+  static VecScalar max_nan(VecScalar a, VecScalar b) {
+    if (a.v != a.v || b.v != b.v) return {a.v + b.v};
+    return {a.v > b.v ? a.v : b.v};
+  }
+  // torch.sign: -1, 0 or 1; 0 for NaN.
+  static VecScalar sign(VecScalar a) {
+    return {static_cast<float>((0.0f < a.v) - (a.v < 0.0f))};
+  }
+
+  using DAcc = double;
+  static DAcc dacc_zero() { return 0.0; }
+  static DAcc dacc_add_squares(DAcc acc, VecScalar x) {
+    const double d = x.v;
+    return acc + d * d;
+  }
+  static double dacc_total(DAcc acc) { return acc; }
+};
+
+}  // namespace TIERSTATE_KERNEL_ISA
+}  // namespace kernels
+}  // namespace tierstate

@@ -1,0 +1,227 @@
+"""One configuration of ``tierstate bench e2e``, run in a process of its own.
+
+    python -m tierstate.bench._e2e_worker --mode nvme --out result.json [--layers 12] ...
+
+A process per configuration makes ``ru_maxrss`` that configuration's own peak RSS, and
+lets the DeepSpeed configurations run under a different interpreter (the peers' venv)
+than the tierstate ones. The orchestrator, :mod:`tierstate.bench.e2e`, starts these
+processes, alternates their order and aggregates what they write.
+
+The training step is the same for every mode: fp32 parameters, forward and loss under
+``torch.autocast("cpu", bfloat16)``, ``loss.backward()``, optimizer step, gradients set
+to None. DeepSpeed runs its own bf16 mode instead of autocast (bf16 model, fp32 master in
+its optimizer), as a DeepSpeed user would. Each phase is timed with ``perf_counter``
+around the call that does it: ``fwd`` = model call with loss, ``bwd`` = backward,
+``opt`` = optimizer step plus ``zero_grad`` (DeepSpeed: ``engine.step()``, which zeroes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TORCH_MODE = "torch"
+TIERSTATE_MODES = ("cpu", "nvme")
+DEEPSPEED_MODES = ("ds_z2_cpu", "ds_z3_nvme")
+MODES = (TORCH_MODE, *TIERSTATE_MODES, *DEEPSPEED_MODES)
+
+# The optimizer every mode runs (the peers' reference run used the same).
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and batch shape; shared with the orchestrator, which passes them through."""
+    parser.add_argument("--layers", type=int, default=12, help="transformer blocks (GPT-2 small: 12)")
+    parser.add_argument("--embd", type=int, default=768, help="hidden size (GPT-2 small: 768)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads (GPT-2 small: 12)")
+    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (GPT-2: 50257)")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--subgroup-numel", type=int, default=None,
+                        help="tierstate Offload.subgroup_numel (default: the library's, 16 Mi elements)")
+    parser.add_argument("--buffer-count", type=int, default=None,
+                        help="tierstate Offload.buffer_count for nvme (default: the library's, 4)")
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """GPT-2 from a transformers config: random init, nothing downloaded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=args.layers, n_embd=args.embd, n_head=args.heads,
+                        n_positions=max(1024, args.seq), vocab_size=args.vocab)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    model.config.use_cache = False  # training: no key/value cache to build
+    model.train()
+    return model
+
+
+def _tierstate_optimizer(model: torch.nn.Module, args: argparse.Namespace, state_dir: Path | None):
+    import tierstate as ts
+
+    overrides = {}
+    if args.subgroup_numel is not None:
+        overrides["subgroup_numel"] = args.subgroup_numel
+    if args.mode == "nvme":
+        if args.buffer_count is not None:
+            overrides["buffer_count"] = args.buffer_count
+        offload = ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=state_dir, **overrides)
+    else:
+        offload = ts.Offload(cpu=1.0, **overrides)
+    return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deepspeed_engine(model: torch.nn.Module, args: argparse.Namespace, swap_dir: Path | None):
+    """A single-process DeepSpeed engine (no launcher) in the configuration the peers measured."""
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    if args.mode == "ds_z2_cpu":
+        zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                "contiguous_gradients": True, "overlap_comm": False}
+        aio = None
+    else:
+        zero = {"stage": 3, "overlap_comm": False,
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(swap_dir), "pin_memory": False,
+                                      "buffer_count": 4}}
+        aio = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 1,
+               "single_submit": False, "overlap_events": True}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+    if aio is not None:
+        config["aio"] = aio
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, deepspeed.__version__
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build the model and optimizer of ``args.mode``, train ``warmup + steps`` steps, return figures."""
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    t_setup = time.perf_counter()
+    model = build_model(args)
+    nparams = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    scratch = None
+    if args.mode in ("nvme", "ds_z3_nvme"):
+        root = Path(args.nvme_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"e2e-{args.mode}-", dir=root))
+    info: dict = {}
+    try:
+        if args.mode in DEEPSPEED_MODES:
+            engine, version = _deepspeed_engine(model, args, scratch)
+            info["deepspeed"] = version
+            info["optimizer"] = type(engine.optimizer).__name__
+
+            def forward():
+                return engine(input_ids=tokens, labels=tokens).loss
+
+            backward, optimizer_step, opt = engine.backward, engine.step, None
+        else:
+            if args.mode == TORCH_MODE:
+                opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                        weight_decay=WEIGHT_DECAY, fused=True)
+            else:
+                opt = _tierstate_optimizer(model, args, scratch)
+                info["tier_bytes"] = opt.tier_bytes()
+                if args.mode == "nvme":
+                    from .. import io as tio
+                    info["io_backend"] = tio.default_engine().backend
+
+            def forward():
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return model(input_ids=tokens, labels=tokens).loss
+
+            def backward(loss):
+                loss.backward()
+
+            def optimizer_step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        setup_s = time.perf_counter() - t_setup
+        rss_after_setup = _current_rss_bytes()
+        steps = []
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            loss = forward()
+            t1 = time.perf_counter()
+            backward(loss)
+            t2 = time.perf_counter()
+            optimizer_step()
+            t3 = time.perf_counter()
+            record = {"fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "total": t3 - t0,
+                      "loss": float(loss.detach().float()), "warmup": i < args.warmup}
+            if opt is not None and args.mode in TIERSTATE_MODES:
+                stats = opt.stats().as_dict()
+                record["phases"] = stats["phases"]
+                record["bytes"] = stats["bytes"]
+            steps.append(record)
+            print(f"[{args.mode}] step {i} fwd {record['fwd']:.3f}s bwd {record['bwd']:.3f}s "
+                  f"opt {record['opt']:.3f}s loss {record['loss']:.3f}", file=sys.stderr, flush=True)
+        if opt is not None and hasattr(opt, "close"):
+            opt.close()
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return {
+        "mode": args.mode, "status": "ok", "nparams": nparams, "steps": steps,
+        "peak_rss_bytes": _peak_rss_bytes(), "rss_after_setup_bytes": rss_after_setup, "setup_s": setup_s,
+        "threads": args.threads, "torch": torch.__version__, "python": sys.executable,
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), **info,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--out", required=True, help="where to write the result as JSON")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="folder for nvme-mode state files")
+    add_model_arguments(parser)
+    args = parser.parse_args(argv)
+    result = run(args)
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

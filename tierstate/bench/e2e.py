@@ -1,0 +1,396 @@
+"""``tierstate bench e2e``: a whole training step of GPT-2 small, tierstate against the alternatives.
+
+    python -m tierstate.bench.e2e [--modes torch,cpu,nvme,ds_z2_cpu,ds_z3_nvme] [--steps 6]
+                                  [--warmup 2] [--repeats 2] [--json out.json] [--nvme-dir DIR]
+
+GPT-2 124M built from a transformers config (random init, nothing downloaded), batch
+2 x 256 random tokens, labels = inputs, fp32 parameters, bf16 autocast. Modes:
+
+=============  ==================================================================
+``torch``      ``torch.optim.AdamW(fused=True)``: the plain-PyTorch baseline
+``cpu``        ``tierstate.AdamW(offload="cpu")``: state in host RAM
+``nvme``       ``tierstate.AdamW(offload="nvme")``: state in files under ``--nvme-dir``
+``ds_z2_cpu``  DeepSpeed ZeRO-2, optimizer offloaded to the CPU (its bf16 mode)
+``ds_z3_nvme`` DeepSpeed ZeRO-3, optimizer offloaded to NVMe (its bf16 mode)
+=============  ==================================================================
+
+Each run of a mode is a process of its own (:mod:`tierstate.bench._e2e_worker`), so its
+peak RSS is its own. DeepSpeed modes run under ``--peers-python`` (default: this
+interpreter if it imports deepspeed, else ``.peers-venv/bin/python`` next to the
+package); where deepspeed does not import they are reported "not importable" and the
+rest still runs.
+
+[Note: why modes alternate]
+This machine's memory bandwidth switches between two levels ~1.7x apart over seconds to
+minutes, and the forward and backward of a CPU model are bandwidth-bound. A mode run
+entirely inside a slow phase would look 1.7x worse than its neighbour, so the modes run
+round-robin ``--repeats`` times, in reversed order every other round, and the report
+gives the median over all timed steps with the min-max, plus each target's ratio per
+round (modes of one round ran minutes apart at most).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ._e2e_worker import DEEPSPEED_MODES, MODES, TIERSTATE_MODES, add_model_arguments
+
+_GIB = 2**30
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the tierstate package
+
+# Figures measured on this machine kind (peers/RESULTS.md section 4, bf16, two runs), used only
+# to put a number next to a target when DeepSpeed cannot run here: not a verdict.
+REFERENCE_STEP_S = {"torch": (1.17, 1.34), "ds_z2_cpu": (1.54, 2.09), "ds_z3_nvme": (3.02, 3.25)}
+
+
+# (name, numerator mode, denominator mode, limit): step-time ratios the NVMe issue sets.
+TIME_TARGETS = (
+    ("nvme vs DeepSpeed ZeRO-3 NVMe", "nvme", "ds_z3_nvme", 0.5),
+    ("nvme vs plain torch", "nvme", "torch", 1.3),
+    ("cpu vs DeepSpeed ZeRO-2 CPU", "cpu", "ds_z2_cpu", 0.8),
+)
+
+
+def _modes(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(MODES)}")
+    return list(dict.fromkeys(names))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the end-to-end benchmark."""
+    parser.add_argument("--modes", type=_modes, default=list(MODES),
+                        help=f"comma list of modes to run (default: all of {','.join(MODES)})")
+    parser.add_argument("--steps", type=_positive, default=6, help="timed steps per run (default 6)")
+    parser.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--repeats", type=_positive, default=2,
+                        help="runs of every mode, order alternating (default 2)")
+    parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to PATH as JSON")
+    parser.add_argument("--nvme-dir", default=None,
+                        help="folder for the nvme modes' state files (default: TIERSTATE_NVME_DIR or the "
+                             "tierstate cache dir); each run makes and removes its own sub-folder")
+    parser.add_argument("--threads", type=_positive, default=2,
+                        help="torch and tierstate threads per run (default 2: this machine's cores)")
+    parser.add_argument("--peers-python", default=None,
+                        help="interpreter that imports deepspeed, for the ds_* modes (default: this one if it "
+                             "can, else TIERSTATE_PEERS_PYTHON, else .peers-venv/bin/python)")
+    parser.add_argument("--timeout", type=_positive, default=1800, help="seconds allowed per run (default 1800)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a 2-layer, 64-wide GPT-2 on 2 x 32 tokens, with 16 Ki-element sub-groups and a "
+                             "2-buffer NVMe pool so the tier still streams: a smoke test of seconds")
+    add_model_arguments(parser)
+
+
+def _apply_tiny(args: argparse.Namespace) -> None:
+    args.layers, args.embd, args.heads, args.vocab, args.seq = 2, 64, 2, 1024, 32
+    if args.subgroup_numel is None:
+        args.subgroup_numel = 1 << 14
+    if args.buffer_count is None:
+        args.buffer_count = 2
+
+
+# -- running ----------------------------------------------------------------------------------
+def _child_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(OMP_NUM_THREADS=str(threads), TIERSTATE_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def find_peers_python(explicit: str | None) -> str | None:
+    """The interpreter to run DeepSpeed modes with (see ``--peers-python``), or None."""
+    if explicit:
+        return explicit
+    if importlib.util.find_spec("deepspeed") is not None:
+        return sys.executable
+    env = os.environ.get("TIERSTATE_PEERS_PYTHON")
+    if env:
+        return env
+    venv = _PACKAGE_ROOT / ".peers-venv" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def probe_deepspeed(python: str | None, threads: int) -> tuple[bool, str]:
+    """(importable, what was found) for ``python``."""
+    if python is None:
+        return False, "not importable: no interpreter with deepspeed (set --peers-python or make .peers-venv)"
+    try:
+        done = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"],
+                              env=_child_env(threads), capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"not importable: {python}: {exc}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return False, f"not importable under {python}: {last}"
+    return True, f"deepspeed {done.stdout.strip().splitlines()[-1]} under {python}"
+
+
+def _worker_command(python: str, mode: str, args: argparse.Namespace, out: Path, nvme_dir: Path) -> list[str]:
+    cmd = [python, "-m", "tierstate.bench._e2e_worker", "--mode", mode, "--out", str(out),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--nvme-dir", str(nvme_dir), "--layers", str(args.layers), "--embd", str(args.embd),
+           "--heads", str(args.heads), "--vocab", str(args.vocab), "--batch", str(args.batch),
+           "--seq", str(args.seq)]
+    if args.subgroup_numel is not None:
+        cmd += ["--subgroup-numel", str(args.subgroup_numel)]
+    if args.buffer_count is not None:
+        cmd += ["--buffer-count", str(args.buffer_count)]
+    return cmd
+
+
+def run_one(mode: str, python: str, args: argparse.Namespace, nvme_dir: Path, workdir: Path, tag: str) -> dict:
+    """One run of ``mode`` in its own process; a failed run is returned with its error, not raised."""
+    out = workdir / f"{mode}-{tag}.json"
+    cmd = _worker_command(python, mode, args, out, nvme_dir)
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(cmd, env=_child_env(args.threads), capture_output=True, text=True,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "status": f"failed: no result within --timeout {args.timeout} s"}
+    wall = time.perf_counter() - t0
+    if done.returncode != 0 or not out.exists():
+        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"exit code {done.returncode}"
+        return {"mode": mode, "status": f"failed: {why}", "stderr_tail": "\n".join(lines[-25:])}
+    result = json.loads(out.read_text())
+    result["process_wall_s"] = wall
+    return result
+
+
+# -- aggregating ------------------------------------------------------------------------------
+def _timed(run: dict) -> list[dict]:
+    return [s for s in run.get("steps", []) if not s["warmup"]]
+
+
+def _spread(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(mode: str, runs: list[dict]) -> dict:
+    """Medians and min-max over every timed step of every successful run of ``mode``."""
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if not ok:
+        return {"mode": mode, "status": runs[0]["status"] if runs else "not run"}
+    steps = [s for r in ok for s in _timed(r)]
+    summary = {
+        "mode": mode, "status": "ok", "runs": len(ok), "failed_runs": len(runs) - len(ok),
+        "nparams": ok[0]["nparams"],
+        **{key: _spread([s[key] for s in steps]) for key in ("total", "fwd", "bwd", "opt")},
+        "run_medians_s": [statistics.median(s["total"] for s in _timed(r)) for r in ok],
+        "peak_rss_bytes": _spread([r["peak_rss_bytes"] for r in ok]),
+        "rss_after_setup_bytes": _spread([r["rss_after_setup_bytes"] for r in ok]),
+    }
+    with_phases = [s for s in steps if "phases" in s]
+    if with_phases:
+        names = sorted({k for s in with_phases for k in s["phases"]})
+        summary["phases_s"] = {k: statistics.median(s["phases"].get(k, 0.0) for s in with_phases) for k in names}
+        moved = sorted({k for s in with_phases for k in s["bytes"]})
+        summary["bytes_per_step"] = {k: statistics.median(s["bytes"].get(k, 0) for s in with_phases) for k in moved}
+    for key in ("deepspeed", "optimizer", "io_backend", "tier_bytes"):
+        if key in ok[0]:
+            summary[key] = ok[0][key]
+    return summary
+
+
+ISSUE_SHAPE = {"layers": 12, "embd": 768, "heads": 12, "vocab": 50257, "batch": 2, "seq": 256}
+
+
+def is_issue_shape(args: argparse.Namespace) -> bool:
+    """Whether the run is the issue's GPT-2 124M at 2 x 256 (the only shape the targets are set for)."""
+    return all(getattr(args, k) == v for k, v in ISSUE_SHAPE.items())
+
+
+def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool) -> list[dict]:
+    """Each target of the issue: ratio of medians, per-round ratios, and whether it holds.
+
+    ``met`` is None where a side did not run, or where the model is not the issue's shape
+    (the ratios are still given, as information)."""
+    out = []
+    for name, num, den, limit in TIME_TARGETS:
+        entry = {"target": name, "limit": limit, "numerator": num, "denominator": den}
+        a, b = summaries.get(num, {}), summaries.get(den, {})
+        if a.get("status") == "ok" and b.get("status") == "ok":
+            ratio = a["total"]["median"] / b["total"]["median"]
+            per_round = []
+            for rnd in rounds:
+                ra, rb = rnd.get(num), rnd.get(den)
+                if ra and rb and ra.get("status") == "ok" and rb.get("status") == "ok":
+                    ma = statistics.median(s["total"] for s in _timed(ra))
+                    mb = statistics.median(s["total"] for s in _timed(rb))
+                    per_round.append(ma / mb)
+            entry.update(ratio=ratio, per_round=per_round, met=(ratio <= limit) if issue_shape else None)
+        elif a.get("status") == "ok" and den in REFERENCE_STEP_S and issue_shape:
+            lo, hi = REFERENCE_STEP_S[den]
+            entry.update(ratio=None, met=None, reference_ratio=(a["total"]["median"] / hi, a["total"]["median"] / lo),
+                         note=f"{den} {b.get('status', 'not run')}; against RESULTS.md's {lo}-{hi} s (another run)")
+        else:
+            entry.update(ratio=None, met=None, note="not measured: " + ", ".join(
+                f"{m} {summaries.get(m, {}).get('status', 'not run')}" for m in (num, den)
+                if summaries.get(m, {}).get("status") != "ok"))
+        out.append(entry)
+    a, b = summaries.get("nvme", {}), summaries.get("torch", {})
+    entry = {"target": "nvme peak RSS below plain torch's", "numerator": "nvme", "denominator": "torch"}
+    if a.get("status") == "ok" and b.get("status") == "ok":
+        ra, rb = a["peak_rss_bytes"]["max"], b["peak_rss_bytes"]["min"]
+        entry.update(ratio=ra / rb, limit=1.0, met=(ra < rb) if issue_shape else None,
+                     note="max over nvme runs vs min over torch runs")
+    else:
+        entry.update(ratio=None, met=None, limit=1.0, note="not measured")
+    out.append(entry)
+    return out
+
+
+# -- reporting --------------------------------------------------------------------------------
+def _fmt_spread(s: dict, digits: int = 2) -> str:
+    if s["median"] is None:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
+    """The table, the tierstate phases and the targets, as printed."""
+    load = (meta["loadavg_start"][0], meta["loadavg_end"][0])
+    lines = [f"GPT-2 {meta['nparams_text']} batch {meta['batch']} x {meta['seq']}, {meta['steps']} timed steps after "
+             f"{meta['warmup']} warm-up, {meta['repeats']} run(s) per mode, threads {meta['threads']}, "
+             f"load average {load[0]:.2f} at start, {load[1]:.2f} at end",
+             "seconds: median (min-max) over all timed steps; peak RSS: median over runs"]
+    cpus = os.cpu_count() or 1
+    if max(load) > cpus:
+        lines.append(f"WARNING: load average above this machine's {cpus} CPUs: other work shared it, so the "
+                     "times are not comparable with quiet-machine figures (peak RSS and bytes are)")
+    lines.append("")
+    header = ("mode", "step s", "fwd s", "bwd s", "opt s", "peak RSS GiB", "run medians s")
+    rows, not_run = [], []
+    for mode, s in summaries.items():
+        if s["status"] != "ok":
+            not_run.append(f"{mode}: {s['status']}")
+            continue
+        rss = s["peak_rss_bytes"]
+        rows.append((mode, _fmt_spread(s["total"]), _fmt_spread(s["fwd"]), _fmt_spread(s["bwd"]),
+                     _fmt_spread(s["opt"], 3), f"{rss['median'] / _GIB:.2f} ({rss['min'] / _GIB:.2f}-{rss['max'] / _GIB:.2f})",
+                     " ".join(f"{v:.2f}" for v in s["run_medians_s"])))
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    for r in (header, tuple("-" * w for w in widths), *rows):
+        lines.append("  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)).rstrip())
+    lines.extend(not_run)
+    for mode in TIERSTATE_MODES:
+        s = summaries.get(mode, {})
+        if s.get("status") == "ok" and s.get("phases_s"):
+            ranked = sorted(s["phases_s"].items(), key=lambda kv: -kv[1])
+            phases = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in ranked if v > 0)
+            moved = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in s.get("bytes_per_step", {}).items() if v)
+            lines.append(f"{mode}: opt.step() phases, ms (median): {phases}" + (f"; per step: {moved}" if moved else ""))
+    lines.append("")
+    for t in targets:
+        if t["ratio"] is not None:
+            verdict = {True: "met", False: "MISSED", None: "no verdict (not the issue's model shape)"}[t["met"]]
+            rounds = " ".join(f"{r:.2f}" for r in t.get("per_round", []))
+            lines.append(f"target {t['target']}: {t['ratio']:.2f} (limit {t['limit']}) {verdict}"
+                         + (f"; per round {rounds}" if rounds else "") + (f"; {t['note']}" if t.get("note") else ""))
+        elif t.get("reference_ratio"):
+            lo, hi = t["reference_ratio"]
+            lines.append(f"target {t['target']}: {lo:.2f}-{hi:.2f} (limit {t['limit']}) NOT A VERDICT: {t['note']}")
+        else:
+            lines.append(f"target {t['target']}: {t['note']}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the benchmark described by ``args`` (see :func:`add_arguments`); returns an exit code:
+    0 when every requested mode that can run here ran, 1 when a run failed."""
+    if args.tiny:
+        _apply_tiny(args)
+    if args.nvme_dir is None:
+        from ..placement import default_nvme_root
+        args.nvme_dir = str(default_nvme_root())
+    nvme_dir = Path(args.nvme_dir)
+    python_of = {m: sys.executable for m in args.modes}
+    unavailable = {}
+    if any(m in DEEPSPEED_MODES for m in args.modes):
+        peers = find_peers_python(args.peers_python)
+        ok, what = probe_deepspeed(peers, args.threads)
+        print(f"DeepSpeed: {what}", flush=True)
+        for m in DEEPSPEED_MODES:
+            if m in args.modes:
+                if ok:
+                    python_of[m] = peers
+                else:
+                    unavailable[m] = what
+    runnable = [m for m in args.modes if m not in unavailable]
+    meta = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
+            "batch": args.batch, "seq": args.seq, "layers": args.layers, "embd": args.embd, "vocab": args.vocab,
+            "nvme_dir": str(nvme_dir), "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+    rounds: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tierstate-e2e-") as tmp:
+        for r in range(args.repeats):
+            order = runnable if r % 2 == 0 else runnable[::-1]
+            rnd = {}
+            for mode in order:
+                print(f"round {r + 1}/{args.repeats}: {mode} (load {os.getloadavg()[0]:.2f})", flush=True)
+                result = run_one(mode, python_of[mode], args, nvme_dir, Path(tmp), f"r{r}")
+                if result["status"] != "ok":
+                    print(f"  {mode}: {result['status']}", flush=True)
+                runs[mode].append(result)
+                rnd[mode] = result
+            rounds.append(rnd)
+    summaries = {}
+    for mode in args.modes:
+        summaries[mode] = {"mode": mode, "status": unavailable[mode]} if mode in unavailable else summarize(mode, runs[mode])
+    meta["loadavg_end"] = os.getloadavg()
+    nparams = next((s["nparams"] for s in summaries.values() if s.get("status") == "ok"), None)
+    meta["nparams"] = nparams
+    meta["nparams_text"] = f"{nparams / 1e6:.1f}M" if nparams else "(no run)"
+    meta["issue_shape"] = is_issue_shape(args)
+    targets = evaluate_targets(summaries, rounds, meta["issue_shape"])
+    print(format_report(summaries, targets, meta), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "summaries": summaries, "targets": targets,
+                                               "runs": runs}, indent=1, default=str))
+    failed = [m for m in runnable if any(r.get("status") != "ok" for r in runs[m])]
+    for m in failed:
+        tail = next(r.get("stderr_tail") for r in runs[m] if r.get("status") != "ok")
+        if tail:
+            print(f"--- {m} stderr (last lines) ---\n{tail}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="tierstate bench e2e", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -1,0 +1,264 @@
+"""``tierstate bench step``: the host optimizer step against its memory-bandwidth floor.
+
+Mixed-precision AdamW (bf16 gradient in, bf16 weight out, fp32 master) measured in one
+process, interleaved round-robin so that every variant sees the same memory-bandwidth
+phase (on shared VMs it can move by ~1.7x within seconds), reported as medians:
+
+- ``native``           tierstate's fused kernel, fp32 moments: 28 B/param
+- ``native-bf16-moments`` the same with bf16 moments: 20 B/param
+- ``torch-fused+casts`` torch AdamW(fused=True) plus the two casts a user needs
+                        (bf16 grad -> fp32 grad, fp32 weight -> bf16): 40 B/param
+- ``torch-foreach+casts`` the same with foreach=True: 40 B/param
+- ``deepspeed+copy``    DeepSpeedCPUAdam plus the same casts, when importable: 40 B/param
+- ``floor``             torch AdamW(fused=True) on fp32 grad/param alone: the 28 B/param
+                        a fused step must move, at the speed torch moves it
+
+Bytes per parameter count the traffic a step needs (reads + writes of each array once,
+no write-allocate): native = read grad 2 + master 4 + m 4 + v 4, write master 4 + m 4 +
+v 4 + bf16 weight 2. GB/s = bytes/param * params / time, 1e9 B.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import kernels
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+VARIANTS = ("native", "native-bf16-moments", "torch-fused+casts", "torch-foreach+casts",
+            "deepspeed+copy", "floor")
+BYTES_PER_PARAM = {"native": 28, "native-bf16-moments": 20, "torch-fused+casts": 40,
+                   "torch-foreach+casts": 40, "deepspeed+copy": 40, "floor": 28}
+
+
+@dataclass
+class Row:
+    params: int
+    threads: int
+    variant: str
+    bytes_per_param: int
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    params_per_s: float
+    gb_per_s: float
+    vs_floor: float  # time / floor time (same size, threads, run)
+
+
+def _parse_sizes(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(part[-1:], 1)
+        try:
+            sizes.append(int(float(part[:-1] if mult != 1 else part) * mult))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sizes: {part!r} is not a count like 25M or 1000000") from None
+    return sizes
+
+
+def _parse_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=_parse_sizes, default=_parse_sizes("25M,100M"),
+                        help="parameter counts, comma-separated (default: 25M,100M)")
+    parser.add_argument("--threads", type=_parse_ints, default=[1, 2],
+                        help="thread counts, comma-separated (default: 1,2)")
+    parser.add_argument("--reps", type=int, default=15, help="timed rounds per variant (default 15)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+
+
+def _deepspeed_adam() -> type | None:
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+    except Exception:  # not installed, or its JIT build failed: the row is skipped
+        return None
+    return DeepSpeedCPUAdam
+
+
+def _build(n: int, variants: list[str]) -> dict[str, Callable[[], None]]:
+    """Allocates each variant's buffers once; returns one step callable per variant."""
+    gen = torch.Generator().manual_seed(0)
+    grad_bf16 = torch.randn(n, generator=gen).bfloat16()
+    weight_bf16 = torch.empty(n, dtype=torch.bfloat16)
+    steps: dict[str, Callable[[], None]] = {}
+    step_count = [0]
+
+    def adam_kwargs() -> dict:
+        step_count[0] += 1
+        t = min(step_count[0], 1000)
+        return dict(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+                    decoupled=True, bias_correction1=1 - BETAS[0] ** t,
+                    bias_correction2=1 - BETAS[1] ** t)
+
+    if "native" in variants or "native-bf16-moments" in variants:
+        master = torch.randn(n, generator=gen)
+    if "native" in variants:
+        m, v = torch.zeros(n), torch.zeros(n)
+        steps["native"] = lambda: kernels.adam_update(master, grad_bf16, m, v, None, weight_bf16,
+                                                      **adam_kwargs())
+    if "native-bf16-moments" in variants:
+        mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+        steps["native-bf16-moments"] = lambda: kernels.adam_update(
+            master, grad_bf16, mb, vb, None, weight_bf16, **adam_kwargs())
+
+    torch_variants = {"torch-fused+casts", "torch-foreach+casts", "floor"} & set(variants)
+    if torch_variants:
+        param = torch.nn.Parameter(torch.randn(n, generator=gen))
+        param.grad = grad_bf16.float()
+        if {"torch-fused+casts", "floor"} & torch_variants:
+            fused = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS,
+                                      weight_decay=WEIGHT_DECAY, fused=True)
+
+            def fused_casts() -> None:
+                param.grad.copy_(grad_bf16)
+                fused.step()
+                weight_bf16.copy_(param.detach())
+
+            steps["torch-fused+casts"] = fused_casts
+            steps["floor"] = fused.step
+        if "torch-foreach+casts" in torch_variants:
+            foreach = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS,
+                                        weight_decay=WEIGHT_DECAY, foreach=True)
+
+            def foreach_casts() -> None:
+                param.grad.copy_(grad_bf16)
+                foreach.step()
+                weight_bf16.copy_(param.detach())
+
+            steps["torch-foreach+casts"] = foreach_casts
+
+    ds_adam = _deepspeed_adam() if "deepspeed+copy" in variants else None
+    if ds_adam is not None:
+        ds_param = torch.nn.Parameter(torch.randn(n, generator=gen))
+        ds_param.grad = torch.empty(n)
+        ds = ds_adam([ds_param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                     adamw_mode=True)
+
+        def ds_copy() -> None:
+            ds_param.grad.copy_(grad_bf16)
+            ds.step()
+            weight_bf16.copy_(ds_param.detach())
+
+        steps["deepspeed+copy"] = ds_copy
+    return {name: steps[name] for name in variants if name in steps}
+
+
+def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int) -> list[Row]:
+    torch.set_num_threads(threads)
+    kernels.set_num_threads(threads)
+    steps = _build(n, variants)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    with torch.no_grad():
+        for rnd in range(warmup + reps):
+            for name, step in steps.items():  # round-robin: each round sees one phase
+                t0 = time.perf_counter()
+                step()
+                elapsed = time.perf_counter() - t0
+                if rnd >= warmup:
+                    times[name].append(elapsed)
+    floor = statistics.median(times["floor"]) if "floor" in times else float("nan")
+    rows = []
+    for name, samples in times.items():
+        med = statistics.median(samples)
+        rows.append(Row(n, threads, name, BYTES_PER_PARAM[name], med * 1e3, min(samples) * 1e3,
+                        max(samples) * 1e3, n / med, BYTES_PER_PARAM[name] * n / med / 1e9,
+                        med / floor))
+    del steps
+    return rows
+
+
+def _print_table(rows: list[Row]) -> None:
+    headers = ["params", "threads", "variant", "B/param", "median ms", "min-max ms", "Gparam/s",
+               "GB/s", "x floor"]
+    cells = [[f"{r.params / 1e6:g}M", str(r.threads), r.variant, str(r.bytes_per_param),
+              f"{r.median_ms:.1f}", f"{r.min_ms:.1f}-{r.max_ms:.1f}", f"{r.params_per_s / 1e9:.2f}",
+              f"{r.gb_per_s:.0f}", f"{r.vs_floor:.2f}"] for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+        for c in cells:
+            print("  ".join(x.ljust(w) for x, w in zip(c, widths)))
+        return
+    table = Table(title="AdamW step, bf16 grad in / bf16 weight out (medians, interleaved)")
+    for h in headers:
+        table.add_column(h, justify="left" if h == "variant" else "right")
+    for c in cells:
+        table.add_row(*c)
+    Console(width=max(Console().width, 132)).print(table)
+
+
+def _summary(rows: list[Row]) -> list[str]:
+    lines = []
+    groups = sorted({(r.params, r.threads) for r in rows})
+    for params, threads in groups:
+        by = {r.variant: r for r in rows if (r.params, r.threads) == (params, threads)}
+        nat = by.get("native")
+        if nat is None:
+            continue
+        parts = [f"{params / 1e6:g}M, {threads} thr: native = {nat.vs_floor:.2f}x floor"]
+        if "torch-fused+casts" in by:
+            parts.append(f"{by['torch-fused+casts'].median_ms / nat.median_ms:.2f}x faster than torch fused+casts")
+        if "deepspeed+copy" in by:
+            parts.append(f"{by['deepspeed+copy'].median_ms / nat.median_ms:.2f}x faster than deepspeed+copy")
+        if "native-bf16-moments" in by:
+            parts.append(f"bf16 moments = {by['native-bf16-moments'].vs_floor:.2f}x floor")
+        lines.append("; ".join(parts))
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if args.reps < 1 or args.warmup < 0:
+        print("--reps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return 2
+    if "deepspeed+copy" in variants and _deepspeed_adam() is None:
+        print("note: deepspeed is not importable; its row is skipped", file=sys.stderr)
+    info = kernels.backend_info()
+    load1, load5, _ = os.getloadavg()
+    print(f"kernels: isa={info['isa']} native={info['native']}; torch {torch.__version__} "
+          f"(cpu capability {torch.backends.cpu.get_cpu_capability()}); load average {load1:.2f} {load5:.2f}")
+    rows: list[Row] = []
+    for n in args.sizes:
+        for threads in args.threads:
+            rows.extend(measure(n, threads, variants, args.reps, args.warmup))
+    _print_table(rows)
+    for line in _summary(rows):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": info, "load_average": [load1, load5], "rows": [asdict(r) for r in rows]},
+                      f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m tierstate.bench.step", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

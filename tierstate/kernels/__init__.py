@@ -1,0 +1,35 @@
+"""Optimizer kernels for the host tier: one fused pass per parameter chunk.
+
+The faces (``adam_update``, ``lion_update``, ``sgd_update``, ``adagrad_update``,
+``grad_sumsq``) take CPU tensors, validate them and run the native kernel for the
+widest ISA variant this CPU supports, or the pure-torch reference in ``reference.py``
+when the native module is unavailable. ``backend_info()`` says which; ``set_isa`` /
+``TIERSTATE_ISA`` and ``set_num_threads`` / ``TIERSTATE_NUM_THREADS`` choose.
+"""
+from .backend import (
+    available_isas,
+    backend_info,
+    current_isa,
+    default_num_threads,
+    get_num_threads,
+    set_isa,
+    set_num_threads,
+    use_isa,
+)
+from .ops import adagrad_update, adam_update, grad_sumsq, lion_update, sgd_update
+
+__all__ = [
+    "adam_update",
+    "lion_update",
+    "sgd_update",
+    "adagrad_update",
+    "grad_sumsq",
+    "available_isas",
+    "backend_info",
+    "current_isa",
+    "default_num_threads",
+    "get_num_threads",
+    "set_isa",
+    "set_num_threads",
+    "use_isa",
+]

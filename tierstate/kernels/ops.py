@@ -1,0 +1,254 @@
+"""The kernel faces: validate tensors, then run the native kernel (or the reference).
+
+Signatures and semantics are those of ``reference.py`` (the kernel contract is in its
+docstring). Each face checks its tensors (CPU, contiguous, equal ``numel``, allowed
+dtypes) and raises TypeError/ValueError naming the argument, then hands the native
+kernel raw data pointers, the element count, dtype codes and the hyper-parameters;
+the kernel runs with the GIL released. Without the native module (or with
+``set_isa("reference")``) the same call runs the pure-torch reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .backend import native_kernels
+
+_F32, _BF16, _F16, _NONE = 0, 1, 2, 3
+_GRAD_DTYPES = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
+_MOMENT_DTYPES = {torch.float32: _F32, torch.bfloat16: _BF16}
+_OUT_DTYPES = {torch.bfloat16: _BF16, torch.float16: _F16}
+
+
+def _names(codes: dict) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in codes)
+
+
+def _check(op: str, name: str, t: object, n: int) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{op}: {name} is on {t.device}; the host kernels need CPU tensors (use .cpu())")
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (pass {name}.contiguous() or a flat view)")
+    if t.numel() != n:
+        raise ValueError(f"{op}: {name} has {t.numel()} elements but weight has {n}; all tensors must match")
+    return t
+
+
+def _weight(op: str, weight: object) -> int:
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    n = weight.numel()
+    _check(op, "weight", weight, n)
+    if weight.dtype != torch.float32:
+        raise TypeError(f"{op}: weight must be float32 (the fp32 master), got {weight.dtype}")
+    return n
+
+
+def _dtype_code(op: str, name: str, t: Tensor, codes: dict) -> int:
+    code = codes.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; allowed: {_names(codes)}")
+    return code
+
+
+def _grad(op: str, grad: object, n: int) -> int:
+    return _dtype_code(op, "grad", _check(op, "grad", grad, n), _GRAD_DTYPES)
+
+
+def _moments(op: str, n: int, **moments: Tensor | None) -> int:
+    """Checks the state tensors (None = absent); they must all share one dtype."""
+    code = None
+    first = ""
+    for name, t in moments.items():
+        if t is None:
+            continue
+        c = _dtype_code(op, name, _check(op, name, t, n), _MOMENT_DTYPES)
+        if code is None:
+            code, first = c, name
+        elif c != code:
+            raise TypeError(
+                f"{op}: {name} is {t.dtype} but {first} is {moments[first].dtype}; "
+                "the moments of one tensor must share a dtype"
+            )
+    return _F32 if code is None else code
+
+
+def _out(op: str, weight_out: object, n: int) -> tuple[int, int]:
+    if weight_out is None:
+        return 0, _NONE
+    t = _check(op, "weight_out", weight_out, n)
+    return t.data_ptr(), _dtype_code(op, "weight_out", t, _OUT_DTYPES)
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def adam_update(
+    weight: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Tensor | None = None,
+    weight_out: Tensor | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    bias_correction1: float,
+    bias_correction2: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+) -> None:
+    """Adam (``decoupled=False``) / AdamW (``decoupled=True``) in place, torch semantics.
+
+    ``weight`` (fp32) and the moments (fp32 or bf16) are updated; ``max_exp_avg_sq``
+    enables amsgrad; ``weight_out`` (bf16/fp16) receives the new weight rounded to
+    nearest even in the same pass. Bias corrections come from the caller's step count.
+    """
+    op = "adam_update"
+    n = _weight(op, weight)
+    g = _grad(op, grad, n)
+    m = _moments(op, n, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
+    out_ptr, o = _out(op, weight_out, n)
+    kernels = native_kernels()
+    if kernels is None:
+        reference.adam_update(
+            weight, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_out, lr=lr, beta1=beta1,
+            beta2=beta2, eps=eps, weight_decay=weight_decay, decoupled=decoupled,
+            bias_correction1=bias_correction1, bias_correction2=bias_correction2,
+            maximize=maximize, grad_scale=grad_scale,
+        )
+        return
+    kernels.adam_update(
+        weight.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+        _ptr(max_exp_avg_sq), out_ptr, n, g, m, o, float(lr), float(beta1), float(beta2),
+        float(eps), float(weight_decay), bool(decoupled), float(bias_correction1),
+        float(bias_correction2), bool(maximize), float(grad_scale),
+    )
+
+
+def lion_update(
+    weight: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    weight_out: Tensor | None = None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+) -> None:
+    """Lion in place (Chen et al. 2023): sign of the interpolated momentum, decoupled decay."""
+    op = "lion_update"
+    n = _weight(op, weight)
+    g = _grad(op, grad, n)
+    m = _moments(op, n, exp_avg=exp_avg)
+    out_ptr, o = _out(op, weight_out, n)
+    kernels = native_kernels()
+    if kernels is None:
+        reference.lion_update(
+            weight, grad, exp_avg, weight_out, lr=lr, beta1=beta1, beta2=beta2,
+            weight_decay=weight_decay, maximize=maximize, grad_scale=grad_scale,
+        )
+        return
+    kernels.lion_update(
+        weight.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), out_ptr, n, g, m, o, float(lr),
+        float(beta1), float(beta2), float(weight_decay), bool(maximize), float(grad_scale),
+    )
+
+
+def sgd_update(
+    weight: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor | None = None,
+    weight_out: Tensor | None = None,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool = False,
+    first_step: bool = False,
+    grad_scale: float = 1.0,
+) -> None:
+    """SGD in place with optional (Nesterov) momentum, torch semantics.
+
+    ``first_step=True`` starts the momentum buffer at the gradient (torch's clone).
+    """
+    op = "sgd_update"
+    n = _weight(op, weight)
+    g = _grad(op, grad, n)
+    if momentum != 0 and momentum_buffer is None:
+        raise ValueError(f"{op}: momentum={momentum} needs a momentum_buffer tensor (or pass momentum=0)")
+    m = _moments(op, n, momentum_buffer=momentum_buffer)
+    out_ptr, o = _out(op, weight_out, n)
+    kernels = native_kernels()
+    if kernels is None:
+        reference.sgd_update(
+            weight, grad, momentum_buffer, weight_out, lr=lr, momentum=momentum,
+            dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+            maximize=maximize, first_step=first_step, grad_scale=grad_scale,
+        )
+        return
+    kernels.sgd_update(
+        weight.data_ptr(), grad.data_ptr(), _ptr(momentum_buffer), out_ptr, n, g, m, o, float(lr),
+        float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
+        bool(first_step), float(grad_scale),
+    )
+
+
+def adagrad_update(
+    weight: Tensor,
+    grad: Tensor,
+    state_sum: Tensor,
+    weight_out: Tensor | None = None,
+    *,
+    clr: float,
+    weight_decay: float,
+    eps: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+) -> None:
+    """Adagrad in place, torch semantics; ``clr = lr / (1 + (step - 1) * lr_decay)``."""
+    op = "adagrad_update"
+    n = _weight(op, weight)
+    g = _grad(op, grad, n)
+    m = _moments(op, n, state_sum=state_sum)
+    out_ptr, o = _out(op, weight_out, n)
+    kernels = native_kernels()
+    if kernels is None:
+        reference.adagrad_update(
+            weight, grad, state_sum, weight_out, clr=clr, weight_decay=weight_decay, eps=eps,
+            maximize=maximize, grad_scale=grad_scale,
+        )
+        return
+    kernels.adagrad_update(
+        weight.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), out_ptr, n, g, m, o, float(clr),
+        float(weight_decay), float(eps), bool(maximize), float(grad_scale),
+    )
+
+
+def grad_sumsq(grad: Tensor, scale: float = 1.0) -> float:
+    """Sum of squares of ``grad * scale`` accumulated in float64; inf/nan propagate.
+
+    For gradient-norm clipping and non-finite detection in one read of the gradient.
+    The native result does not depend on the thread count.
+    """
+    op = "grad_sumsq"
+    if not isinstance(grad, Tensor):
+        raise TypeError(f"{op}: grad must be a torch.Tensor, got {type(grad).__name__}")
+    g = _grad(op, grad, grad.numel())
+    kernels = native_kernels()
+    if kernels is None:
+        return reference.grad_sumsq(grad, scale)
+    return float(kernels.grad_sumsq(grad.data_ptr(), grad.numel(), g, float(scale)))
