@@ -5,14 +5,37 @@ streamed with overlap; the model's parameters stay where the user put them.
 
     import tierstate as ts
     opt = ts.AdamW(model.parameters(), lr=3e-4, offload="cpu")   # or "nvme", or ts.Offload(...)
+
+The public names are imported on first use (PEP 562), so ``tierstate --help`` and other
+commands that do not train start without importing torch (~1.5 s of CPU).
 """
-from . import telemetry  # noqa: F401 - installs the "tierstate" logger's NullHandler
-from .checkpoint import load_optimizer, save_optimizer
-from .optim import SGD, Adagrad, Adam, AdamW, Lion, OffloadOptimizer
-from .placement import Offload
+from __future__ import annotations
+
+import importlib
+import logging
+
+# A library logs to "tierstate" and lets the application decide where it goes.
+logging.getLogger("tierstate").addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
-__all__ = [
-    "Adam", "AdamW", "SGD", "Lion", "Adagrad", "Offload", "OffloadOptimizer",
-    "save_optimizer", "load_optimizer", "__version__",
-]
+
+_EXPORTS = {
+    "Adam": ".optim", "AdamW": ".optim", "SGD": ".optim", "Lion": ".optim", "Adagrad": ".optim",
+    "OffloadOptimizer": ".optim",
+    "Offload": ".placement",
+    "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tierstate' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

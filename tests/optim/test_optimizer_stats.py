@@ -57,5 +57,5 @@ def test_phases_add_up_to_the_step_and_trace_is_valid(tmp_path) -> None:
     assert d["phases"]["cpu_update"] > 0 and d["phases"]["clip"] > 0
     # "other" is what no phase covered, so the main lane's phases sum to the wall time
     assert sum(d["phases"].values()) == pytest.approx(d["wall_s"], rel=1e-6, abs=1e-9)
-    opt.telemetry.stop_trace()
+    opt.stop_trace()
     validate_trace(json.loads(trace.read_text()))

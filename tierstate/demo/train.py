@@ -276,7 +276,7 @@ def _tracing(opt: tierstate.OffloadOptimizer, trace_path: str | os.PathLike | No
     try:
         yield
     finally:
-        opt.telemetry.stop_trace()
+        opt.stop_trace()
 
 
 def _warmup_cosine(steps: int):

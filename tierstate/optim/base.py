@@ -576,5 +576,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return out
 
     def trace(self, path) -> None:
-        """Start writing a Chrome/Perfetto trace of every step to ``path`` (written at stop or exit)."""
+        """Start writing a Chrome/Perfetto trace of every step to ``path``.
+
+        The file is written by :meth:`stop_trace`, or at interpreter exit; view it in Perfetto
+        or plot it with ``tierstate report PATH``. ``TIERSTATE_TRACE=path`` does the same
+        for every optimizer of a process.
+        """
         self.telemetry.start_trace(path)
+
+    def stop_trace(self):
+        """Write the trace started by :meth:`trace` and return its path."""
+        return self.telemetry.stop_trace()

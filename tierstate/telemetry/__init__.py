@@ -8,18 +8,14 @@
 - ``tierstate report TRACE`` (``python -m tierstate.telemetry.report``) plots a trace.
 - ``python -m tierstate.telemetry.overhead`` measures the per-phase cost.
 
-Logging goes to ``logging.getLogger("tierstate")``, which gets a ``NullHandler`` here so
-that an application that configures no logging sees nothing.
+Logging goes to ``logging.getLogger("tierstate")``, which ``tierstate/__init__.py`` gives
+a ``NullHandler`` so that an application that configures no logging sees nothing.
 """
-import logging
-
-logging.getLogger("tierstate").addHandler(logging.NullHandler())
-
-from .health import HealthWarning  # noqa: E402
-from .phases import CHANNELS, PHASES, register_phase  # noqa: E402
-from .recorder import TRACE_ENV, Telemetry  # noqa: E402
-from .stats import Bandwidth, StepStats  # noqa: E402
-from .trace import TraceFormatError, load_trace, validate_trace  # noqa: E402
+from .health import HealthWarning
+from .phases import CHANNELS, PHASES, register_phase
+from .recorder import TRACE_ENV, Telemetry
+from .stats import Bandwidth, StepStats
+from .trace import TraceFormatError, load_trace, validate_trace
 
 __all__ = [
     "Bandwidth", "CHANNELS", "HealthWarning", "PHASES", "StepStats", "TRACE_ENV",
