@@ -99,3 +99,12 @@ def test_dispatch_runs_the_chosen_module(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, cli.Command(("bench", "echo"), "echo_command", "echo")))
     monkeypatch.setattr(cli, "_GROUP_SUMMARIES", {"bench": "benchmarks"})
     assert cli.main(["bench", "echo", "--code", "7"]) == 7
+
+
+def test_bench_step_offload_nvme_selects_the_nvme_step_benchmark() -> None:
+    from tierstate import cli
+
+    chosen, argv = cli._step_bench_for_tier(cli.COMMANDS[3], ["bench", "step", "--offload", "nvme", "--params", "1M"])
+    assert chosen.module == "tierstate.bench.nvme_step" and argv == ["bench", "step", "--params", "1M"]
+    chosen, argv = cli._step_bench_for_tier(cli.COMMANDS[3], ["bench", "step", "--offload=cpu"])
+    assert chosen.module == "tierstate.bench.step" and argv == ["bench", "step"]

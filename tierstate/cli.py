@@ -44,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tierstate`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = _chosen_command(argv)
+    if chosen is not None and chosen.words == ("bench", "step"):
+        chosen, argv = _step_bench_for_tier(chosen, argv)
     module = None
     if chosen is not None:
         try:
@@ -66,6 +68,30 @@ def _chosen_command(argv: list[str]) -> Command | None:
     return None
 
 
+# `tierstate bench step --offload nvme` times the NVMe tier's step (its own options and
+# floor: disk bandwidth); `--offload cpu`, the default, times the host kernels.
+_NVME_STEP = Command(("bench", "step"), "tierstate.bench.nvme_step",
+                     "time the NVMe tier's optimizer step against max(disk time, CPU step)")
+
+
+def _step_bench_for_tier(command: Command, argv: list[str]) -> tuple[Command, list[str]]:
+    """Pick the step benchmark of the tier named by ``--offload`` and drop that option."""
+    rest, tier, i = [], "cpu", 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--offload" and i + 1 < len(argv):
+            tier, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--offload="):
+            tier = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if tier not in ("cpu", "nvme"):
+        raise SystemExit(f"tierstate bench step: error: --offload {tier!r}: choose cpu or nvme")
+    return (_NVME_STEP if tier == "nvme" else command), rest
+
+
 def _load(command: Command) -> ModuleType:
     module = importlib.import_module(command.module)
     missing = [name for name in ("add_arguments", "main") if not callable(getattr(module, name, None))]
@@ -84,6 +110,8 @@ def _build_parser(chosen: Command | None, module: ModuleType | None) -> argparse
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for command in COMMANDS:
+        if chosen is not None and command.words == chosen.words:
+            command = chosen  # a tier variant (bench step --offload nvme) stands in for its command
         if len(command.words) == 1:
             sub = top.add_parser(command.words[0], help=command.summary, description=command.summary)
         else:
