@@ -1,0 +1,82 @@
+"""offload="auto": the planner's choice at construction, logged with its reason."""
+import json
+import logging
+
+import pytest
+import torch
+
+import tierstate as ts
+from tierstate.placement import probe
+
+
+@pytest.fixture
+def profile(tmp_path, monkeypatch):
+    """A saved profile with this machine's real (quick) rates, where auto looks for it."""
+    path = tmp_path / "hw.json"
+    probe.save_profile(probe.run_probe([str(tmp_path / "disk")], quick=True), path)
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(path))
+    monkeypatch.setenv("TIERSTATE_NVME_DIR", str(tmp_path / "nvme"))
+    return path
+
+
+def _params(n=2, numel=1 << 20):
+    ps = [torch.nn.Parameter(torch.randn(numel)) for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(numel)
+    return ps
+
+
+def test_auto_picks_host_ram_when_it_fits_and_says_why(profile, caplog):
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        opt = ts.AdamW(_params(), offload="auto")
+    assert opt.offload.cpu == 1.0 and opt.offload.nvme == 0.0
+    msg = " ".join(r.getMessage() for r in caplog.records if "offload='auto'" in r.getMessage())
+    assert "chose Offload(cpu=1, nvme=0," in msg and "fits in host RAM" in msg and str(profile) in msg
+    opt.step()
+
+
+def test_auto_spills_to_nvme_under_a_small_host_budget(profile, caplog, monkeypatch):
+    pytest.importorskip("tierstate.tiers.nvme")
+    import psutil
+    # 8M params: 64 MiB of moments do not fit in 40 MiB beyond the parameters and gradients;
+    # 16 Mi-element sub-groups would make one record hold everything, so auto picks smaller ones.
+    monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", f"{(40 << 20) / psutil.virtual_memory().available:.6f}")
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        opt = ts.AdamW(_params(8), offload="auto")
+    assert 0.0 < opt.offload.nvme < 1.0 and opt.offload.subgroup_numel < 8 << 20
+    msg = " ".join(r.getMessage() for r in caplog.records if "offload='auto'" in r.getMessage())
+    assert "goes to NVMe" in msg
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in opt.param_groups[0]["params"]])
+    for p, q in zip(ref.param_groups[0]["params"], opt.param_groups[0]["params"]):
+        p.grad = q.grad.clone()
+    opt.step()
+    ref.step()
+    for p, q in zip(ref.param_groups[0]["params"], opt.param_groups[0]["params"]):
+        torch.testing.assert_close(q, p)
+    opt.close()
+
+
+def test_auto_without_a_profile_uses_conservative_defaults_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "none.json"))
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        ts.AdamW(_params(1, 1024), offload="auto")
+    assert any("conservative defaults" in r.getMessage() and "tierstate probe" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_auto_with_a_broken_profile_warns_and_falls_back(tmp_path, monkeypatch, caplog):
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"schema_version": 99}))
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(bad))
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        opt = ts.AdamW(_params(1, 1024), offload="auto")
+    assert opt.offload.cpu == 1.0
+    assert any(r.levelno == logging.WARNING and "schema_version 99" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_with_no_room_anywhere_is_a_valueerror(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "none.json"))
+    monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", "0.0000001")
+    monkeypatch.setattr("os.statvfs", lambda p: type("S", (), {"f_bavail": 0, "f_frsize": 4096})())
+    with pytest.raises(ValueError, match="no placement"):
+        ts.AdamW(_params(1, 1 << 20), offload="auto")

@@ -1,0 +1,73 @@
+"""`tierstate plan` end to end: JSON for machines, a table for people, exit 2 with the shortfall."""
+import argparse
+import json
+
+import pytest
+
+from tierstate.placement import plan_cli
+from tierstate.placement.plan_cli import parse_compare, parse_price, parse_size
+
+
+def run(argv, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "absent.json"))  # conservative rates, stated
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    return plan_cli.main(parser.parse_args(argv))
+
+
+def test_json_plan_for_a_builtin_shape(monkeypatch, tmp_path, capsys):
+    rc = run(["gpt2", "--device", "cpu", "--host-mem", "16GiB", "--micro-batch", "2", "--seq-len", "256", "--json"],
+             monkeypatch, tmp_path)
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"]["params"] == 124_439_808
+    assert out["placement"] == {"gpu": 0.0, "cpu": 1.0, "nvme": 0.0}
+    kinds = {(m["tier"], m["kind"]) for m in out["memory"]}
+    assert {("host", "param"), ("host", "grad"), ("host", "moments"), ("host", "activations")} <= kinds
+    assert out["time_s"]["bottleneck"] in ("compute", "cpu_step")
+    assert any("conservative defaults" in s for s in out["sources"])
+
+
+def test_table_for_people(monkeypatch, tmp_path, capsys):
+    assert run(["--params", "1.3B", "--device", "cuda", "--host-mem", "64GiB", "--device-mem", "24GiB",
+                "--compare", "big,mem=80GiB,price=3.5/h", "--price", "1.2/h"], monkeypatch, tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "pinned_rounding" in out and "predicted step" in out and "alternatives" in out and "big" in out
+
+
+def test_unmeetable_budgets_exit_2_naming_the_shortfall(monkeypatch, tmp_path, capsys):
+    rc = run(["llama-7b", "--device", "cuda", "--host-mem", "64GiB", "--disk", "12GiB", "--nvme-dir", "/x"],
+             monkeypatch, tmp_path)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "GiB of disk under /x, 12.0 GiB free" in err and "host memory" in err
+
+
+def test_given_placement_is_priced_or_refused(monkeypatch, tmp_path, capsys):
+    assert run(["--params", "100M", "--device", "cpu", "--placement", "0,0.5,0.5", "--disk", "10GiB", "--json"],
+               monkeypatch, tmp_path) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placement"] == {"gpu": 0.0, "cpu": 0.5, "nvme": 0.5} and out["totals"]["disk"] == 4 * 10**8
+    assert run(["--params", "100M", "--placement", "0,0.5,0.6"], monkeypatch, tmp_path) == 2
+    assert "sum to 1" in capsys.readouterr().err
+
+
+def test_model_must_be_given_once(monkeypatch, tmp_path, capsys):
+    assert run([], monkeypatch, tmp_path) == 2
+    assert "--params" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, value", [("40GiB", 40 * 2**30), ("500GB", 500 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
+                                         ("4096", 4096)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+def test_prices_and_compare_options():
+    assert parse_price("$2.5/h") == (2.5, "hour") and parse_price("25000") == (25000.0, "purchase")
+    opt = parse_compare("h100,mem=80GiB,price=3.5/h,speed=2")
+    assert opt == {"name": "h100", "mem": 80 * 2**30, "price": (3.5, "hour"), "speed": 2.0}
+    with pytest.raises(ValueError, match="mem="):
+        parse_compare("h100,price=3/h")
+    with pytest.raises(ValueError, match="size"):
+        parse_size("lots")

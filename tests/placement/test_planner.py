@@ -1,0 +1,142 @@
+"""The planner's arithmetic against hand-written accounting, its choices and its errors."""
+import re
+
+import pytest
+
+from tierstate.placement.model_spec import ModelSpec, resolve_model
+from tierstate.placement.planner import (GIB, Budgets, Hardware, Kind, Placement, PlanError, PlanRequest, Tier,
+                                         choose, evaluate, memory_breakdown, pow2_ceil, predict_time)
+
+HW = Hardware(source="test", host_bandwidth=40e9, step_params_per_s=2e9, sumsq_params_per_s=8e9, host_flops=1e12,
+              disk_read=2e9, disk_write=4e9, h2d=20e9, d2h=20e9, device_flops=400e12, device_bandwidth=2e12)
+LLAMA7B = resolve_model("llama-7b")
+N7 = 6_738_415_616
+
+
+def _bytes(memory, tier, kind):
+    return sum(m.nbytes for m in memory if m.tier is tier and m.kind is kind)
+
+
+def test_pow2_ceil_is_the_pinned_allocator_rounding():
+    assert [pow2_ceil(n) for n in (0, 1, 4096, 4097, 5 * GIB)] == [0, 1, 4096, 8192, 8 * GIB]
+
+
+def test_cuda_bf16_llama7b_all_on_host_matches_hand_accounting():
+    req = PlanRequest(LLAMA7B, device="cuda", param_dtype="bf16")
+    mem = memory_breakdown(req, Placement(0.0, 1.0, 0.0))
+    # FSDP-style analytic accounting, bytes per parameter:
+    #   device: 2 (bf16 param) + a 32 MiB gradient bucket in flight (+ the largest param's grad)
+    #   host:   4 (fp32 master) + 4 + 4 (fp32 moments), one pinned arena each, each rounded up
+    #           to a power of two by CachingHostAllocator;
+    #           2 (bf16 host gradient arena, 64 B aligned slices, pinned, rounded);
+    #           2 (bf16 pinned staging, one tensor per parameter, each rounded).
+    assert _bytes(mem, Tier.DEVICE, Kind.PARAM) == 2 * N7
+    assert _bytes(mem, Tier.HOST, Kind.MASTER) == 4 * N7
+    assert _bytes(mem, Tier.HOST, Kind.MOMENTS) == 8 * N7
+    grad_arena = sum((n * 2 + 63) // 64 * 64 for n in LLAMA7B.param_numels)
+    assert _bytes(mem, Tier.HOST, Kind.HOST_GRAD_BUFFER) == grad_arena
+    assert _bytes(mem, Tier.HOST, Kind.WEIGHT_STAGING) == 2 * N7
+    staging_rounding = sum(pow2_ceil(2 * n) - 2 * n for n in LLAMA7B.param_numels)
+    arena_rounding = 3 * (pow2_ceil(4 * N7) - 4 * N7)  # 26.95 GB -> 32 GiB, three times
+    assert _bytes(mem, Tier.HOST, Kind.PINNED_ROUNDING) == (arena_rounding + pow2_ceil(grad_arena) - grad_arena
+                                                            + staging_rounding)
+    assert _bytes(mem, Tier.DEVICE, Kind.GRAD) == 32 * 2**20 + 2 * LLAMA7B.largest_param
+    assert not [m for m in mem if m.tier is Tier.DISK]
+
+
+def test_cpu_fp32_has_no_master_and_no_pinned_memory():
+    spec = ModelSpec("m", (1000, 3000, 6000), source="tensors")
+    mem = memory_breakdown(PlanRequest(spec, device="cpu", param_dtype="fp32"), Placement(0.0, 1.0, 0.0))
+    # 1x fp32 param, 1x fp32 grad (param.grad), 2x fp32 moments, one 6000-element fp32 fill temporary
+    assert _bytes(mem, Tier.HOST, Kind.PARAM) == 4 * 10_000
+    assert _bytes(mem, Tier.HOST, Kind.GRAD) == 4 * 10_000
+    assert _bytes(mem, Tier.HOST, Kind.MOMENTS) == 8 * 10_000
+    assert _bytes(mem, Tier.HOST, Kind.MASTER) == 0
+    assert _bytes(mem, Tier.HOST, Kind.FIRST_STEP_TEMPORARY) == 4 * 6000
+    assert not any(m.pinned for m in mem)
+
+
+def test_nvme_split_puts_state_in_files_and_a_bounded_pool_in_ram():
+    spec = ModelSpec("m", (50_000_000, 50_000_000), source="tensors")
+    req = PlanRequest(spec, device="cpu", param_dtype="bf16", moment_dtype="bf16", subgroup_numel=1 << 22,
+                      buffer_count=3)
+    mem = memory_breakdown(req, Placement(0.0, 0.25, 0.75))
+    # 1x fp32 master + 2x bf16 moments = 8 B/param; 25M on the host, 75M in files
+    assert _bytes(mem, Tier.HOST, Kind.MASTER) == 4 * 25_000_000
+    assert _bytes(mem, Tier.HOST, Kind.MOMENTS) == 4 * 25_000_000
+    assert _bytes(mem, Tier.DISK, Kind.MASTER) + _bytes(mem, Tier.DISK, Kind.MOMENTS) == 8 * 75_000_000
+    # pool: 3 records of one 4 Mi-element sub-group: 16 MiB master + 2 x 8 MiB moments
+    assert _bytes(mem, Tier.HOST, Kind.NVME_BUFFER_POOL) == 3 * (16 + 8 + 8) * 2**20
+
+
+def test_the_choice_fills_host_ram_then_spills_to_nvme_within_budget():
+    spec = ModelSpec("m", (1_000_000_000,), source="tensors")
+    req = PlanRequest(spec, device="cpu", param_dtype="fp32")
+    fixed = 4e9 + 4e9 + 4e9  # param + grad + first-step temporary: every placement pays them
+    pool = 4 * 16 * 2**20 * 8  # 4 records of a 16 Mi-element sub-group x 2 fp32 moments
+    budget = Budgets(host=int(fixed + 0.6 * 8e9 + pool), disk=100 * GIB, disk_dir="/x")
+    plan = choose(req, HW, budget)
+    assert 0.59 < plan.placement.cpu <= 0.6 and plan.placement.nvme == pytest.approx(1 - plan.placement.cpu)
+    assert plan.tier_total(Tier.HOST) <= budget.host
+    more = Placement(0.0, plan.placement.cpu + 0.01, plan.placement.nvme - 0.01)
+    with pytest.raises(PlanError, match="host memory"):  # the chosen split is tight: 1% more does not fit
+        evaluate(req, more, HW, budget)
+    assert "NVMe" in plan.reason
+    roomy = choose(req, HW, Budgets(host=100 * GIB))  # 20 GB needed
+    assert roomy.placement == Placement(0.0, 1.0, 0.0) and "fits in host RAM" in roomy.reason
+
+
+def test_budgets_that_cannot_be_met_say_what_is_missing():
+    req = PlanRequest(LLAMA7B, device="cuda", param_dtype="bf16")
+    with pytest.raises(PlanError) as err:
+        choose(req, HW, Budgets(host=64 * GIB, disk=12 * GIB, disk_dir="/x"))
+    text = str(err.value)
+    assert re.search(r"needs \d+\.\d GiB of disk under /x, 12\.0 GiB free", text)
+    assert re.search(r"needs \d+\.\d GiB of host memory, 64\.0 GiB available", text)
+    assert "75.3 GiB" in text  # 6.74e9 params x 12 B of optimizer state
+
+
+def test_too_little_device_memory_is_named():
+    req = PlanRequest(LLAMA7B, device="cuda", param_dtype="bf16", micro_batch=8, seq_len=4096)
+    with pytest.raises(PlanError, match=r"needs \d+\.\d GiB of device memory, 24\.0 GiB available"):
+        choose(req, HW, Budgets(device=24 * GIB, host=512 * GIB))
+
+
+def test_time_model_components_and_bottlenecks():
+    spec = ModelSpec("m", (100_000_000,), source="tensors")
+    cpu = predict_time(PlanRequest(spec, device="cpu", param_dtype="fp32"), Placement(0, 1, 0), HW)
+    # 28 B/param at the kernel's 2e9 params/s x 28 B: 0.05 s; gradient pass 4e8 B at 8e9 x 4 B/s
+    assert cpu.cpu_update == pytest.approx(0.05)
+    assert cpu.grad_pass == pytest.approx(0.0125)
+    assert cpu.optimizer == pytest.approx(0.0625) and cpu.bottleneck == "cpu_step" and cpu.disk == 0
+    bf16m = predict_time(PlanRequest(spec, device="cpu", param_dtype="fp32", moment_dtype="bf16"),
+                         Placement(0, 1, 0), HW)
+    assert bf16m.cpu_update == pytest.approx(0.05 * 20 / 28)  # bf16 moments: 20 B of traffic per param
+    nvme = predict_time(PlanRequest(spec, device="cpu", param_dtype="fp32", subgroup_numel=1 << 22,
+                                    buffer_count=4), Placement(0, 0, 1), HW)
+    # 24 records, 20 move per step (4 stay cached): 20/24 of 8e8 B read at 2e9 and written at 4e9
+    moved = 8e8 * 20 / 24
+    assert nvme.disk == pytest.approx(moved / 2e9 + moved / 4e9)
+    assert nvme.bottleneck == "disk" and nvme.optimizer > nvme.disk
+    gpu = predict_time(PlanRequest(spec, device="cuda", param_dtype="bf16", micro_batch=1, seq_len=8),
+                       Placement(0, 1, 0), HW)
+    assert gpu.weight_h2d == pytest.approx(2e8 / 20e9) and gpu.grad_d2h == pytest.approx(2e8 / 20e9)
+    assert gpu.total == pytest.approx(gpu.compute + gpu.grad_d2h_exposed + gpu.optimizer + gpu.weight_h2d)
+
+
+def test_device_tier_is_used_only_when_allowed():
+    spec = ModelSpec("m", (1_000_000_000,), source="tensors")
+    req = PlanRequest(spec, device="cuda", param_dtype="bf16")
+    budgets = Budgets(device=20 * GIB, host=200 * GIB)
+    assert choose(req, HW, budgets).placement.gpu == 0
+    with_gpu = choose(req, HW, budgets, allow_device_tier=True)
+    assert with_gpu.placement.gpu > 0 and with_gpu.time.total < choose(req, HW, budgets).time.total
+    assert with_gpu.tier_total(Tier.DEVICE) <= budgets.device
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(device="tpu"), "device="), (dict(param_dtype="int8"), "param_dtype"),
+                                           (dict(moment_dtype="fp16"), "moment_dtype"),
+                                           (dict(optimizer="rmsprop"), "optimizer"), (dict(buffer_count=0), "buffer_count")])
+def test_bad_requests_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanRequest(ModelSpec("m", (10,)), **kwargs)

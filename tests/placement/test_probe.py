@@ -1,0 +1,84 @@
+"""`tierstate probe`: a real (quick) measurement, the saved profile, and the planner reading it."""
+import argparse
+import json
+
+import pytest
+
+from tierstate.placement import probe
+from tierstate.placement.planner import Hardware
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    return probe.run_probe([str(tmp_path_factory.mktemp("nvme"))], quick=True)
+
+
+def test_quick_profile_has_every_measurement_with_method_and_units(quick_profile):
+    p = quick_profile
+    assert p["schema_version"] == probe.SCHEMA_VERSION and p["mode"] == "quick"
+    assert p["machine"]["logical_cpus"] >= 1 and p["machine"]["memory_total_bytes"] > 2**30
+    m = p["measurements"]
+    for key in ("host_memory_bandwidth", "optimizer_step", "grad_sumsq", "host_matmul"):
+        assert m[key]["method"] and m[key]["units"] and m[key]["best"] > 0, key
+    assert "1" in m["host_memory_bandwidth"]["by_threads"]
+    # a triad moves >= 0.5 GB/s and < 10 TB/s on any machine this runs on
+    assert 5e8 < m["host_memory_bandwidth"]["best"] < 1e13
+    assert m["optimizer_step"]["best_threads"] in {int(t) for t in m["optimizer_step"]["by_threads"]}
+    (disk,) = m["nvme"]
+    assert disk["read_bytes_per_s"] > 1e6 and disk["write_bytes_per_s"] > 1e6 and disk["bytes"] == 64 << 20
+    assert "cuda" in m and ("skipped" in m["cuda"] or m["cuda"]["h2d_bytes_per_s"] > 0)
+    assert p["duration_s"] < 60
+
+
+def test_probe_leaves_no_file_behind(tmp_path):
+    probe.measure_disk(tmp_path, 8 << 20, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_profile_roundtrip_and_the_planner_reads_it(quick_profile, tmp_path):
+    path = probe.save_profile(quick_profile, tmp_path / "hw.json")
+    loaded = probe.load_profile(path)
+    assert loaded == json.loads(json.dumps(quick_profile))
+    hw = Hardware.from_profile(loaded, source="test")
+    m = quick_profile["measurements"]
+    assert hw.step_params_per_s == m["optimizer_step"]["best"]
+    assert hw.disk_read == m["nvme"][0]["read_bytes_per_s"]
+
+
+def test_default_path_honours_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "p.json"))
+    assert probe.default_profile_path() == tmp_path / "p.json"
+    monkeypatch.delenv("TIERSTATE_PROFILE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert probe.default_profile_path() == tmp_path / "tierstate" / "hardware.json"
+    assert probe.load_profile() is None  # absent: None, not an error
+
+
+def test_a_foreign_or_old_profile_is_refused_with_the_fix(tmp_path):
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"schema_version": 0}))
+    with pytest.raises(ValueError, match="re-run `tierstate probe`"):
+        probe.load_profile(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        probe.load_profile(bad)
+
+
+def test_unusable_nvme_dir_is_an_oserror_naming_it(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match="--nvme-dir"):
+        probe.measure_disk(blocker / "sub", 8 << 20, 1)
+
+
+def test_cli_main_saves_where_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(probe, "run_probe", lambda dirs, quick: {**_FAKE_RESULT, "mode": "quick" if quick else "x"})
+    parser = argparse.ArgumentParser()
+    probe.add_arguments(parser)
+    out = tmp_path / "saved.json"
+    assert probe.main(parser.parse_args(["--quick", "--out", str(out), "--json"])) == 0
+    assert json.loads(out.read_text())["mode"] == "quick"
+    assert json.loads(capsys.readouterr().out)["schema_version"] == probe.SCHEMA_VERSION
+
+
+_FAKE_RESULT = {"schema_version": probe.SCHEMA_VERSION, "measurements": {}, "notes": []}

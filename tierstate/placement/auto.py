@@ -1,0 +1,121 @@
+"""``offload="auto"``: the planner picks the placement when the optimizer is built.
+
+Inputs, in order of preference:
+
+- hardware rates: the saved profile of ``tierstate probe`` (:func:`probe.default_profile_path`);
+  without one, a quick built-in probe when ``TIERSTATE_AUTO_PROBE=1`` (about 5 s, not saved),
+  else the planner's conservative defaults. Which one was used is logged.
+- budgets, read now (not from the profile, which may be old): 80% of the host RAM available
+  (``TIERSTATE_AUTO_HOST_FRACTION`` overrides), the free space under the default NVMe folder,
+  and on CUDA the free device memory.
+
+The choice and its reason are logged at INFO on the ``"tierstate"`` logger. Moments stay fp32:
+"auto" chooses where state lives, never how precise it is.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Sequence
+
+from .model_spec import from_param_numels
+from .offload import Offload, default_nvme_root
+from .planner import Budgets, Hardware, PlanError, PlanRequest, choose, gib
+
+_log = logging.getLogger("tierstate")
+HOST_FRACTION = 0.8  # headroom for the data loader, activations and the allocator's slack
+# Smaller sub-groups shrink the NVMe buffer pool (buffer_count records of one sub-group) when
+# host RAM is tight; 1 Mi elements (12 MiB AdamW records) still reads in large sequential requests.
+SUBGROUP_OPTIONS = (1 << 24, 1 << 22, 1 << 20)
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+def _hardware() -> Hardware:
+    from . import probe
+
+    path = probe.default_profile_path()
+    try:
+        profile = probe.load_profile(path)
+    except ValueError as exc:
+        _log.warning("tierstate: offload='auto' ignores the hardware profile: %s", exc)
+        profile = None
+    if profile is not None:
+        return Hardware.from_profile(profile, source=f"hardware profile {path} ({profile.get('created_at', '?')})")
+    if os.environ.get("TIERSTATE_AUTO_PROBE") == "1":
+        return Hardware.from_profile(probe.run_probe(quick=True),
+                                     source="quick built-in probe (TIERSTATE_AUTO_PROBE=1; not saved)")
+    return replace(Hardware.conservative(), source=f"conservative defaults (no hardware profile at {path}; "
+                                                   "run `tierstate probe` to measure this machine)")
+
+
+def _existing_ancestor(path) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _host_fraction() -> float:
+    raw = os.environ.get("TIERSTATE_AUTO_HOST_FRACTION")
+    if raw is None:
+        return HOST_FRACTION
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"TIERSTATE_AUTO_HOST_FRACTION={raw!r}: must be a number in (0, 1], e.g. 0.8")
+    return value
+
+
+def choose_offload(params: Sequence) -> Offload:
+    """The :class:`Offload` that the planner predicts fastest within this machine's budgets.
+
+    Raises ValueError (naming what is missing) when no placement fits.
+    """
+    import psutil
+
+    trainable = [p for p in params if getattr(p, "requires_grad", False)]
+    if not trainable:
+        _log.info("tierstate: offload='auto' chose Offload(cpu=1.0): no trainable parameters")
+        return Offload(cpu=1.0)
+    device = trainable[0].device
+    on_cuda = device.type == "cuda"
+    dtypes = {str(p.dtype) for p in trainable}
+    param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
+    req = PlanRequest(from_param_numels([p.numel() for p in trainable]), device="cuda" if on_cuda else "cpu",
+                      param_dtype=param_dtype)
+    # The parameters (and any gradients) already exist: they are in use, not in the available figure.
+    existing = sum(p.numel() * p.element_size() for p in trainable if p.device.type == "cpu")
+    existing += sum(p.grad.numel() * p.grad.element_size() for p in trainable
+                    if p.grad is not None and p.grad.device.type == "cpu")
+    fraction = _host_fraction()
+    available = psutil.virtual_memory().available
+    nvme_root = _existing_ancestor(default_nvme_root())
+    st = os.statvfs(nvme_root)
+    device_budget = None
+    if on_cuda:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        device_budget = free + sum(p.numel() * p.element_size() for p in trainable)
+    budgets = Budgets(device=device_budget, host=int(available * fraction) + existing,
+                      disk=st.f_bavail * st.f_frsize, disk_dir=str(default_nvme_root()))
+    hw = _hardware()
+    try:
+        plan = choose(req, hw, budgets, subgroup_options=SUBGROUP_OPTIONS)
+    except PlanError as exc:
+        raise ValueError(f"offload='auto' found no placement: {exc}\nPass offload='cpu', 'nvme' or a "
+                         "tierstate.Offload(...) explicitly, or free memory/disk.") from exc
+    p = plan.placement
+    offload = Offload(cpu=p.cpu, nvme=1.0 - p.cpu, subgroup_numel=plan.request.subgroup_numel) if p.nvme > 0 \
+        else Offload(cpu=1.0)
+    _log.info(
+        "tierstate: offload='auto' chose Offload(cpu=%.3g, nvme=%.3g, subgroup_numel=%d) for %s params: %s. Budgets: host %s "
+        "(%.0f%% of %s available + %s already held by the parameters), disk %s free under %s. Predicted "
+        "optimizer step %.0f ms (bottleneck: %s). Rates from %s.",
+        offload.cpu, offload.nvme, offload.subgroup_numel, f"{req.model.numel:,}", plan.reason, gib(budgets.host), fraction * 100,
+        gib(available), gib(existing), gib(budgets.disk), nvme_root, plan.time.optimizer * 1e3,
+        plan.time.bottleneck, hw.source)
+    return offload

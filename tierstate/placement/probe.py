@@ -1,0 +1,431 @@
+"""``tierstate probe``: measure this machine and save a hardware profile for the planner.
+
+What it measures (each entry of the profile names its method and units):
+
+- ``host_memory_bandwidth``: a STREAM triad ``a = b + s*c`` over three fp32 arrays with
+  torch, at 1 thread and at every CPU of the process (3 arrays moved per triad, GB = 1e9 B);
+- ``optimizer_step``: :func:`tierstate.kernels.adam_update` (fp32 weight, grad and moments,
+  28 B of traffic per parameter) on one large buffer, per kernel thread count, params/s;
+- ``grad_sumsq``: the gradient-norm pass of every step, params/s;
+- ``host_matmul``: fp32 and bf16 matrix multiplication, FLOP/s (the compute estimate);
+- ``nvme``: for each ``--nvme-dir``: sequential write then read of one file with O_DIRECT
+  (through :mod:`tierstate.io` when the native engine loads, else ``os.pwrite``/``os.preadv``
+  on page-aligned memory), 8 MiB requests, all in flight; writes are timed without fsync,
+  as the NVMe tier issues them (measured: concurrent reads and writes on one virtio disk
+  took the sum of their separate times, so the planner adds them);
+- ``cuda``: pinned host-to-device and device-to-host copies, device memory bandwidth, bf16
+  matmul FLOP/s and free device memory (skipped with a note when there is no CUDA device).
+
+The profile (JSON, ``schema_version`` 1) goes to :func:`default_profile_path`
+(``$TIERSTATE_PROFILE``, else ``~/.cache/tierstate/hardware.json``) or ``--out``. A default
+probe takes about 15-30 s; ``--quick`` about 5 s with smaller buffers and fewer repetitions.
+
+[Note: noisy bandwidth]
+Memory bandwidth on shared or virtual machines can change between two levels over seconds
+(one VM we develop on flips ~1.7x). Each rate is the median of several repetitions, and
+min/max are kept so a reader can see the spread; re-probe when the figures look off.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import mmap
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+SCHEMA_VERSION = 1
+_log = logging.getLogger("tierstate")
+
+
+def default_profile_path() -> Path:
+    """``$TIERSTATE_PROFILE`` if set, else ``$XDG_CACHE_HOME/tierstate/hardware.json``
+    (default ``~/.cache/tierstate/hardware.json``)."""
+    env = os.environ.get("TIERSTATE_PROFILE")
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tierstate" / "hardware.json"
+
+
+def load_profile(path: str | os.PathLike | None = None) -> dict | None:
+    """The saved profile at ``path`` (default :func:`default_profile_path`), or None when absent.
+
+    Raises ValueError when the file exists but is not a profile of a schema this version reads.
+    """
+    path = Path(path) if path is not None else default_profile_path()
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        profile = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hardware profile {path} is not valid JSON ({exc}); re-run `tierstate probe`") from exc
+    version = profile.get("schema_version") if isinstance(profile, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"hardware profile {path} has schema_version {version!r}; this tierstate reads "
+                         f"{SCHEMA_VERSION}: re-run `tierstate probe`")
+    return profile
+
+
+def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
+    """Write ``profile`` atomically (temp file + rename) and return where it went."""
+    path = Path(path) if path is not None else default_profile_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(profile, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _timed(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _rate(amount: float, seconds: list[float]) -> dict:
+    """Median/min/max rate of ``amount`` per run over the measured run times."""
+    rates = sorted(amount / s for s in seconds)
+    return {"median": statistics.median(rates), "min": rates[0], "max": rates[-1], "samples": len(rates)}
+
+
+def _thread_counts() -> list[int]:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    counts, t = [], 1
+    while t < cpus:
+        counts.append(t)
+        t *= 2
+    return counts + [cpus]
+
+
+def machine_facts() -> dict:
+    import psutil
+    import torch
+
+    cpu_model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
+    except OSError:
+        pass
+    vm = psutil.virtual_memory()
+    facts = {
+        "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu_model": cpu_model,
+        "logical_cpus": psutil.cpu_count(logical=True), "physical_cpus": psutil.cpu_count(logical=False),
+        "process_cpus": _thread_counts()[-1], "memory_total_bytes": vm.total,
+        "memory_available_bytes": vm.available, "load_average_1m": os.getloadavg()[0],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    try:
+        from tierstate.kernels import backend_info
+        facts["kernels"] = backend_info()
+    except ImportError as exc:
+        facts["kernels"] = {"native": False, "native_error": str(exc)}
+    return facts
+
+
+# -- measurements -------------------------------------------------------------------------------
+def measure_host_bandwidth(array_bytes: int, reps: int) -> dict:
+    import torch
+
+    n = array_bytes // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    previous = torch.get_num_threads()
+    by_threads = {}
+    try:
+        for t in _thread_counts():
+            torch.set_num_threads(t)
+            by_threads[str(t)] = _rate(3 * n * 4, _timed(lambda: torch.add(b, c, alpha=3.0, out=a), reps))
+    finally:
+        torch.set_num_threads(previous)
+    best = max(by_threads.values(), key=lambda r: r["median"])["median"]
+    return {"method": f"STREAM triad a = b + 3*c with torch.add(out=), 3 fp32 arrays of {array_bytes >> 20} MiB, "
+                      "3 arrays counted per triad", "units": "B/s", "by_threads": by_threads, "best": best}
+
+
+def measure_optimizer_step(numel: int, reps: int) -> dict:
+    import torch
+    from tierstate import kernels
+
+    w, g = torch.randn(numel), torch.randn(numel) * 1e-3
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    step = lambda: kernels.adam_update(w, g, m, v, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,  # noqa: E731
+                                       weight_decay=0.01, decoupled=True, bias_correction1=0.1,
+                                       bias_correction2=0.001)
+    info = kernels.backend_info()
+    prev_kernel, prev_torch = kernels.get_num_threads(), torch.get_num_threads()
+    by_threads = {}
+    try:
+        for t in _thread_counts():
+            kernels.set_num_threads(t)
+            torch.set_num_threads(t)  # the reference kernels run on torch's threads
+            by_threads[str(t)] = _rate(numel, _timed(step, reps))
+        best_t = max(by_threads, key=lambda k: by_threads[k]["median"])
+        kernels.set_num_threads(int(best_t))
+        torch.set_num_threads(int(best_t))
+        sumsq = _rate(numel, _timed(lambda: kernels.grad_sumsq(g), reps))
+    finally:
+        kernels.set_num_threads(prev_kernel)
+        torch.set_num_threads(prev_torch)
+    impl = f"native {info['isa']}" if info.get("native") else "pure-torch reference (native module not loaded)"
+    return {
+        "optimizer_step": {"method": f"tierstate.kernels.adam_update (AdamW, fp32 weight/grad/moments) on "
+                                     f"{numel:,} elements; {impl}", "units": "params/s", "bytes_per_param": 28,
+                           "impl": impl, "by_threads": by_threads, "best_threads": int(best_t),
+                           "best": by_threads[best_t]["median"]},
+        "grad_sumsq": {"method": f"tierstate.kernels.grad_sumsq on {numel:,} fp32 elements, {best_t} threads",
+                       "units": "params/s", "best": sumsq["median"], "stats": sumsq},
+    }
+
+
+def measure_host_matmul(size: int, reps: int) -> dict:
+    import torch
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        out[str(dtype).replace("torch.", "")] = _rate(2.0 * size ** 3, _timed(lambda: torch.mm(x, y), reps))
+    return {"method": f"torch.mm of two {size}x{size} matrices, 2*n^3 FLOPs", "units": "FLOP/s",
+            "by_dtype": out, "best": out["float32"]["median"]}
+
+
+def _disk_with_tierstate_io(path: Path, nbytes: int, chunk: int, reps: int) -> dict:
+    from tierstate import io as tio
+
+    buf = tio.aligned_empty(chunk)
+    buf.fill_(7)
+    offsets = range(0, nbytes, chunk)
+    with tio.File(path, "w+", direct=True) as f:
+        def write():  # no fsync: the NVMe tier writes with O_DIRECT and never fsyncs inside a step
+            for fut in [f.pwrite(buf, off) for off in offsets]:
+                fut.get()
+
+        def read():
+            bufs = [tio.aligned_empty(chunk) for _ in range(4)]
+            futs = [f.pread(bufs[i % 4], off) for i, off in enumerate(offsets)]
+            for fut in futs:
+                fut.get()
+
+        w = _timed(write, reps)  # the warm-up write allocates the file; timed writes overwrite it
+        r = _timed(read, reps)
+        direct, note = f.direct, f.direct_note
+    return {"write": _rate(nbytes, w), "read": _rate(nbytes, r), "direct": direct, "direct_note": note,
+            "engine": f"tierstate.io ({tio.default_engine().backend})"}
+
+
+def _disk_with_os(path: Path, nbytes: int, chunk: int, reps: int) -> dict:
+    flags = os.O_RDWR | os.O_CREAT
+    direct = hasattr(os, "O_DIRECT")
+    try:
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+    except OSError:  # tmpfs and a few others refuse O_DIRECT
+        direct = False
+        fd = os.open(path, flags, 0o644)
+    bufs = [mmap.mmap(-1, chunk) for _ in range(4)]  # page-aligned, as O_DIRECT needs
+    offsets = list(range(0, nbytes, chunk))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            def write():
+                list(pool.map(lambda io: os.pwrite(fd, bufs[io[0] % 4], io[1]), enumerate(offsets)))
+
+            def read():
+                list(pool.map(lambda io: os.preadv(fd, [bufs[io[0] % 4]], io[1]), enumerate(offsets)))
+
+            w = _timed(write, reps)
+            r = _timed(read, reps)
+    finally:
+        os.close(fd)
+    return {"write": _rate(nbytes, w), "read": _rate(nbytes, r), "direct": direct,
+            "direct_note": "" if direct else "O_DIRECT refused; buffered I/O (reads may come from the page cache)",
+            "engine": "os.pwrite/os.preadv, 4 threads"}
+
+
+def measure_disk(directory: str | os.PathLike, nbytes: int, reps: int, chunk: int = 8 << 20) -> dict:
+    """Sequential O_DIRECT write (incl. fsync) then read of one ``nbytes`` file under ``directory``."""
+    from tierstate.io import free_bytes
+
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        free = free_bytes(directory)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot use --nvme-dir {directory}: {exc.strerror}", str(directory)) from exc
+    if free < 2 * nbytes:
+        raise OSError(28, f"--nvme-dir {directory} has {free / 2**30:.2f} GiB free; the probe writes "
+                          f"{nbytes / 2**30:.2f} GiB: free space or use --quick", str(directory))
+    path = directory / f".tierstate-probe-{os.getpid()}.bin"
+    try:
+        try:
+            result = _disk_with_tierstate_io(path, nbytes, chunk, reps)
+        except ImportError as exc:
+            result = _disk_with_os(path, nbytes, chunk, reps)
+            result["fallback_reason"] = str(exc)
+    finally:
+        path.unlink(missing_ok=True)
+    result.update({
+        "dir": str(directory), "bytes": nbytes, "request_bytes": chunk, "units": "B/s",
+        "method": f"sequential O_DIRECT write (no fsync, as the NVMe tier writes) then read of a {nbytes >> 20} MiB file in {chunk >> 20} MiB requests, "
+                  "all queued at once; the warm-up write allocates, timed writes overwrite",
+        "write_bytes_per_s": result["write"]["median"], "read_bytes_per_s": result["read"]["median"],
+        "free_bytes": free,
+    })
+    return result
+
+
+def measure_cuda(nbytes: int, reps: int) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device (torch.cuda.is_available() is False); H2D/D2H and device memory "
+                           "not measured"}
+    dev = torch.device("cuda")
+    free, total = torch.cuda.mem_get_info(dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    other = torch.empty_like(device)
+
+    def synced(fn):
+        def run():
+            fn()
+            torch.cuda.synchronize(dev)
+        return run
+
+    h2d = _rate(nbytes, _timed(synced(lambda: device.copy_(host, non_blocking=True)), reps))
+    d2h = _rate(nbytes, _timed(synced(lambda: host.copy_(device, non_blocking=True)), reps))
+    dbw = _rate(2 * nbytes, _timed(synced(lambda: other.copy_(device)), reps))
+    size = 8192
+    x = torch.randn(size, size, device=dev, dtype=torch.bfloat16)
+    mm = _rate(2.0 * size ** 3, _timed(synced(lambda: torch.mm(x, x)), reps))
+    del host, device, other, x
+    return {
+        "method": f"pinned {nbytes >> 20} MiB copies, device copy (2 bytes moved per byte), bf16 {size}^3 matmul",
+        "units": "B/s, FLOP/s, bytes", "name": torch.cuda.get_device_name(dev),
+        "h2d_bytes_per_s": h2d["median"], "d2h_bytes_per_s": d2h["median"], "h2d": h2d, "d2h": d2h,
+        "device_bandwidth_bytes_per_s": dbw["median"], "matmul_flops": mm["median"],
+        "free_bytes": free, "total_bytes": total,
+    }
+
+
+def run_probe(nvme_dirs: list[str] | None = None, quick: bool = False) -> dict:
+    """Measure this machine; returns the profile (not saved). ``quick``: ~5 s, small buffers."""
+    import torch
+    from tierstate import __version__
+
+    t0 = time.perf_counter()
+    size = dict(array=32 << 20, adam=4 << 20, mm=1024, disk=64 << 20, cuda=64 << 20, reps=3) if quick else \
+        dict(array=256 << 20, adam=16 << 20, mm=1024, disk=512 << 20, cuda=512 << 20, reps=7)
+    notes = []
+    m: dict = {}
+    m["host_memory_bandwidth"] = measure_host_bandwidth(size["array"], size["reps"])
+    m.update(measure_optimizer_step(size["adam"], size["reps"]))
+    m["host_matmul"] = measure_host_matmul(size["mm"], size["reps"])
+    m["nvme"] = [measure_disk(d, size["disk"], 1 if quick else 2) for d in (nvme_dirs or [])]
+    if not nvme_dirs:
+        notes.append("no --nvme-dir given: disk not measured (the planner then uses conservative disk rates)")
+    m["cuda"] = measure_cuda(size["cuda"], size["reps"])
+    if "skipped" in m["cuda"]:
+        notes.append(m["cuda"]["skipped"])
+    if m["optimizer_step"]["impl"].startswith("pure-torch"):
+        notes.append("the native kernels did not load: optimizer_step measures the slower reference kernels")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tierstate_version": __version__,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "mode": "quick" if quick else "default",
+        "duration_s": round(time.perf_counter() - t0, 2),
+        "machine": machine_facts(),
+        "measurements": m,
+        "notes": notes,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# -- command line -------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``tierstate probe``."""
+    parser.add_argument("--nvme-dir", action="append", default=[], metavar="DIR",
+                        help="measure read/write bandwidth of this folder (repeatable; writes a temporary file)")
+    parser.add_argument("--out", metavar="PATH", help=f"where to save the profile (default {default_profile_path()}, "
+                                                      "or $TIERSTATE_PROFILE)")
+    parser.add_argument("--quick", action="store_true", help="~5 s with small buffers (less accurate)")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+    parser.add_argument("--no-save", action="store_true", help="measure and print only")
+
+
+def _summary_rows(profile: dict) -> list[tuple[str, str]]:
+    m = profile["measurements"]
+    rows = []
+    for t, r in m["host_memory_bandwidth"]["by_threads"].items():
+        rows.append((f"host memory triad, {t} thread(s)", f"{r['median'] / 1e9:.1f} GB/s ({r['min'] / 1e9:.1f}-{r['max'] / 1e9:.1f})"))
+    step = m["optimizer_step"]
+    for t, r in step["by_threads"].items():
+        rows.append((f"AdamW step, {t} thread(s)", f"{r['median'] / 1e9:.2f} Gparam/s ({step['impl']})"))
+    rows.append(("gradient norm pass", f"{m['grad_sumsq']['best'] / 1e9:.2f} Gparam/s"))
+    for dtype, r in m["host_matmul"]["by_dtype"].items():
+        rows.append((f"CPU matmul {dtype}", f"{r['median'] / 1e9:.0f} GFLOP/s"))
+    for d in m["nvme"]:
+        rows.append((f"disk {d['dir']}", f"write {d['write_bytes_per_s'] / 1e9:.2f} GB/s, read "
+                                         f"{d['read_bytes_per_s'] / 1e9:.2f} GB/s ({'O_DIRECT' if d['direct'] else 'buffered'})"))
+    cuda = m["cuda"]
+    if "skipped" in cuda:
+        rows.append(("CUDA", "skipped: no CUDA device"))
+    else:
+        rows.append((f"CUDA {cuda['name']}", f"H2D {cuda['h2d_bytes_per_s'] / 1e9:.1f} GB/s, D2H "
+                                             f"{cuda['d2h_bytes_per_s'] / 1e9:.1f} GB/s, free {cuda['free_bytes'] / 2**30:.1f} GiB"))
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``tierstate probe``; returns the exit status."""
+    try:
+        profile = run_probe(args.nvme_dir, quick=args.quick)
+    except OSError as exc:
+        print(f"tierstate probe: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(profile, indent=2))
+    else:
+        try:
+            from rich.console import Console
+            from rich.table import Table
+
+            table = Table(title=f"tierstate probe ({profile['mode']}, {profile['duration_s']} s)")
+            table.add_column("measurement")
+            table.add_column("result")
+            for row in _summary_rows(profile):
+                table.add_row(*row)
+            Console().print(table)
+        except ImportError:
+            for name, value in _summary_rows(profile):
+                print(f"{name:40s} {value}")
+        for note in profile["notes"]:
+            print(f"note: {note}")
+    if not args.no_save:
+        path = save_profile(profile, args.out)
+        print(f"profile saved to {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="tierstate probe", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
