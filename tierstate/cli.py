@@ -34,10 +34,11 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "step"), "tierstate.bench.step", "time optimizer steps against their bandwidth floor"),
     Command(("bench", "io"), "tierstate.bench.io", "time the NVMe tier's reads and writes"),
     Command(("bench", "e2e"), "tierstate.bench.e2e", "time end-to-end training steps"),
+    Command(("bench", "overhead"), "tierstate.bench.overhead", "the optimizer's cost on top of its kernels, incl. telemetry"),
     Command(("report",), "tierstate.telemetry.report", "plot where a traced run's time and bytes went"),
 )
 
-_GROUP_SUMMARIES = {"bench": "benchmarks: step, io, e2e"}
+_GROUP_SUMMARIES = {"bench": "benchmarks: step, io, e2e, overhead"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

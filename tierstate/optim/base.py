@@ -175,7 +175,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             streaming = self.device.type == "cuda"
         self._grads = GradStream(trainable, keep_device_grads=self.offload.keep_device_grads, pin_memory=pin,
                                  telemetry=self.telemetry) if streaming and trainable else None
-        self._staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights waiting for upload
+        self._staging = self._staging_views(trainable) if self.device.type == "cuda" else {}
         self._upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._upload_done = None
         if self.rule.eager_state:
@@ -183,6 +183,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if s.trainable is not None:
                     self._init_state(s)
         self._engine_ready = True
+
+    def _staging_views(self, trainable: list[Tensor]) -> dict[int, Tensor]:
+        """CUDA: pinned host copies of the low-precision weights, written by the kernels and
+        uploaded after the step. One arena for all: the pinned allocator rounds every
+        allocation up to a power of two, which per parameter would waste up to half."""
+        low = [(i, p) for i, p in enumerate(trainable) if p.dtype != torch.float32]
+        offsets, total = [], 0
+        for _, p in low:
+            offsets.append(total)
+            total += (p.numel() * p.element_size() + 63) // 64 * 64  # 64 B aligned, as the kernels like
+        arena = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        return {i: arena[o: o + p.numel() * p.element_size()].view(p.dtype) for (i, p), o in zip(low, offsets)}
 
     def _rebuild_engine(self) -> None:
         saved = {id(s.param): self._export_state(s) for s in self._slots if s.initialized}
@@ -486,10 +498,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return weight, None  # uploaded from the master itself
         if self.device.type == "cpu":
             return weight, s.param.data.view(-1)[plo:phi]
-        staging = self._staging.get(s.trainable)
-        if staging is None:
-            staging = self._staging[s.trainable] = torch.empty(s.param.numel(), dtype=s.param.dtype, pin_memory=True)
-        return weight, staging[plo:phi]
+        return weight, self._staging[s.trainable][plo:phi]
 
     def _upload(self, tel, slots: list[_Slot]) -> None:
         """CUDA: copy updated weights to the device on a side stream; the compute stream waits for it."""

@@ -26,7 +26,8 @@ class HostTier:
         self.numel = layout.tier_numel[TierKind.HOST]
         self.arenas: dict[str, Tensor] = {}
         for key, dtype in dtypes.items():
-            # torch.zeros on the CPU maps fresh zero pages lazily: a key nobody touches costs no RSS.
+            # torch.zeros writes every page, so the arenas count in RSS from construction on (as
+            # they would after the first step anyway): memory trouble shows at once, not mid-run.
             arena = torch.zeros(self.numel, dtype=dtype, pin_memory=pin_memory)
             if inits.get(key, 0.0) != 0.0:
                 arena.fill_(inits[key])

@@ -1,0 +1,103 @@
+"""``tierstate bench overhead``: what the optimizer adds on top of its kernels.
+
+Three variants over the same parameter shapes, interleaved round-robin (the VM's memory
+bandwidth moves by ~1.7x between phases, so only interleaved medians compare):
+
+- ``kernel``        one native AdamW kernel call over one flat buffer of all elements: the
+                    work itself, with no per-parameter bookkeeping;
+- ``opt``           ``tierstate.AdamW(offload="cpu")`` with telemetry on (the default);
+- ``opt-no-telemetry`` the same with ``telemetry=False``.
+
+``opt`` vs ``opt-no-telemetry`` is the cost of telemetry (target < 2 %); ``opt`` vs
+``kernel`` is the whole per-step cost of the optimizer front (non-finite check, per-tensor
+calls, state publication). Parameters are bf16 with bf16 gradients (fp32 masters and
+moments), shaped like GPT-2 small by default (148 tensors, 124M elements).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+# GPT-2 small (n_layer=12, n_embd=768, vocab 50257, 1024 positions): the tensors of one block
+# and the embeddings, element counts only.
+_BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072, 3072 * 768, 768]
+
+
+def gpt2_shapes(layers: int = 12) -> list[int]:
+    return [50257 * 768, 1024 * 768] + _BLOCK * layers + [768, 768]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=12, help="GPT-2 blocks to shape the parameters after (default 12)")
+    parser.add_argument("--reps", type=int, default=15, help="timed rounds (default 15)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+
+
+def _params(shapes: list[int], seed: int) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for n in shapes:
+        p = torch.nn.Parameter((torch.randn(n, generator=gen) * 0.02).bfloat16())
+        p.grad = (torch.randn(n, generator=gen) * 1e-3).bfloat16()
+        params.append(p)
+    return params
+
+
+def main(args: argparse.Namespace) -> int:
+    import tierstate as ts
+    from tierstate import kernels
+
+    if args.reps < 1 or args.warmup < 0 or args.layers < 1:
+        print("--reps and --layers must be >= 1, --warmup >= 0")
+        return 2
+    shapes = gpt2_shapes(args.layers)
+    total = sum(shapes)
+    on = ts.AdamW(_params(shapes, 0), lr=1e-4, weight_decay=0.1)
+    off = ts.AdamW(_params(shapes, 0), lr=1e-4, weight_decay=0.1, telemetry=False)
+    flat = {k: torch.zeros(total) for k in ("w", "m", "v")}
+    flat_grad = torch.randn(total).bfloat16()
+    flat_out = torch.empty(total, dtype=torch.bfloat16)
+    counter = [0]
+
+    def kernel() -> None:
+        counter[0] += 1
+        t = counter[0]
+        kernels.adam_update(flat["w"], flat_grad, flat["m"], flat["v"], None, flat_out, lr=1e-4, beta1=0.9,
+                            beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                            bias_correction1=1 - 0.9**t, bias_correction2=1 - 0.999**t)
+
+    variants = {"kernel": kernel, "opt": on.step, "opt-no-telemetry": off.step}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(args.warmup + args.reps):
+        for name, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            if rep >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"{len(shapes)} tensors, {total / 1e6:.1f}M bf16 params, {kernels.backend_info()['threads']} threads, "
+          f"{args.reps} interleaved rounds")
+    print(f"{'variant':<18}{'median ms':>10}{'min ms':>9}{'max ms':>9}{'vs kernel':>11}")
+    for name, v in times.items():
+        print(f"{name:<18}{med[name] * 1e3:>10.2f}{min(v) * 1e3:>9.2f}{max(v) * 1e3:>9.2f}{med[name] / med['kernel']:>10.3f}x")
+    # per-round ratio, then its median: both variants of one round share a bandwidth phase
+    ratios = [a / b for a, b in zip(times["opt"], times["opt-no-telemetry"])]
+    overhead = statistics.median(ratios) - 1
+    print(f"telemetry overhead: {overhead * 100:+.2f}% (median of per-round ratios; "
+          f"range {min(ratios) * 100 - 100:+.1f}% .. {max(ratios) * 100 - 100:+.1f}%)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"tensors": len(shapes), "params": total, "median_s": med, "times_s": times,
+                       "telemetry_overhead": overhead}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="python -m tierstate.bench.overhead", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    raise SystemExit(main(p.parse_args()))
