@@ -59,3 +59,26 @@ def test_phases_add_up_to_the_step_and_trace_is_valid(tmp_path) -> None:
     assert sum(d["phases"].values()) == pytest.approx(d["wall_s"], rel=1e-6, abs=1e-9)
     opt.stop_trace()
     validate_trace(json.loads(trace.read_text()))
+
+
+def test_probed_peaks_reach_the_stats(tmp_path, monkeypatch) -> None:
+    """A saved `tierstate probe` profile puts the peak next to the achieved bandwidth."""
+    profile = {"schema_version": 1, "measurements": {"host_memory_bandwidth": {"best": 50e9}, "nvme": [], "cuda": {}}}
+    path = tmp_path / "hardware.json"
+    path.write_text(json.dumps(profile))
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(path))
+    net = model(torch.float32)
+    opt = ts.AdamW(net.parameters())
+    net(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    host = opt.stats().as_dict()["bandwidth"]["host/rw"]
+    assert host["peak_gbps"] == 50.0 and 0 < host["fraction_of_peak"]
+
+
+def test_broken_profile_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
+    path = tmp_path / "hardware.json"
+    path.write_text("{not json")
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(path))
+    with caplog.at_level("WARNING", logger="tierstate"):
+        ts.AdamW(model(torch.float32).parameters())
+    assert "hardware profile ignored" in caplog.text and str(path) in caplog.text

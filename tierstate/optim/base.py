@@ -83,6 +83,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.on_nonfinite = on_nonfinite
         self.telemetry = Telemetry(enabled=telemetry)
+        self._configure_health()
         self._engine_ready = False
         self._slots: list[_Slot] = []
         self.skipped_steps = 0
@@ -117,6 +118,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         if self._engine_ready:  # a group added after construction: re-place the state
             self._rebuild_engine()
+
+    def _configure_health(self) -> None:
+        """Peaks from a saved `tierstate probe` profile (for achieved-vs-peak and the slow-tier
+        warning) and the host-RAM warning at 90 % of this machine's RAM."""
+        from ..placement.probe import load_profile, peaks_from_profile
+
+        try:
+            profile = load_profile()
+        except (OSError, ValueError) as exc:  # a stale or broken profile must not stop training
+            _log.warning("tierstate: hardware profile ignored (%s)", exc)
+            profile = None
+        if profile is not None:
+            self.telemetry.set_peaks(peaks_from_profile(profile))
+        import psutil
+
+        self.telemetry.set_host_budget(psutil.virtual_memory().total)
+        self._watched_dirs: set = set()  # filled once the NVMe tier has made its folders
 
     @staticmethod
     def _choose_auto(params: list) -> Offload:
@@ -169,6 +187,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.layout.tier_numel[TierKind.NVME] > 0:
             from ..tiers.nvme import NvmeTier  # noqa: PLC0415 - the NVMe tier loads the I/O engine
             self.tiers[TierKind.NVME] = NvmeTier(self.layout, dtypes, inits, self.offload, telemetry=self.telemetry)
+            for folder in self.offload.nvme_dirs:  # warn when a drive of the tier nearly fills up
+                if folder not in self._watched_dirs and folder.is_dir():
+                    self.telemetry.watch_disk(folder)
+                    self._watched_dirs.add(folder)
         self._state_dtypes = dtypes
         streaming = self.offload.grad_streaming
         if streaming is None:

@@ -76,6 +76,24 @@ def load_profile(path: str | os.PathLike | None = None) -> dict | None:
     return profile
 
 
+def peaks_from_profile(profile: dict) -> dict[str, float]:
+    """The probed peak bandwidths in GB/s, keyed as :meth:`Telemetry.set_peaks` takes them."""
+    m = profile.get("measurements", {})
+    peaks: dict[str, float] = {}
+    host = m.get("host_memory_bandwidth", {}).get("best")
+    if host:
+        peaks["host_mem_gbps"] = host / 1e9
+    disks = [d for d in m.get("nvme", []) if "read_bytes_per_s" in d]
+    if disks:  # several dirs are striped: their rates add up
+        peaks["nvme_read_gbps"] = sum(d["read_bytes_per_s"] for d in disks) / 1e9
+        peaks["nvme_write_gbps"] = sum(d["write_bytes_per_s"] for d in disks) / 1e9
+    cuda = m.get("cuda", {})
+    if "h2d_bytes_per_s" in cuda:
+        peaks["h2d_gbps"] = cuda["h2d_bytes_per_s"] / 1e9
+        peaks["d2h_gbps"] = cuda["d2h_bytes_per_s"] / 1e9
+    return peaks
+
+
 def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
     """Write ``profile`` atomically (temp file + rename) and return where it went."""
     path = Path(path) if path is not None else default_profile_path()
