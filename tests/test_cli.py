@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 
 from tierstate import cli
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, code=None):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT)}
     argv = [sys.executable, "-c", code] if code else [sys.executable, "-m", "tierstate", *args]
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
 

@@ -18,6 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 WORKLOAD = str(Path(__file__).with_name("ckpt_workload.py"))
 STEPS = 6
@@ -25,7 +31,7 @@ STEPS = 6
 
 def _env(nvme_dir: Path | None = None) -> dict:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(IMPORT_ROOT)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     if nvme_dir is not None:
         env["CKPT_TEST_NVME_DIR"] = str(nvme_dir)

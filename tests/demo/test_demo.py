@@ -11,6 +11,12 @@ import pytest
 from tierstate.kernels import backend_info
 from tierstate.demo import run_demo
 from tierstate.telemetry import load_trace, validate_trace
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,7 +96,7 @@ def test_a_missing_json_folder_fails_before_training(tmp_path):
 
 
 def _cli(*args, env_extra=None, cwd=None):
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT), **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "tierstate", "demo", *args], capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=300)
 

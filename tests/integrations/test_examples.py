@@ -8,6 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install tierstate[hf])")
 
@@ -16,7 +22,7 @@ EXAMPLES = ROOT / "examples"
 
 
 def _run(args: list[str], tmp_path) -> str:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(args + ["--out", str(tmp_path)] if "--nvme-dir" not in args else args, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

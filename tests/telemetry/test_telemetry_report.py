@@ -18,6 +18,12 @@ from matplotlib.image import imread
 from tierstate.telemetry import Telemetry
 from tierstate.telemetry.report import add_arguments, main
 from telemetry_workload import busy_wait, run_step
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,7 +154,7 @@ def test_invalid_but_readable_trace_is_reported_with_a_warning(tmp_path, capsys)
 
 def test_module_entry_point(workload_trace, tmp_path):
     env = dict(os.environ,
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(IMPORT_ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "tierstate.telemetry.report",
                            str(workload_trace), "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=180)

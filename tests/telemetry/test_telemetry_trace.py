@@ -16,6 +16,12 @@ import pytest
 from tierstate.telemetry import (Telemetry, TraceFormatError, load_trace, validate_trace)
 from tierstate.telemetry.trace import Slice, nest_lane
 from telemetry_workload import IO_LANES, run_step
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -282,7 +288,7 @@ _ENV_SCRIPT = textwrap.dedent("""
 
 def test_env_var_traces_every_optimizer_and_writes_at_exit(tmp_path):
     env = dict(os.environ, TIERSTATE_TRACE=str(tmp_path / "run-{pid}.json"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(IMPORT_ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

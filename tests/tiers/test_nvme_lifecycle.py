@@ -17,13 +17,19 @@ import tierstate as ts
 import tierstate.io as tio
 from tierstate.placement import TierKind
 from tierstate.tiers.rundir import LOCK_NAME, PID_NAME, NvmeDirInUseError
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 CHILD = Path(__file__).with_name("nvme_child.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _child(action: str, where: str, env_root: Path | None = None) -> tuple[subprocess.Popen, dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(IMPORT_ROOT))
     if env_root is not None:
         env["TIERSTATE_NVME_DIR"] = str(env_root)
     proc = subprocess.Popen([sys.executable, str(CHILD), action, where], stdin=subprocess.PIPE,

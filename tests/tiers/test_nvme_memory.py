@@ -24,6 +24,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import tierstate
+
+# the folder holding the tierstate under test (the checkout, or site-packages when installed):
+# children must import that one, whose native module was built
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
 
 CHILD = Path(__file__).with_name("nvme_rss_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +37,7 @@ CONSTANT = 32 << 20
 
 
 def _growth(mode: str, folder: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MALLOC_MMAP_THRESHOLD_=str(1 << 20))
+    env = dict(os.environ, PYTHONPATH=str(IMPORT_ROOT), MALLOC_MMAP_THRESHOLD_=str(1 << 20))
     out = subprocess.run([sys.executable, str(CHILD), mode, str(folder)], capture_output=True, text=True, env=env,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

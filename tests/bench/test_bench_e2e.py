@@ -1,0 +1,99 @@
+"""``tierstate bench e2e`` at a tiny model size: every mode runs in its own process, times its
+phases, trains the same model as plain torch, and the NVMe mode really streams through its files."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+
+from tierstate._native_loader import native_status
+from tierstate.bench import e2e
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    ok, why = native_status()
+    if not ok:
+        pytest.skip(f"tierstate._native did not load: {why}")
+    tmp = tmp_path_factory.mktemp("e2e")
+    out = tmp / "e2e.json"
+    args = _parse(["--tiny", "--modes", "torch,cpu,nvme,ds_z2_cpu", "--steps", "2", "--warmup", "1",
+                   "--repeats", "1", "--threads", "1", "--json", str(out), "--nvme-dir", str(tmp / "nvme"),
+                   "--peers-python", sys.executable, "--timeout", "300"])
+    rc = e2e.main(args)
+    return rc, json.loads(out.read_text()), tmp / "nvme"
+
+
+def test_tiny_run_times_every_phase_of_every_mode(tiny_report):
+    rc, report, _ = tiny_report
+    assert rc == 0
+    for mode in ("torch", "cpu", "nvme"):
+        s = report["summaries"][mode]
+        assert s["status"] == "ok", s["status"]
+        assert s["total"]["n"] == 2  # the warm-up step is not counted
+        run = report["runs"][mode][0]
+        timed = [step for step in run["steps"] if not step["warmup"]]
+        assert len(run["steps"]) == 3 and len(timed) == 2
+        for step in timed:
+            assert min(step["fwd"], step["bwd"], step["opt"]) > 0
+            assert step["fwd"] + step["bwd"] + step["opt"] == pytest.approx(step["total"], rel=1e-6)
+        assert run["peak_rss_bytes"] >= run["rss_after_setup_bytes"] > 0
+    for mode in ("cpu", "nvme"):
+        assert report["summaries"][mode]["phases_s"]["cpu_update"] > 0
+    assert "phases_s" not in report["summaries"]["torch"]
+
+
+def test_tiny_run_trains_the_same_model_in_every_mode(tiny_report):
+    """Same seed, tokens and AdamW arguments: the tierstate modes follow plain torch's losses."""
+    _, report, _ = tiny_report
+    losses = {m: [s["loss"] for s in report["runs"][m][0]["steps"]] for m in ("torch", "cpu", "nvme")}
+    assert all(math.isfinite(v) for v in losses["torch"])
+    assert losses["cpu"][0] == losses["torch"][0] == losses["nvme"][0]  # before any update: same forward
+    for mode in ("cpu", "nvme"):
+        assert losses[mode] == pytest.approx(losses["torch"], rel=1e-3)
+    assert losses["cpu"] == losses["nvme"]  # same kernels, different tier
+
+
+def test_tiny_nvme_mode_streams_state_through_its_files_and_removes_them(tiny_report):
+    _, report, nvme_dir = tiny_report
+    moved = report["summaries"]["nvme"]["bytes_per_step"]
+    # 16 Ki-element sub-groups and a 2-buffer pool: most sub-groups are read and written every step
+    assert moved["nvme/read"] > 0 and moved["nvme/write"] > 0
+    assert "nvme/read" not in report["summaries"]["cpu"]["bytes_per_step"]
+    assert list(nvme_dir.iterdir()) == []
+
+
+def test_deepspeed_modes_report_whether_they_could_run(tiny_report):
+    _, report, _ = tiny_report
+    status = report["summaries"]["ds_z2_cpu"]["status"]
+    if importlib.util.find_spec("deepspeed") is None:
+        assert status.startswith("not importable")
+    else:
+        assert status == "ok"
+
+
+def test_targets_give_ratios_but_no_verdict_off_the_issue_shape(tiny_report):
+    _, report, _ = tiny_report
+    assert report["meta"]["issue_shape"] is False
+    by_name = {t["target"]: t for t in report["targets"]}
+    nvme_vs_torch = by_name["nvme vs plain torch"]
+    expected = report["summaries"]["nvme"]["total"]["median"] / report["summaries"]["torch"]["total"]["median"]
+    assert nvme_vs_torch["ratio"] == pytest.approx(expected)
+    assert all(t["met"] is None for t in report["targets"])
+
+
+def test_unknown_mode_is_rejected_naming_the_option(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--modes", "torch,zero9"])
+    err = capsys.readouterr().err
+    assert "--modes" in err and "zero9" in err and "ds_z3_nvme" in err
