@@ -28,6 +28,9 @@ HOST_FRACTION = 0.8  # headroom for the data loader, activations and the allocat
 # Smaller sub-groups shrink the NVMe buffer pool (buffer_count records of one sub-group) when
 # host RAM is tight; 1 Mi elements (12 MiB AdamW records) still reads in large sequential requests.
 SUBGROUP_OPTIONS = (1 << 24, 1 << 22, 1 << 20)
+# Fewer pool buffers when even 1 Mi-element records do not fit: each step then moves more of
+# its records through the disk, but the state still fits.
+BUFFER_OPTIONS = (8, 4, 2)
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
@@ -104,18 +107,20 @@ def choose_offload(params: Sequence) -> Offload:
                       disk=st.f_bavail * st.f_frsize, disk_dir=str(default_nvme_root()))
     hw = _hardware()
     try:
-        plan = choose(req, hw, budgets, subgroup_options=SUBGROUP_OPTIONS)
+        plan = choose(req, hw, budgets, subgroup_options=SUBGROUP_OPTIONS, buffer_options=BUFFER_OPTIONS)
     except PlanError as exc:
         raise ValueError(f"offload='auto' found no placement: {exc}\nPass offload='cpu', 'nvme' or a "
                          "tierstate.Offload(...) explicitly, or free memory/disk.") from exc
     p = plan.placement
-    offload = Offload(cpu=p.cpu, nvme=1.0 - p.cpu, subgroup_numel=plan.request.subgroup_numel) if p.nvme > 0 \
+    offload = Offload(cpu=p.cpu, nvme=1.0 - p.cpu, subgroup_numel=plan.request.subgroup_numel,
+                      buffer_count=plan.request.buffer_count) if p.nvme > 0 \
         else Offload(cpu=1.0)
     _log.info(
-        "tierstate: offload='auto' chose Offload(cpu=%.3g, nvme=%.3g, subgroup_numel=%d) for %s params: %s. Budgets: host %s "
+        "tierstate: offload='auto' chose Offload(cpu=%.3g, nvme=%.3g, subgroup_numel=%d, buffer_count=%d) for %s params: "
+        "%s. Budgets: host %s "
         "(%.0f%% of %s available + %s already held by the parameters), disk %s free under %s. Predicted "
         "optimizer step %.0f ms (bottleneck: %s). Rates from %s.",
-        offload.cpu, offload.nvme, offload.subgroup_numel, f"{req.model.numel:,}", plan.reason, gib(budgets.host), fraction * 100,
+        offload.cpu, offload.nvme, offload.subgroup_numel, offload.buffer_count, f"{req.model.numel:,}", plan.reason, gib(budgets.host), fraction * 100,
         gib(available), gib(existing), gib(budgets.disk), nvme_root, plan.time.optimizer * 1e3,
         plan.time.bottleneck, hw.source)
     return offload

@@ -8,16 +8,11 @@ from typing import Sequence, Union
 
 import torch
 
+from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
+
 PathLike = Union[str, os.PathLike]
 
 OFFLOAD_MODES = ("cpu", "nvme", "auto")
-
-# 4 Mi elements per sub-group: a record of 16 MiB fp32 master + 32 MiB fp32 moments. Large
-# enough that each record streams at full disk speed (requests of >= 8 MiB), small enough
-# that a 4-buffer NVMe pool holds 128-192 MiB of host RAM and that a 124M-parameter model
-# gives ~30 sub-groups to overlap I/O with updates (16 Mi gave 8: measured 1.29x the
-# floor vs 1.24x at 4 Mi in tierstate.bench.nvme_step on a loaded machine).
-DEFAULT_SUBGROUP_NUMEL = 1 << 22
 
 
 def default_nvme_root() -> Path:
@@ -49,7 +44,8 @@ class Offload:
             across them). Default: :func:`default_nvme_root`.
         subgroup_numel: elements per sub-group (the unit of placement and streaming).
         buffer_count: host buffers in the NVMe streaming pool (>= 2: one being updated,
-            one in flight); host RAM of the NVMe tier is bounded by this pool.
+            one in flight; never more than the tier has sub-groups); host RAM of the NVMe
+            tier is bounded by this pool (default 16: 512-768 MiB at the default sub-group size).
         moment_dtype: dtype of the optimizer moments (``torch.float32`` or
             ``torch.bfloat16``; bf16 saves 4 B/param of memory traffic and storage).
         pin_memory: page-lock host buffers when a CUDA device is used.
@@ -65,7 +61,7 @@ class Offload:
     nvme: float = 0.0
     nvme_dir: PathLike | Sequence[PathLike] | None = None
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
-    buffer_count: int = 4
+    buffer_count: int = DEFAULT_BUFFER_COUNT
     moment_dtype: torch.dtype = torch.float32
     pin_memory: bool = True
     grad_streaming: bool | None = None

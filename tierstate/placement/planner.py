@@ -41,6 +41,7 @@ import enum
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
 from .layout import TierKind, tier_sizes
 from .model_spec import ModelSpec
 
@@ -50,7 +51,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adagrad": 1}
 GRAD_ALIGN = 64  # bytes per gradient slice in the host gradient arena (optim/grad_stream.py)
 GRAD_BUCKET_BYTES = 32 << 20  # CUDA gradient-stream bucket (optim/grad_stream.py)
-DEFAULT_SUBGROUP_NUMEL = 1 << 24  # == placement.offload.DEFAULT_SUBGROUP_NUMEL, without importing torch
 RECORD_ALIGN = 4096  # O_DIRECT: every key of an NVMe record starts on a page
 ADAM_KERNEL_BYTES = 28  # fp32 Adam: read w, g, m, v (16 B) + write w, m, v (12 B)
 BACKWARD_SHARE = 2.0 / 3.0  # backward is ~2x forward: the share of compute a gradient copy can hide behind
@@ -177,7 +177,7 @@ class PlanRequest:
     keep_device_grads: bool = False
     pin_memory: bool = True
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
-    buffer_count: int = 4
+    buffer_count: int = DEFAULT_BUFFER_COUNT
     micro_batch: int | None = None
     seq_len: int | None = None
     grad_accum: int = 1
@@ -547,7 +547,8 @@ def _explain_infeasible(req: PlanRequest, budgets: Budgets, allow_device_tier: b
 
 
 def choose(req: PlanRequest, hw: Hardware, budgets: Budgets = Budgets(), *, allow_device_tier: bool = False,
-           grid: int = 20, subgroup_options: tuple[int, ...] = ()) -> Plan:
+           grid: int = 20, subgroup_options: tuple[int, ...] = (),
+           buffer_options: tuple[int, ...] = ()) -> Plan:
     """The placement with the smallest predicted step time that fits ``budgets``.
 
     For each device fraction on a grid of ``1/grid`` (only 0 unless ``allow_device_tier``),
@@ -555,18 +556,22 @@ def choose(req: PlanRequest, hw: Hardware, budgets: Budgets = Budgets(), *, allo
     the fastest of those candidates wins. ``subgroup_options`` are further sub-group sizes
     to try (largest first) when the NVMe buffer pool of ``req.subgroup_numel`` does not fit:
     the pool is ``buffer_count`` records of one sub-group each, so smaller sub-groups leave
-    more host RAM for state. The fastest wins; the returned plan's request carries its size.
+    more host RAM for state; ``buffer_options`` are smaller pools (buffer counts) tried the same
+    way. The fastest wins; the returned plan's request carries its size and count.
     Raises :class:`PlanError` naming what is missing.
     """
     sizes = [req.subgroup_numel] + sorted((s for s in subgroup_options if s < req.subgroup_numel), reverse=True)
+    counts = [req.buffer_count] + sorted((c for c in buffer_options if c < req.buffer_count), reverse=True)
     best: Plan | None = None
     for size in sizes:
-        try:
-            plan = _choose_placement(replace(req, subgroup_numel=size), hw, budgets, allow_device_tier, grid)
-        except PlanError:
-            continue
-        if best is None or plan.time.total < best.time.total * 0.99:  # a smaller record must win by > 1%
-            best = plan
+        for count in counts:
+            try:
+                plan = _choose_placement(replace(req, subgroup_numel=size, buffer_count=count), hw, budgets,
+                                         allow_device_tier, grid)
+            except PlanError:
+                continue
+            if best is None or plan.time.total < best.time.total * 0.99:  # a smaller pool must win by > 1%
+                best = plan
     if best is None:
         raise PlanError(_explain_infeasible(req, budgets, allow_device_tier))
     return best

@@ -249,7 +249,9 @@ class NvmeTier:
             if pin_memory is None:
                 pin_memory = offload.pin_memory and torch.cuda.is_available()
             self.pin_memory = bool(pin_memory)
-            self._pool = [_Buffer(i, self._allocate(self.record_nbytes)) for i in range(offload.buffer_count)]
+            # more buffers than records would hold nothing; two keep one updating while one moves
+            pool_size = min(offload.buffer_count, max(2, len(self.subgroups)))
+            self._pool = [_Buffer(i, self._allocate(self.record_nbytes)) for i in range(pool_size)]
             self._write_initial_values(inits)
             self._res.threads = [_IOThread(b.index, self._res.files, self._where, telemetry) for b in self._pool]
         except BaseException:
