@@ -113,8 +113,7 @@ void adam_loop(const AdamTask& t, int64_t begin, int64_t end) {
   const V grad_mul = V::set1(t.grad_mul), wd = V::set1(t.wd), decay = V::set1(t.decay);
   const V m_coeff = V::set1(t.m_lerp.coeff);
   const V beta2 = V::set1(t.beta2), one_minus_beta2 = V::set1(t.one_minus_beta2);
-  const V neg_step_size = V::set1(t.neg_step_size), bc2_sqrt = V::set1(t.bc2_sqrt);
-  const V eps = V::set1(t.eps);
+  const V neg_step_size_bc2 = V::set1(t.neg_step_size_bc2), eps_bc2 = V::set1(t.eps_bc2);
 
   const bool stream = can_stream_out<V>(weight_out, begin);
   for (int64_t i = begin; i < end; i += V::kWidth) {
@@ -129,8 +128,8 @@ void adam_loop(const AdamTask& t, int64_t begin, int64_t end) {
       v_used = V::max_nan(load_as<V, M>(max_exp_avg_sq, i), v);
       store_as<V, M>(max_exp_avg_sq, i, v_used);
     }
-    const V denom = V::sqrt(v_used) / bc2_sqrt + eps;
-    w = V::fmadd(neg_step_size, m / denom, w);   // weight.addcdiv_(m, denom, value=-step_size)
+    const V denom = V::sqrt(v_used) + eps_bc2;   // (sqrt(v) / sqrt(bc2) + eps) * sqrt(bc2)
+    w = V::fmadd(neg_step_size_bc2, m / denom, w);  // weight.addcdiv_(m, denom, value=-step_size)
     V::store(weight + i, w);
     store_as<V, M>(exp_avg, i, m);
     store_as<V, M>(exp_avg_sq, i, v);

