@@ -46,7 +46,7 @@ def _count(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the NVMe step benchmark."""
-    from ..placement import DEFAULT_SUBGROUP_NUMEL
+    from ..placement import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
 
     parser.add_argument("--params", type=_count, default=100_000_000, help="parameters (default 100M)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="elements per parameter tensor (the last one takes the rest; default 4M)")
     parser.add_argument("--subgroup-numel", type=_count, default=DEFAULT_SUBGROUP_NUMEL,
                         help=f"Offload.subgroup_numel (default {DEFAULT_SUBGROUP_NUMEL})")
-    parser.add_argument("--buffer-count", type=int, default=4, help="Offload.buffer_count (default 4)")
+    parser.add_argument("--buffer-count", type=int, default=DEFAULT_BUFFER_COUNT,
+                        help=f"Offload.buffer_count (default {DEFAULT_BUFFER_COUNT}, the library's)")
     parser.add_argument("--nvme-dir", default=None,
                         help="folder for the state files and the disk probe (default: a temporary folder under "
                              "TIERSTATE_NVME_DIR or the tierstate cache dir)")
