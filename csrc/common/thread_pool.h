@@ -2,8 +2,9 @@
 //
 // Why our own pool and not OpenMP: torch ships its own libgomp and torchrun sets
 // OMP_NUM_THREADS=1, so an OpenMP kernel would either fight torch's runtime or run
-// on one thread. Workers are started once and sleep on a condition variable between
-// jobs; the calling thread always takes part, so N threads means N-1 workers.
+// on one thread. Workers are started once; between jobs they spin briefly, then sleep
+// on a condition variable; the calling thread always takes part, so N threads means
+// N-1 workers.
 #pragma once
 
 #include <atomic>
@@ -50,9 +51,11 @@ class ThreadPool {
   std::condition_variable wake_;
   std::condition_variable done_;
   std::vector<std::thread> workers_;
-  uint64_t generation_ = 0;
-  bool stopping_ = false;
-  int workers_busy_ = 0;
+  // Written under mutex_ (so the condition variables stay correct), also read without
+  // it by the short spin that precedes each sleep.
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> workers_busy_{0};
   int num_threads_ = 1;
 
   TaskFn fn_ = nullptr;
