@@ -34,7 +34,7 @@ def _file_backed(scratch_dir: str, numel: int, dtype: torch.dtype, pieces) -> Te
             os.ftruncate(fd, numel * dtype.itemsize)
             offset = 0
             for piece in pieces:
-                view = memoryview(piece.numpy())
+                view = memoryview(piece.contiguous().view(torch.uint8).numpy())  # bytes: bf16 has no numpy dtype
                 done = 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], offset + done)

@@ -561,13 +561,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._grads is not None:
             self._grads.reset(set_to_none)
 
+    # state_dict() of NVMe state: None = file-backed tensors when that state exceeds half the
+    # available RAM, True = always, False = never (plain CPU tensors).
+    state_dict_mmap: bool | None = None
+
     def state_dict(self) -> dict:
         """torch's schema: ``{"state": {index: {key: tensor}}, "param_groups": [...]}``.
 
         Keys are torch's (``step``, ``exp_avg``, ...) plus ``master`` for parameters with an
         fp32 master copy. Host-tier state is returned as views (no copy, like torch returns
-        its live state tensors); state in other tiers is read into new CPU tensors.
+        its live state tensors); state in other tiers is read into new CPU tensors, or, when
+        it is larger than half the available RAM (see ``state_dict_mmap``), into tensors
+        mapped from unlinked files in the NVMe tier's folder, so the dict never has to fit in
+        RAM (:func:`tierstate.checkpoint.mmap_state_dict`).
         """
+        nvme = self.tiers.get(TierKind.NVME)
+        if nvme is not None and self._state_dict_in_files(nvme):
+            from ..checkpoint import mmap_state_dict
+
+            return mmap_state_dict(self, nvme.folders[0] / "state-dict")
         sd = super().state_dict()
         index_of = {}
         for g_saved, g in zip(sd["param_groups"], self.param_groups):
@@ -575,6 +587,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 index_of[id(p)] = idx
         sd["state"] = {index_of[id(s.param)]: self._export_state(s) for s in self._slots if s.initialized}
         return sd
+
+    def _state_dict_in_files(self, nvme) -> bool:
+        if self.state_dict_mmap is not None:
+            return bool(self.state_dict_mmap)
+        import psutil
+
+        return nvme.nbytes > psutil.virtual_memory().available // 2
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
