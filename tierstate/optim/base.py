@@ -502,6 +502,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._upload(tel, [s for s, _ in active])
         for tier_name, nbytes in self.tier_bytes().items():
             tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
+        if self.device.type == "cuda":
+            tel.set_gauge("pinned_bytes", self._pinned_bytes())
+            tel.set_gauge("device_mem", torch.cuda.memory_allocated(self.device))
+
+    def _pinned_bytes(self) -> int:
+        """Page-locked host memory this optimizer holds (arenas, gradient arena, staging, NVMe pool)."""
+        tensors = [t for tier in self.tiers.values() for t in getattr(tier, "arenas", {}).values()]
+        tensors += [self._grads.arena] if self._grads is not None else []
+        tensors += [v for v in self._staging.values()][:1]  # views of one arena: count it once
+        total = sum(t.untyped_storage().nbytes() for t in tensors if t.is_pinned())
+        nvme = self.tiers.get(TierKind.NVME)
+        return total + (nvme.pool_nbytes if nvme is not None and nvme.pin_memory else 0)
 
     def _kernel_traffic(self, s: _Slot, grad: Tensor) -> tuple[int, int]:
         """Host-memory bytes the update of one parameter reads and writes (one fused pass)."""
