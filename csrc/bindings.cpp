@@ -3,6 +3,7 @@
 // csrc/io/engine.h; each section below only converts arguments and releases the GIL.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 namespace nb = nanobind;
@@ -99,6 +100,10 @@ static void bind_kernels(nb::module_& m) {
       },
       nb::arg("n"), "Threads used per kernel call, the caller included.");
   km.def("num_threads", &k::num_threads, "Threads used per kernel call, the caller included.");
+  km.def("record_worker_spans", &k::record_worker_spans, nb::arg("on"),
+         "Start (True) or stop and discard (False) recording per-thread busy spans of kernel calls.");
+  km.def("drain_worker_spans", &k::drain_worker_spans,
+         "The recorded spans as (thread, start_ns, end_ns), CLOCK_MONOTONIC; clears them.");
 }
 
 // ---- io section -----------------------------------------------------------

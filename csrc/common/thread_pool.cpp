@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <time.h>
+
 #include <algorithm>
 
 namespace tierstate {
@@ -20,6 +22,16 @@ inline void cpu_relax() {
 #elif defined(__aarch64__)
   asm volatile("yield");
 #endif
+}
+
+// A trace drained every step holds a few spans per kernel call; this bounds a trace
+// nobody drains (1 MiB of spans) instead of letting it grow.
+constexpr size_t kMaxSpans = 1 << 16;
+
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
 template <class Ready>
@@ -67,7 +79,7 @@ void ThreadPool::start_workers(int n_workers) {
     stopping_.store(false);
   }
   workers_.reserve(n_workers);
-  for (int i = 0; i < n_workers; ++i) workers_.emplace_back([this] { worker_loop(); });
+  for (int i = 0; i < n_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
 }
 
 void ThreadPool::stop_workers() {
@@ -88,7 +100,31 @@ void ThreadPool::run_tasks() {
   }
 }
 
-void ThreadPool::worker_loop() {
+void ThreadPool::run_tasks_as(int worker) {
+  if (!record_spans_.load(std::memory_order_relaxed)) {
+    run_tasks();
+    return;
+  }
+  const int64_t start = monotonic_ns();
+  run_tasks();
+  const int64_t end = monotonic_ns();
+  std::lock_guard<std::mutex> lock(spans_mutex_);
+  if (spans_.size() < kMaxSpans) spans_.push_back({worker, start, end});
+}
+
+void ThreadPool::set_span_recording(bool on) {
+  record_spans_.store(on, std::memory_order_relaxed);
+  if (!on) drain_spans();
+}
+
+std::vector<ThreadPool::WorkerSpan> ThreadPool::drain_spans() {
+  std::lock_guard<std::mutex> lock(spans_mutex_);
+  std::vector<WorkerSpan> out;
+  out.swap(spans_);
+  return out;
+}
+
+void ThreadPool::worker_loop(int worker) {
   uint64_t seen = 0;
   for (;;) {
     spin_until([&] { return stopping_.load(std::memory_order_acquire) ||
@@ -98,7 +134,7 @@ void ThreadPool::worker_loop() {
     if (stopping_.load()) return;
     seen = generation_.load();
     lock.unlock();
-    run_tasks();
+    run_tasks_as(worker);
     lock.lock();
     if (workers_busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_.notify_one();
   }
@@ -108,7 +144,11 @@ void ThreadPool::parallel_for(int64_t n_tasks, TaskFn fn, void* ctx) {
   if (n_tasks <= 0) return;
   std::lock_guard<std::mutex> submit(submit_mutex_);
   if (workers_.empty() || n_tasks == 1) {
-    for (int64_t i = 0; i < n_tasks; ++i) fn(ctx, i);
+    fn_ = fn;
+    ctx_ = ctx;
+    n_tasks_ = n_tasks;
+    next_task_.store(0, std::memory_order_relaxed);
+    run_tasks_as(0);  // no worker is woken: the caller runs every task
     return;
   }
   {
@@ -121,7 +161,7 @@ void ThreadPool::parallel_for(int64_t n_tasks, TaskFn fn, void* ctx) {
     generation_.fetch_add(1, std::memory_order_release);
   }
   wake_.notify_all();
-  run_tasks();
+  run_tasks_as(0);
   spin_until([&] { return workers_busy_.load(std::memory_order_acquire) == 0; });
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [&] { return workers_busy_.load(std::memory_order_acquire) == 0; });

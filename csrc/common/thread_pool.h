@@ -37,14 +37,26 @@ class ThreadPool {
         n_tasks, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &body);
   }
 
+  // Optional record of when each thread worked on a job, for traces (one lane per CPU
+  // worker). Off by default; a span is two clock reads and one short locked append per
+  // thread per job. Times are CLOCK_MONOTONIC nanoseconds, the clock of Python's
+  // time.perf_counter() on Linux, so they line up with the Python-side phases.
+  struct WorkerSpan {
+    int worker;  // 0 is the calling thread, 1.. the pool's workers
+    int64_t start_ns, end_ns;
+  };
+  void set_span_recording(bool on);
+  std::vector<WorkerSpan> drain_spans();
+
   ~ThreadPool();
 
  private:
   explicit ThreadPool(int num_threads);
   void start_workers(int n_workers);
   void stop_workers();
-  void worker_loop();
+  void worker_loop(int worker);
   void run_tasks();
+  void run_tasks_as(int worker);
 
   std::mutex submit_mutex_;  // one job at a time
   std::mutex mutex_;         // guards the fields below
@@ -62,6 +74,10 @@ class ThreadPool {
   void* ctx_ = nullptr;
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_task_{0};
+
+  std::atomic<bool> record_spans_{false};
+  std::mutex spans_mutex_;
+  std::vector<WorkerSpan> spans_;  // bounded by kMaxSpans; drained by the caller
 
   long owner_pid_ = 0;
   friend ThreadPool& pool_for_this_process();

@@ -245,5 +245,13 @@ void set_num_threads(int n) {
 
 int num_threads() { return ThreadPool::instance().num_threads(); }
 
+void record_worker_spans(bool on) { ThreadPool::instance().set_span_recording(on); }
+
+std::vector<std::tuple<int, int64_t, int64_t>> drain_worker_spans() {
+  std::vector<std::tuple<int, int64_t, int64_t>> out;
+  for (const auto& s : ThreadPool::instance().drain_spans()) out.emplace_back(s.worker, s.start_ns, s.end_ns);
+  return out;
+}
+
 }  // namespace kernels
 }  // namespace tierstate

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace tierstate {
@@ -74,6 +75,11 @@ std::string current_isa();
 void set_isa(const std::string& name);       // "auto" or a variant; throws std::invalid_argument
 void set_num_threads(int n);
 int num_threads();
+
+// Per-thread busy spans of kernel calls, for traces: (thread, start ns, end ns) with
+// CLOCK_MONOTONIC times; thread 0 is the caller.
+void record_worker_spans(bool on);
+std::vector<std::tuple<int, int64_t, int64_t>> drain_worker_spans();
 
 // Elements per task: 16384 = 64 KiB per fp32 stream, so one task's streams (at most 6:
 // amsgrad Adam, <= 352 KiB) fit the 1 MiB L2 of a Zen 5 / recent Xeon core, while a

@@ -82,3 +82,26 @@ def test_broken_profile_is_ignored_with_a_warning(tmp_path, monkeypatch, caplog)
     with caplog.at_level("WARNING", logger="tierstate"):
         ts.AdamW(model(torch.float32).parameters())
     assert "hardware profile ignored" in caplog.text and str(path) in caplog.text
+
+
+def test_trace_has_a_lane_per_kernel_thread(tmp_path) -> None:
+    from tierstate import kernels
+
+    if not kernels.backend_info()["native"]:
+        pytest.skip("worker lanes come from the native thread pool")
+    kernels.set_num_threads(2)
+    big = torch.nn.Parameter(torch.randn(200_000))  # 13 chunks of 16384: both threads take some
+    opt = ts.AdamW([big])
+    trace = tmp_path / "workers.json"
+    opt.trace(trace)
+    for _ in range(2):
+        big.grad = torch.randn_like(big)
+        opt.step()
+    opt.stop_trace()
+    events = json.loads(trace.read_text())["traceEvents"]
+    validate_trace({"traceEvents": events})
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    worker_tids = {tid for tid, name in names.items() if name.startswith("cpu-worker-")}
+    assert {names[t] for t in worker_tids} == {"cpu-worker-0", "cpu-worker-1"}
+    slices = [e for e in events if e.get("ph") == "X" and e["tid"] in worker_tids]
+    assert len(slices) >= 4 and all(e["name"] == "cpu_update" and e["dur"] > 0 for e in slices)

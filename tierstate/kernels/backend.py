@@ -187,3 +187,20 @@ def backend_info() -> dict[str, Any]:
         "available_isas": available_isas(),
         "native_error": error,
     }
+
+
+def record_worker_spans(on: bool) -> None:
+    """Start (``True``) or stop and discard (``False``) recording when each kernel thread
+    works; read them with :func:`drain_worker_spans`. A no-op without the native module."""
+    kernels = native_kernels()
+    if kernels is not None:
+        kernels.record_worker_spans(bool(on))
+
+
+def drain_worker_spans() -> list[tuple[int, float, float]]:
+    """Recorded kernel-thread busy spans as ``(thread, start_s, end_s)`` on the clock of
+    ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux); thread 0 is the caller. Clears them."""
+    kernels = native_kernels()
+    if kernels is None:
+        return []
+    return [(w, a / 1e9, b / 1e9) for w, a, b in kernels.drain_worker_spans()]

@@ -406,9 +406,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         tel = self.telemetry
         tel.begin_step(self._step_index())
+        workers = tel.enabled and tel.tracing  # one trace lane per kernel thread, only while tracing
+        if workers:
+            kernels.record_worker_spans(True)
         try:
             self._step(tel, grad_scaler)
         finally:
+            if workers:
+                for thread, start, end in kernels.drain_worker_spans():
+                    tel.add_phase_time("cpu_update", end - start, lane=f"cpu-worker-{thread}", start=start)
+                kernels.record_worker_spans(False)
             self._last_stats = tel.end_step()
         return loss
 
