@@ -41,6 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..telemetry.progress import progress
 from ._e2e_worker import DEEPSPEED_MODES, MODES, TIERSTATE_MODES, add_model_arguments
 
 _GIB = 2**30
@@ -357,7 +358,8 @@ def main(args: argparse.Namespace) -> int:
             "nvme_dir": str(nvme_dir), "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     runs: dict[str, list[dict]] = {m: [] for m in args.modes}
     rounds: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="tierstate-e2e-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tierstate-e2e-") as tmp, \
+            progress(args.repeats * len(runnable), "end-to-end runs") as advance:
         for r in range(args.repeats):
             order = runnable if r % 2 == 0 else runnable[::-1]
             rnd = {}
@@ -368,6 +370,7 @@ def main(args: argparse.Namespace) -> int:
                     print(f"  {mode}: {result['status']}", flush=True)
                 runs[mode].append(result)
                 rnd[mode] = result
+                advance()  # each run is its own process: nothing here is being timed
             rounds.append(rnd)
     summaries = {}
     for mode in args.modes:

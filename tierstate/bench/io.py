@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..telemetry.progress import progress
+
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -233,16 +235,18 @@ def main(args: argparse.Namespace) -> int:
 
         dropped_all = True
         load_before = os.getloadavg()
-        for _ in range(args.reps):
-            for m in methods:
-                if m.error:
-                    continue
-                try:
-                    m.write_gbps.append(size / m.write() / 1e9)
-                    dropped_all &= drop_page_cache()
-                    m.read_gbps.append(size / m.read() / 1e9)
-                except Exception as exc:  # one failing method must not hide the others' figures
-                    m.error = f"{type(exc).__name__}: {exc}"
+        with progress(args.reps, "sequential write + read") as advance:
+            for _ in range(args.reps):
+                for m in methods:
+                    if m.error:
+                        continue
+                    try:
+                        m.write_gbps.append(size / m.write() / 1e9)
+                        dropped_all &= drop_page_cache()
+                        m.read_gbps.append(size / m.read() / 1e9)
+                    except Exception as exc:  # one failing method must not hide the others' figures
+                        m.error = f"{type(exc).__name__}: {exc}"
+                advance()  # between repetitions, outside the timed calls
         load_after = os.getloadavg()
     finally:
         for m in methods:

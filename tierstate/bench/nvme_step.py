@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..telemetry.progress import progress
+
 TARGET_RATIO = 1.15
 
 
@@ -180,15 +182,17 @@ def run(args: argparse.Namespace) -> dict:
             cpu_opt.step()
             nvme_opt.step()
         cpu_times, nvme_times, reads, writes, waits = [], [], [], [], []
-        for i in range(args.steps):
-            pair = [(cpu_opt, cpu_times), (nvme_opt, nvme_times)]
-            for opt, times in (pair if i % 2 == 0 else pair[::-1]):
-                wall, info = _timed_step(opt)
-                times.append(wall)
-                if opt is nvme_opt:
-                    reads.append(info["bytes"].get("nvme/read", 0))
-                    writes.append(info["bytes"].get("nvme/write", 0))
-                    waits.append(info["nvme_wait"])
+        with progress(args.steps, "cpu and nvme steps") as advance:
+            for i in range(args.steps):
+                pair = [(cpu_opt, cpu_times), (nvme_opt, nvme_times)]
+                for opt, times in (pair if i % 2 == 0 else pair[::-1]):
+                    wall, info = _timed_step(opt)
+                    times.append(wall)
+                    if opt is nvme_opt:
+                        reads.append(info["bytes"].get("nvme/read", 0))
+                        writes.append(info["bytes"].get("nvme/write", 0))
+                        waits.append(info["nvme_wait"])
+                advance()  # between pairs of timed steps
         read_bytes, write_bytes = statistics.median(reads), statistics.median(writes)
         disk = measure_disk(work, max(int(read_bytes + write_bytes) // 2, 256 << 20), tier.record_nbytes)
         result = {

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import kernels
+from ..telemetry.progress import progress
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 VARIANTS = ("native", "native-bf16-moments", "torch-fused+casts", "torch-foreach+casts",
@@ -168,7 +169,7 @@ def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int) -
     kernels.set_num_threads(threads)
     steps = _build(n, variants)
     times: dict[str, list[float]] = {name: [] for name in steps}
-    with torch.no_grad():
+    with torch.no_grad(), progress(warmup + reps, f"{n / 1e6:g}M params, {threads} threads") as advance:
         for rnd in range(warmup + reps):
             for name, step in steps.items():  # round-robin: each round sees one phase
                 t0 = time.perf_counter()
@@ -176,6 +177,7 @@ def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int) -
                 elapsed = time.perf_counter() - t0
                 if rnd >= warmup:
                     times[name].append(elapsed)
+            advance()  # between rounds, outside every timed region
     floor = statistics.median(times["floor"]) if "floor" in times else float("nan")
     rows = []
     for name, samples in times.items():
