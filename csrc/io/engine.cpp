@@ -375,8 +375,12 @@ std::shared_ptr<Request> Engine::submit(const std::shared_ptr<File>& file, bool 
     for (size_t rel = 0; rel < nbytes; rel += block) add(rel, std::min(block, nbytes - rel), TaskPath::Buffered);
   } else {
     // head [offset, first aligned offset) and tail (after the last aligned offset) are
-    // buffered; the body in between goes direct, in block-size tasks.
-    const size_t a = file->offset_align();
+    // buffered; the body in between goes direct, in block-size tasks. The split is on page
+    // boundaries even where O_DIRECT accepts 512: a buffered head dirties its whole page in
+    // the page cache, and if that page also held direct-written bytes, its writeback would
+    // put stale bytes over them (seen: 2 of 6 runs of 6 threads writing at offsets of 4099).
+    static const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    const size_t a = std::max<size_t>(file->offset_align(), page);
     const size_t uoff = static_cast<size_t>(offset);
     size_t head = std::min(nbytes, round_up(uoff, a) - uoff);
     size_t body = (nbytes - head) / a * a;

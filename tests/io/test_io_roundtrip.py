@@ -78,7 +78,7 @@ def test_unaligned_offset_buffers_only_head_and_tail(tmp_path, engine):
     with tio.File(tmp_path / "u.bin", "w+", engine=engine) as f:
         if not f.direct:
             pytest.skip(f"O_DIRECT unavailable here: {f.direct_note}")
-        a = f.offset_align
+        a = f.split_align  # the page, or DIOALIGN when larger: see File's docstring
         head = a - offset
         # keep the body's buffer address aligned so it goes direct, not bounced
         view = buf[a - head:a - head + size]

@@ -10,6 +10,7 @@ first (0 past the end). :meth:`File.read_exact` raises :class:`ShortReadError` i
 """
 from __future__ import annotations
 
+import mmap
 import os
 import weakref
 from typing import Any
@@ -86,8 +87,11 @@ class File:
         perm: permission bits for a created file.
 
     Unaligned heads/tails of a request (file offsets not multiple of
-    :attr:`offset_align`) go through a second, buffered descriptor; a buffer address not
-    aligned to :attr:`mem_align` goes through a per-worker aligned bounce buffer.
+    :attr:`split_align`: :attr:`offset_align` rounded up to the page size) go through a
+    second, buffered descriptor; a buffer address not aligned to :attr:`mem_align` goes
+    through a per-worker aligned bounce buffer. The split is per page because a buffered
+    head dirties its whole page, whose writeback would overwrite direct-written bytes that
+    shared it.
     """
 
     def __init__(self, path: str | os.PathLike, mode: str = "r", *, direct: bool = True,
@@ -141,6 +145,12 @@ class File:
     def offset_align(self) -> int:
         """File offset/length alignment O_DIRECT needs on this file (statx DIOALIGN, else 4096)."""
         return self._native.offset_align
+
+    @property
+    def split_align(self) -> int:
+        """Offsets that are multiples of this go direct: :attr:`offset_align` or the page size,
+        whichever is larger."""
+        return max(self.offset_align, mmap.PAGESIZE)
 
     @property
     def alignment_source(self) -> str:
