@@ -425,7 +425,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _step(self, tel, grad_scaler) -> None:
         self._steps_taken = self._step_index() + 1
         if self._upload_done is not None:  # the staging buffers are about to be rewritten
-            self._upload_done.synchronize()
+            with tel.phase("device_stall"):
+                self._upload_done.synchronize()
         if self._grads is not None:
             with tel.phase("grad_wait"):
                 self._grads.wait()
