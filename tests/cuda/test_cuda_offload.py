@@ -1,0 +1,88 @@
+"""The CUDA paths: gradient streaming on a side stream, pinned staging, weight upload.
+
+Skipped without a GPU (this project's CI has none); `scripts/gpu_check.sh` runs them on a
+machine with one. Parity is against torch.optim on an fp32 host copy fed the same
+gradients, as in tests/optim/test_parity.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierstate as ts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)  # same reason as tests/optim/test_parity.py
+
+
+def net(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # a 4M-element first layer: its gradient spans several 32 MiB-bucket flushes of the stream
+    return torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 16)).to(
+        "cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_cuda_adamw_matches_fp32_reference(dtype: torch.dtype, micro_batches: int) -> None:
+    model = net(dtype)
+    opt = ts.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    assert opt._grads is not None, "CUDA parameters stream their gradients by default"
+    masters = [p.detach().float().cpu().clone().requires_grad_(True) for p in model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(7):
+        x = torch.randn(8 * micro_batches, 2048, generator=gen)
+        opt.zero_grad()
+        grads = [torch.zeros_like(m) for m in masters]
+        for xm in x.chunk(micro_batches):
+            model(xm.to("cuda", dtype)).float().pow(2).mean().div(micro_batches).backward()
+            assert all(p.grad is None for p in model.parameters()), "device grads are released once copied"
+        opt.step()
+        # the reference sees what the host received: the streamed (accumulated) gradients
+        for i, m in enumerate(masters):
+            m.grad = opt._grads.grad(i).view(m.shape).float().clone()
+        ref.step()
+    torch.cuda.synchronize()
+    for p, m in zip(model.parameters(), masters):
+        st = opt.state[p]
+        assert all(v.device.type == "cpu" for v in st.values()), "optimizer.state holds no device tensors"
+        master = st["master"]
+        torch.testing.assert_close(master, m.detach(), **FP32_TOL)
+        assert torch.equal(p.detach().cpu(), master.to(dtype)), "the device weight is the rounded master"
+
+
+def test_cuda_grad_scaler_skips_and_backs_off() -> None:
+    model = net(torch.float16)
+    opt = ts.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+    for step in range(4):
+        x = torch.randn(8, 2048, device="cuda", dtype=torch.float16)
+        opt.zero_grad()
+        poison = float("inf") if step == 2 else 1.0
+        scaler.scale(model(x).float().pow(2).mean() * poison).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert scaler.get_scale() == scale / 2
+    assert opt.skipped_steps == 1
+
+
+def test_cuda_nvme_equals_cpu_tier(tmp_path) -> None:
+    a, b = net(torch.bfloat16), net(torch.bfloat16)
+    cpu = ts.AdamW(a.parameters(), lr=1e-3)
+    nvme = ts.AdamW(b.parameters(), lr=1e-3, offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "nv"))
+    for _ in range(5):
+        x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+        for model, opt in ((a, cpu), (b, nvme)):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+    torch.cuda.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    nvme.close()
