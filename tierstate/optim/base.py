@@ -157,7 +157,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.offload.gpu > 0 and not on_accel:
             raise ValueError(f"Offload(gpu={self.offload.gpu}) needs parameters on an accelerator; these are on {self.device}")
         if self.offload.gpu > 0:
-            raise NotImplementedError("the device tier (Offload(gpu=...) > 0) is not available in this version")
+            raise NotImplementedError(
+                f"Offload(gpu={self.offload.gpu}): keeping part of the state on the accelerator is not "
+                "supported yet; place it in host RAM and on NVMe, e.g. Offload(cpu=0.6, nvme=0.4)")
         slots, trainable = [], []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
