@@ -160,3 +160,24 @@ def test_nonfinite_gradient_raises_when_asked() -> None:
     with pytest.raises(FloatingPointError, match="non-finite gradient"):
         opt.step()
     assert not opt.state or all(float(st.get("step", 0)) == 0 for st in opt.state.values())
+
+
+def test_grad_scaler_attribute_protocol(caplog) -> None:
+    """GradScaler's newer contract (grad_scale / found_inf set on the optimizer, as when a
+    wrapper such as Accelerate's hides the grad_scaler argument): unscale, or skip silently."""
+    net_ours, net_plain = make_net(), make_net()
+    ours = ts.AdamW(net_ours.parameters(), lr=1e-2)
+    plain = ts.AdamW(net_plain.parameters(), lr=1e-2)
+    x = torch.randn(4, 6)
+    (net_ours(x).pow(2).mean() * 1024).backward()
+    ours.grad_scale, ours.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+    ours.step()
+    net_plain(x).pow(2).mean().backward()
+    plain.step()
+    assert_snapshots_equal(snapshot(ours, net_ours), snapshot(plain, net_plain))
+    before = snapshot(ours, net_ours)
+    ours.found_inf = torch.tensor(1.0)
+    with caplog.at_level("WARNING", logger="tierstate"):
+        ours.step()
+    assert_snapshots_equal(before, snapshot(ours, net_ours))
+    assert ours.skipped_steps == 1 and "step skipped" not in caplog.text

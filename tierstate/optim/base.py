@@ -70,7 +70,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, on_nonfinite: str = "skip", telemetry: bool = True) -> None:
         if not isinstance(offload, (str, Offload)):
             raise TypeError(f"offload must be 'cpu', 'nvme', 'auto' or a tierstate.Offload, got {type(offload).__name__}")
-        self._params_for_auto = None
         if isinstance(offload, str) and offload == "auto":
             params = list(params)
             offload = self._choose_auto(params)
@@ -372,21 +371,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.telemetry.add_bytes("device", "d2h", g.numel() * g.element_size())
         return g.detach().reshape(-1)
 
-    def _scaler_inputs(self, grad_scaler) -> tuple[float, bool, dict | None]:
-        """(inverse loss scale to apply, inf already found, the scaler's per-optimizer record)."""
+    def _scaler_inputs(self, grad_scaler) -> tuple[float, bool, dict | None, bool]:
+        """(inverse loss scale to apply, inf already found, the scaler's per-optimizer record,
+        whether a loss scaler manages this step: then an inf skips silently, the scaler backs off)."""
         if grad_scaler is None and getattr(self, "grad_scale", None) is not None:
             # GradScaler's attribute protocol (used when a wrapper hides our grad_scaler argument)
-            return 1.0 / float(self.grad_scale), bool(float(getattr(self, "found_inf", 0.0))), None
+            return 1.0 / float(self.grad_scale), bool(float(getattr(self, "found_inf", 0.0))), None, True
         if grad_scaler is None or not grad_scaler.is_enabled():
-            return 1.0, False, None
+            return 1.0, False, None, False
         from torch.amp.grad_scaler import OptState
         record = grad_scaler._per_optimizer_states[id(self)]
         # Gradients read from param.grad were unscaled in place by scaler.unscale_(opt);
         # host copies made by the gradient stream never were.
         if record["stage"] is OptState.UNSCALED and self._grads is None:
             prior = any(bool(v.item()) for v in record["found_inf_per_device"].values())
-            return 1.0, prior, record
-        return 1.0 / grad_scaler.get_scale(), False, record
+            return 1.0, prior, record, True
+        return 1.0 / grad_scaler.get_scale(), False, record, True
 
     def _note_skip(self, why: str) -> None:
         self.skipped_steps += 1
@@ -434,7 +434,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._grads.wait()
         self._adopt_new_trainables()
         active = [(s, g) for s in self._slots if s.trainable is not None and (g := self._host_grad(s)) is not None]
-        inv_scale, prior_inf, record = self._scaler_inputs(grad_scaler)
+        inv_scale, prior_inf, record, scaled = self._scaler_inputs(grad_scaler)
 
         grad_scale = inv_scale
         if active:  # one read of the gradients gives both the global norm and the non-finite check
@@ -444,7 +444,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if record is not None:
                 record["found_inf_per_device"] = {torch.device("cpu"): torch.tensor([0.0 if finite else 1.0])}
             if not finite:
-                if record is not None:
+                if scaled:
                     self.telemetry.count("skipped_steps")
                     self.skipped_steps += 1
                     return  # GradScaler lowers its scale in update(); nothing to say
