@@ -206,6 +206,16 @@ void TaskRun::start(Task&& t, char* bounce_buffer) {
   if (bounce && task.req->is_write()) std::memcpy(bounce, task.buf, task.len);
 }
 
+void TaskRun::run_blocking() {
+  bool finished = false;
+  while (!finished) {
+    size_t left = task.len - done;
+    int64_t off = task.offset + static_cast<int64_t>(done);
+    ssize_t r = task.req->is_write() ? ::pwrite(fd, data + done, left, off) : ::pread(fd, data + done, left, off);
+    finished = advance(r < 0 ? -static_cast<long>(errno) : static_cast<long>(r));
+  }
+}
+
 bool TaskRun::advance(long result) {
   File& f = task.req->file();
   if (result == -EINTR || result == -EAGAIN) return false;  // reissue as is
@@ -271,16 +281,7 @@ class ThreadWorker final : public Worker {
       for (Task& t : got) {
         if (t.path == TaskPath::Bounce && !bounce_) bounce_ = static_cast<char*>(try_alloc_bounce(block_size_));
         run.start(std::move(t), bounce_);
-        if (!run.skipped) {
-          bool finished = false;
-          while (!finished) {
-            size_t left = run.task.len - run.done;
-            int64_t off = run.task.offset + static_cast<int64_t>(run.done);
-            ssize_t r = run.task.req->is_write() ? ::pwrite(run.fd, run.data + run.done, left, off)
-                                                 : ::pread(run.fd, run.data + run.done, left, off);
-            finished = run.advance(r < 0 ? -static_cast<long>(errno) : static_cast<long>(r));
-          }
-        }
+        if (!run.skipped) run.run_blocking();
         run.finish();
       }
     }

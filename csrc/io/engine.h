@@ -209,6 +209,9 @@ struct TaskRun {
   // Feeds one syscall result (bytes, or -errno). Returns true when the task is finished
   // (completed, at end of file, or failed); false when the remainder must be issued.
   bool advance(long result);
+  // Issues blocking pread/pwrite calls until advance() says the task is finished (the
+  // thread-pool backend, and io_uring's fallback for entries it could not submit).
+  void run_blocking();
   void finish();  // copies a bounced read out, accounts bytes, completes the request
   int err = 0;
   bool zero_write_retried = false;

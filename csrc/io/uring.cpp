@@ -206,15 +206,7 @@ class UringWorker final : public Worker {
     ring_.sq_local_tail = load_acquire(ring_.sq_head);
     store_release(ring_.sq_tail, ring_.sq_local_tail);
     for (unsigned id : unsubmitted_) {
-      TaskRun& run = slots_[id];
-      bool finished = false;
-      while (!finished) {
-        size_t left = run.task.len - run.done;
-        int64_t off = run.task.offset + static_cast<int64_t>(run.done);
-        ssize_t r = run.task.req->is_write() ? ::pwrite(run.fd, run.data + run.done, left, off)
-                                             : ::pread(run.fd, run.data + run.done, left, off);
-        finished = run.advance(r < 0 ? -static_cast<long>(errno) : static_cast<long>(r));
-      }
+      slots_[id].run_blocking();
       release(id);
     }
     unsubmitted_.clear();
