@@ -96,6 +96,20 @@ float grad_multiplier(double grad_scale, bool maximize) {
   return static_cast<float>(maximize ? -grad_scale : grad_scale);
 }
 
+// The fields every op's task has: the weight, the gradient, the low-precision output and
+// the dtypes, plus the gradient's multiplier (loss-scale/clip factor, negated to maximize).
+template <class Task>
+void set_common(Task& t, float* weight, const void* grad, void* weight_out, DType grad_dtype,
+                DType moment_dtype, DType out_dtype, double grad_scale, bool maximize) {
+  t.weight = weight;
+  t.grad = grad;
+  t.weight_out = weight_out;
+  t.grad_dtype = grad_dtype;
+  t.moment_dtype = moment_dtype;
+  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
+  t.grad_mul = grad_multiplier(grad_scale, maximize);
+}
+
 }  // namespace
 
 void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq,
@@ -105,16 +119,10 @@ void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_s
   if (n > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr))
     throw std::invalid_argument("exp_avg and exp_avg_sq must be non-null");
   AdamTask t{};
-  t.weight = weight;
-  t.grad = grad;
+  set_common(t, weight, grad, weight_out, grad_dtype, moment_dtype, out_dtype, p.grad_scale, p.maximize);
   t.exp_avg = exp_avg;
   t.exp_avg_sq = exp_avg_sq;
   t.max_exp_avg_sq = max_exp_avg_sq;
-  t.weight_out = weight_out;
-  t.grad_dtype = grad_dtype;
-  t.moment_dtype = moment_dtype;
-  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
-  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
   t.coupled_wd = p.weight_decay != 0 && !p.decoupled;
   t.decoupled_wd = p.weight_decay != 0 && p.decoupled;
   t.wd = static_cast<float>(p.weight_decay);
@@ -133,14 +141,8 @@ void lion_update(float* weight, const void* grad, void* exp_avg, void* weight_ou
   check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
   if (n > 0 && exp_avg == nullptr) throw std::invalid_argument("exp_avg must be non-null");
   LionTask t{};
-  t.weight = weight;
-  t.grad = grad;
+  set_common(t, weight, grad, weight_out, grad_dtype, moment_dtype, out_dtype, p.grad_scale, p.maximize);
   t.exp_avg = exp_avg;
-  t.weight_out = weight_out;
-  t.grad_dtype = grad_dtype;
-  t.moment_dtype = moment_dtype;
-  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
-  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
   t.has_wd = p.weight_decay != 0;
   t.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
   t.update_lerp = make_lerp(1.0 - p.beta1);
@@ -156,14 +158,8 @@ void sgd_update(float* weight, const void* grad, void* momentum_buffer, void* we
   if (n > 0 && p.momentum != 0 && momentum_buffer == nullptr)
     throw std::invalid_argument("momentum != 0 needs a momentum_buffer");
   SgdTask t{};
-  t.weight = weight;
-  t.grad = grad;
+  set_common(t, weight, grad, weight_out, grad_dtype, moment_dtype, out_dtype, p.grad_scale, p.maximize);
   t.momentum_buffer = p.momentum != 0 ? momentum_buffer : nullptr;
-  t.weight_out = weight_out;
-  t.grad_dtype = grad_dtype;
-  t.moment_dtype = moment_dtype;
-  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
-  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
   t.has_wd = p.weight_decay != 0;
   t.wd = static_cast<float>(p.weight_decay);
   t.momentum = static_cast<float>(p.momentum);
@@ -180,14 +176,8 @@ void adagrad_update(float* weight, const void* grad, void* state_sum, void* weig
   check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
   if (n > 0 && state_sum == nullptr) throw std::invalid_argument("state_sum must be non-null");
   AdagradTask t{};
-  t.weight = weight;
-  t.grad = grad;
+  set_common(t, weight, grad, weight_out, grad_dtype, moment_dtype, out_dtype, p.grad_scale, p.maximize);
   t.state_sum = state_sum;
-  t.weight_out = weight_out;
-  t.grad_dtype = grad_dtype;
-  t.moment_dtype = moment_dtype;
-  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
-  t.grad_mul = grad_multiplier(p.grad_scale, p.maximize);
   t.has_wd = p.weight_decay != 0;
   t.wd = static_cast<float>(p.weight_decay);
   t.eps = static_cast<float>(p.eps);

@@ -126,27 +126,22 @@ def _build(n: int, variants: list[str]) -> dict[str, Callable[[], None]]:
     if torch_variants:
         param = torch.nn.Parameter(torch.randn(n, generator=gen))
         param.grad = grad_bf16.float()
-        if {"torch-fused+casts", "floor"} & torch_variants:
-            fused = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS,
-                                      weight_decay=WEIGHT_DECAY, fused=True)
-
-            def fused_casts() -> None:
+        def with_casts(opt: torch.optim.Optimizer) -> Callable[[], None]:
+            """The step a mixed-precision user of ``opt`` runs: bf16 grad -> fp32, step, fp32 -> bf16."""
+            def step() -> None:
                 param.grad.copy_(grad_bf16)
-                fused.step()
+                opt.step()
                 weight_bf16.copy_(param.detach())
+            return step
 
-            steps["torch-fused+casts"] = fused_casts
+        if {"torch-fused+casts", "floor"} & torch_variants:
+            fused = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+            steps["torch-fused+casts"] = with_casts(fused)
             steps["floor"] = fused.step
         if "torch-foreach+casts" in torch_variants:
-            foreach = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS,
-                                        weight_decay=WEIGHT_DECAY, foreach=True)
-
-            def foreach_casts() -> None:
-                param.grad.copy_(grad_bf16)
-                foreach.step()
-                weight_bf16.copy_(param.detach())
-
-            steps["torch-foreach+casts"] = foreach_casts
+            foreach = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                        foreach=True)
+            steps["torch-foreach+casts"] = with_casts(foreach)
 
     ds_adam = _deepspeed_adam() if "deepspeed+copy" in variants else None
     if ds_adam is not None:
