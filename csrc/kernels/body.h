@@ -279,18 +279,43 @@ void adagrad_range(const AdagradTask& t, int64_t begin, int64_t end) {
 }
 
 // ---- sum of squares ---------------------------------------------------------
+// Sum of squares of [begin, end) with fp32 accumulators reduced to double every
+// kChunkElements: each of the 4 x kWidth lanes sums <= 16384 / 4 squares before that
+// (relative error <= ~1e-5; torch's own fp32 norm is no better). Converting every element
+// to double instead ran at 19-31 GB/s, half the memory bandwidth. Four independent chains
+// hide the FMA latency.
+template <class V, DType G>
+double sumsq_block(const void* grad, int64_t begin, int64_t end) {
+  V a0 = V::set1(0.0f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = begin;
+  for (; i + 4 * V::kWidth <= end; i += 4 * V::kWidth) {
+    const V x0 = load_as<V, G>(grad, i), x1 = load_as<V, G>(grad, i + V::kWidth);
+    const V x2 = load_as<V, G>(grad, i + 2 * V::kWidth), x3 = load_as<V, G>(grad, i + 3 * V::kWidth);
+    a0 = V::fmadd(x0, x0, a0);
+    a1 = V::fmadd(x1, x1, a1);
+    a2 = V::fmadd(x2, x2, a2);
+    a3 = V::fmadd(x3, x3, a3);
+  }
+  for (; i + V::kWidth <= end; i += V::kWidth) {
+    const V x = load_as<V, G>(grad, i);
+    a0 = V::fmadd(x, x, a0);
+  }
+  float lanes[4 * V::kWidth];
+  V::store(lanes, a0);
+  V::store(lanes + V::kWidth, a1);
+  V::store(lanes + 2 * V::kWidth, a2);
+  V::store(lanes + 3 * V::kWidth, a3);
+  double total = 0.0;
+  for (float lane : lanes) total += lane;
+  return total;
+}
+
 template <class V, DType G>
 double sumsq_loop(const void* grad, int64_t begin, int64_t end) {
-  // Two independent accumulators: one chain of dependent adds would be bound by
-  // the add latency (4 cycles), not by memory.
-  auto acc0 = V::dacc_zero(), acc1 = V::dacc_zero();
-  int64_t i = begin;
-  for (; i + 2 * V::kWidth <= end; i += 2 * V::kWidth) {
-    acc0 = V::dacc_add_squares(acc0, load_as<V, G>(grad, i));
-    acc1 = V::dacc_add_squares(acc1, load_as<V, G>(grad, i + V::kWidth));
-  }
-  for (; i + V::kWidth <= end; i += V::kWidth) acc0 = V::dacc_add_squares(acc0, load_as<V, G>(grad, i));
-  return V::dacc_total(acc0) + V::dacc_total(acc1);
+  double total = 0.0;
+  for (int64_t b = begin; b < end; b += kChunkElements)
+    total += sumsq_block<V, G>(grad, b, std::min(end, b + kChunkElements));
+  return total;
 }
 
 template <class V>

@@ -54,19 +54,24 @@ const KernelTable& table() { return *active_table().load(std::memory_order_acqui
 // the gradient for grad_sumsq), so full-width accesses to the anchor never split a
 // cache line even when a view starts at an unaligned element offset.
 struct ChunkPlan {
-  int64_t n, head, n_tasks;
-  int64_t begin(int64_t task) const { return task == 0 ? 0 : std::min(n, head + task * kChunkElements); }
-  int64_t end(int64_t task) const { return std::min(n, head + (task + 1) * kChunkElements); }
+  int64_t n, head, n_tasks, chunk;
+  int64_t begin(int64_t task) const { return task == 0 ? 0 : std::min(n, head + task * chunk); }
+  int64_t end(int64_t task) const { return std::min(n, head + (task + 1) * chunk); }
 };
 
-ChunkPlan plan_chunks(const void* anchor, int64_t n, int64_t element_size) {
+ChunkPlan plan_chunks(const void* anchor, int64_t n, int64_t element_size, int64_t chunk = kChunkElements) {
   const auto address = reinterpret_cast<uintptr_t>(anchor);
   int64_t head = static_cast<int64_t>((64 - address % 64) % 64) / element_size;
   if (address % element_size != 0 || head >= n) head = 0;
   const int64_t rest = n - head;
-  const int64_t n_tasks = std::max<int64_t>(1, (rest + kChunkElements - 1) / kChunkElements);
-  return {n, head, n_tasks};
+  const int64_t n_tasks = std::max<int64_t>(1, (rest + chunk - 1) / chunk);
+  return {n, head, n_tasks, chunk};
 }
+
+// grad_sumsq reads one stream and does two flops per element: a 16 Ki-element task (32 KiB
+// of bf16, ~1 us) is no longer than the cost of taking and reducing it, so its tasks are
+// 16x larger (the loop still reduces to double every kChunkElements, see body.h).
+constexpr int64_t kSumsqChunkElements = 16 * kChunkElements;
 
 // Chunks align to weight_out's lines when there is one, so that its streaming stores
 // (see body.h) are aligned in every chunk; else to the weight's.
@@ -192,7 +197,7 @@ double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale) {
   if (grad_dtype != DType::kF32 && grad_dtype != DType::kBF16 && grad_dtype != DType::kF16)
     throw std::invalid_argument("grad dtype must be fp32, bf16 or fp16");
   const KernelTable& k = table();
-  const ChunkPlan plan = plan_chunks(grad, n, grad_dtype == DType::kF32 ? 4 : 2);
+  const ChunkPlan plan = plan_chunks(grad, n, grad_dtype == DType::kF32 ? 4 : 2, kSumsqChunkElements);
   std::vector<double> partial(static_cast<size_t>(plan.n_tasks), 0.0);
   auto body = [&](int64_t i) { partial[i] = k.sumsq(grad, grad_dtype, plan.begin(i), plan.end(i)); };
   ThreadPool::instance().parallel_for(plan.n_tasks, body);

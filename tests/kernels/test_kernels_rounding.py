@@ -51,18 +51,20 @@ def test_weight_out_rounds_to_nearest_even(isa, out_dtype, isa_and_threads):
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_grad_sumsq_matches_reference(isa, grad_dtype, isa_and_threads):
-    """Double accumulation in a different order: equal to 1e-12 relative (the
-    reference's own rounding error over 2**20 terms is ~1e-13)."""
+    """fp32 accumulation within 16 Ki-element blocks (each lane sums <= 4096 squares), double
+    across blocks: within 1e-5 relative of the double reference, the bound of 4096 fp32
+    additions (4096 * 2**-24 = 2.4e-4 worst case; squares are all positive, so the error stays
+    near its average: ~3e-7 measured). torch's own fp32 vector_norm is no tighter."""
     K.set_isa(isa)
     gen = torch.Generator().manual_seed(3)
     grad = torch.randn(2**20 + 3 + 2, generator=gen).to(grad_dtype)[2:]  # unaligned view
     for threads in (1, 2):
         K.set_num_threads(threads)
         for scale in (1.0, 0.125):
-            assert math.isclose(K.grad_sumsq(grad, scale), R.grad_sumsq(grad, scale), rel_tol=1e-12)
+            assert math.isclose(K.grad_sumsq(grad, scale), R.grad_sumsq(grad, scale), rel_tol=1e-5)
     for n in (1, 7, 15, 16, 17, 255, 1023):
         small = grad[:n]
-        assert math.isclose(K.grad_sumsq(small), R.grad_sumsq(small), rel_tol=1e-12)
+        assert math.isclose(K.grad_sumsq(small), R.grad_sumsq(small), rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
