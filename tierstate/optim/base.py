@@ -86,6 +86,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._engine_ready = False
         self._slots: list[_Slot] = []
         self.skipped_steps = 0
+        self._steps_taken = 0  # step() calls, for telemetry's step index
         self.last_grad_norm: float | None = None
         super().__init__(params, defaults)
         self._build_engine()
@@ -305,14 +306,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             tier = self.tiers[sg.tier]
             tier.write_range(key, sg, seg.subgroup_offset, flat[seg.param_offset: seg.param_offset + seg.numel])
 
+    def _reset_to_init(self, s: _Slot, skip: dict | None = None) -> None:
+        """Write the init value of each state key (except those given in ``skip``) of a slot
+        whose regions were written before; the tiers start at the init values otherwise."""
+        if not s.written:
+            return
+        for spec in self.rule.state_specs(self.param_groups[s.group]):
+            if skip is not None and skip.get(spec.name) is not None:
+                continue
+            # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
+            fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.param.numel())
+            self._write_state(s, spec.name, fill)
+
     def _init_state(self, s: _Slot) -> None:
         """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
-        if s.written:  # tiers start at the init values, so only a region written before is reset
-            for spec in self.rule.state_specs(self.param_groups[s.group]):
-                # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
-                fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.param.numel())
-                self._write_state(s, spec.name, fill)
-            s.written = False
+        self._reset_to_init(s)
+        s.written = False
         s.initialized = True
         s.step = 0
         self._publish(s)
@@ -336,10 +345,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if not s.initialized:
             # Only keys the state dict lacks start from their init value: the given ones may be
             # this optimizer's own views (DCP loads in place), which a reset would wipe first.
-            for spec in self.rule.state_specs(self.param_groups[s.group]):
-                if state.get(spec.name) is None and s.written:
-                    fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.param.numel())
-                    self._write_state(s, spec.name, fill)
+            self._reset_to_init(s, skip=state)
             s.initialized, s.step, s.written = True, 0, True
         for key in self._state_keys(s):
             if key in state and state[key] is not None:
@@ -407,7 +413,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         tel = self.telemetry
-        tel.begin_step(self._step_index())
+        tel.begin_step(self._steps_taken)
         workers = tel.enabled and tel.tracing  # one trace lane per kernel thread, only while tracing
         if workers:
             kernels.record_worker_spans(True)
@@ -421,11 +427,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._last_stats = tel.end_step()
         return loss
 
-    def _step_index(self) -> int:
-        return self._steps_taken if hasattr(self, "_steps_taken") else 0
-
     def _step(self, tel, grad_scaler) -> None:
-        self._steps_taken = self._step_index() + 1
+        self._steps_taken += 1
         if self._upload_done is not None:  # the staging buffers are about to be rewritten
             with tel.phase("device_stall"):
                 self._upload_done.synchronize()
@@ -466,7 +469,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 for s, _ in active:
                     self._init_state(s)
                     s.step = 1
-                    self._publish(s)
+                    self._publish_step(s)
                 return
             if self.max_grad_norm is not None:
                 # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1
