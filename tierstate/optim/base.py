@@ -29,7 +29,7 @@ from .. import kernels
 from ..pipeline import run_subgroups
 from ..placement import Layout, Offload, Segment, TierKind, plan_layout
 from ..telemetry import Telemetry
-from ..tiers import HostTier
+from ..tiers import HostTier, packed_arena
 from .grad_stream import GradStream
 from .rules import UpdateRule
 
@@ -199,7 +199,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             streaming = self.device.type == "cuda"
         self._grads = GradStream(trainable, keep_device_grads=self.offload.keep_device_grads, pin_memory=pin,
                                  telemetry=self.telemetry) if streaming and trainable else None
-        self._staging = self._staging_views(trainable) if self.device.type == "cuda" else {}
+        self._staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
+        self._staging_arena: Tensor | None = None
+        if self.device.type == "cuda":
+            low = [(i, p) for i, p in enumerate(trainable) if p.dtype != torch.float32]
+            self._staging_arena, views = packed_arena([p for _, p in low], pin_memory=True, zero=False)
+            self._staging = {i: v for (i, _), v in zip(low, views)}
         self._upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._upload_done = None
         if self.rule.eager_state:
@@ -207,18 +212,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if s.trainable is not None:
                     self._init_state(s)
         self._engine_ready = True
-
-    def _staging_views(self, trainable: list[Tensor]) -> dict[int, Tensor]:
-        """CUDA: pinned host copies of the low-precision weights, written by the kernels and
-        uploaded after the step. One arena for all: the pinned allocator rounds every
-        allocation up to a power of two, which per parameter would waste up to half."""
-        low = [(i, p) for i, p in enumerate(trainable) if p.dtype != torch.float32]
-        offsets, total = [], 0
-        for _, p in low:
-            offsets.append(total)
-            total += (p.numel() * p.element_size() + 63) // 64 * 64  # 64 B aligned, as the kernels like
-        arena = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        return {i: arena[o: o + p.numel() * p.element_size()].view(p.dtype) for (i, p), o in zip(low, offsets)}
 
     def _rebuild_engine(self) -> None:
         saved = {id(s.param): self._export_state(s) for s in self._slots if s.initialized}
@@ -523,7 +516,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Page-locked host memory this optimizer holds (arenas, gradient arena, staging, NVMe pool)."""
         tensors = [t for tier in self.tiers.values() for t in getattr(tier, "arenas", {}).values()]
         tensors += [self._grads.arena] if self._grads is not None else []
-        tensors += [v for v in self._staging.values()][:1]  # views of one arena: count it once
+        tensors += [self._staging_arena] if self._staging_arena is not None else []
         total = sum(t.untyped_storage().nbytes() for t in tensors if t.is_pinned())
         nvme = self.tiers.get(TierKind.NVME)
         return total + (nvme.pool_nbytes if nvme is not None and nvme.pin_memory else 0)

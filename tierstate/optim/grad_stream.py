@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-_ALIGN = 64  # bytes; one cache line, and the AVX-512 vector width, per host slice
+from ..tiers import packed_arena
+
 
 
 class GradStream:
@@ -35,16 +36,8 @@ class GradStream:
         self.telemetry = telemetry
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
-        # One host arena for all gradients (pinned once, not per parameter: the pinned
-        # allocator rounds every allocation up to a power of two).
-        offsets, total = [], 0
-        for p in self.params:
-            offsets.append(total)
-            total += (p.numel() * p.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.arena = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory and self.is_cuda)
-        self.host: list[Tensor] = [
-            self.arena[o: o + p.numel() * p.element_size()].view(p.dtype) for o, p in zip(offsets, self.params)
-        ]
+        # One host arena for all gradients, pinned once (not per parameter) on CUDA.
+        self.arena, self.host = packed_arena(self.params, pin_memory=pin_memory and self.is_cuda, zero=True)
         self.valid = [False] * len(self.params)
         self._index = {p: i for i, p in enumerate(self.params)}
         self._open: dict[int, Tensor] = {}  # CUDA: gradients waiting for the bucket to fill

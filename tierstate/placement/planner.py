@@ -49,7 +49,7 @@ GIB = 1 << 30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Per-element state tensors of each rule besides the master (see tierstate.optim.rules).
 OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adagrad": 1}
-GRAD_ALIGN = 64  # bytes per gradient slice in the host gradient arena (optim/grad_stream.py)
+GRAD_ALIGN = 64  # bytes per gradient slice in the host gradient arena (tiers/host.py packed_arena)
 GRAD_BUCKET_BYTES = 32 << 20  # CUDA gradient-stream bucket (optim/grad_stream.py)
 RECORD_ALIGN = 4096  # O_DIRECT: every key of an NVMe record starts on a page
 ADAM_KERNEL_BYTES = 28  # fp32 Adam: read w, g, m, v (16 B) + write w, m, v (12 B)

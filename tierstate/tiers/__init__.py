@@ -17,9 +17,9 @@ A tier implements:
   outside a step (init, state_dict, load_state_dict); always the newest values.
 - ``nbytes`` (bytes of state the tier holds) and ``close()``.
 """
-from .host import HostTier
+from .host import HostTier, packed_arena
 
-__all__ = ["HostTier", "NvmeTier"]
+__all__ = ["HostTier", "NvmeTier", "packed_arena"]
 
 
 def __getattr__(name: str):
