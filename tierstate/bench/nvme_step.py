@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..placement.model_spec import parse_count
 from ..telemetry.progress import progress
 
 TARGET_RATIO = 1.15
@@ -36,14 +37,10 @@ TARGET_RATIO = 1.15
 
 def _count(text: str) -> int:
     """'100M' -> 100_000_000; '1.5G', '250k' and plain integers too."""
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9}
-    t = text.strip().lower()
     try:
-        if t and t[-1] in scale:
-            return int(float(t[:-1]) * scale[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a count such as 100M, 25M or 4000000") from None
+        return parse_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import kernels
+from ..placement.model_spec import parse_count
 from ..telemetry.progress import progress
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -55,15 +56,10 @@ class Row:
 
 
 def _parse_sizes(text: str) -> list[int]:
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(part[-1:], 1)
-        try:
-            sizes.append(int(float(part[:-1] if mult != 1 else part) * mult))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--sizes: {part!r} is not a count like 25M or 1000000") from None
-    return sizes
+    try:
+        return [parse_count(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parse_ints(text: str) -> list[int]:
