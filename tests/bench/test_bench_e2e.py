@@ -27,7 +27,7 @@ def tiny_report(tmp_path_factory):
         pytest.skip(f"tierstate._native did not load: {why}")
     tmp = tmp_path_factory.mktemp("e2e")
     out = tmp / "e2e.json"
-    args = _parse(["--tiny", "--modes", "torch,cpu,nvme,ds_z2_cpu", "--steps", "2", "--warmup", "1",
+    args = _parse(["--tiny", "--modes", "torch,cpu,nvme,cpu_bf16,nvme_bf16_bwd,ds_z2_cpu", "--steps", "2", "--warmup", "1",
                    "--repeats", "1", "--threads", "1", "--json", str(out), "--nvme-dir", str(tmp / "nvme"),
                    "--peers-python", sys.executable, "--timeout", "300"])
     rc = e2e.main(args)
@@ -62,6 +62,17 @@ def test_tiny_run_trains_the_same_model_in_every_mode(tiny_report):
     for mode in ("cpu", "nvme"):
         assert losses[mode] == pytest.approx(losses["torch"], rel=1e-3)
     assert losses["cpu"] == losses["nvme"]  # same kernels, different tier
+
+
+def test_tiny_bf16_modes_update_in_backward_to_the_same_bits(tiny_report):
+    """bf16 parameters with an fp32 master: the NVMe run that updates during backward trains
+    exactly like the host-RAM run with a plain step, and its step() only finishes the rest."""
+    _, report, _ = tiny_report
+    losses = {m: [s["loss"] for s in report["runs"][m][0]["steps"]] for m in ("cpu_bf16", "nvme_bf16_bwd")}
+    assert losses["cpu_bf16"] == losses["nvme_bf16_bwd"]
+    assert losses["cpu_bf16"][-1] < losses["cpu_bf16"][0]
+    phases = report["summaries"]["nvme_bf16_bwd"]["phases_s"]
+    assert "backward_wait" in phases and "backward_wait" not in report["summaries"]["cpu_bf16"]["phases_s"]
 
 
 def test_tiny_nvme_mode_streams_state_through_its_files_and_removes_them(tiny_report):

@@ -86,3 +86,95 @@ def test_cuda_nvme_equals_cpu_tier(tmp_path) -> None:
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
     nvme.close()
+
+
+# -- the device tier: Offload(gpu=...) -------------------------------------------------------------
+# The same checks as tests/tiers/test_device_tier.py (which runs the tier on CPU parameters),
+# here with CUDA's fused Adam and streams. The device part is torch's fused kernel, the host
+# part the native one: the device part agrees with the cpu-only run at FP32_TOL (the reason is
+# in tests/tiers/test_device_tier.py, [Note: the tolerance of the device part]); the host part
+# is bit-identical, since its kernels get the same inputs.
+
+def _device_heads(opt) -> list[int]:
+    """Leading elements of each trainable parameter held by the device tier."""
+    from tierstate.placement import TierKind
+
+    return [sum(seg.numel for seg in opt.layout.segments_of(t) if opt.layout.subgroups[seg.subgroup].tier
+                is TierKind.DEVICE) for t in range(len(opt.layout.param_numels))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_device_split_matches_the_cpu_tier(tmp_path, dtype: torch.dtype) -> None:
+    a, b = net(dtype), net(dtype)
+    # no streaming: the gradients below are set by hand (identical for both), not made by backward
+    cpu = ts.AdamW(a.parameters(), lr=1e-3, weight_decay=0.1, offload=ts.Offload(grad_streaming=False))
+    split = ts.AdamW(b.parameters(), lr=1e-3, weight_decay=0.1, offload=ts.Offload(
+        gpu=0.3, cpu=0.4, nvme=0.3, subgroup_numel=1 << 20, nvme_dir=tmp_path / "nv", grad_streaming=False))
+    heads = _device_heads(split)
+    assert 0 < heads[0] < a[0].weight.numel(), "the first weight straddles the device and host ranges"
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(7):
+        for p, q in zip(a.parameters(), b.parameters()):
+            g = torch.randn(p.shape, generator=gen).to("cuda", dtype)
+            p.grad, q.grad = g, g.clone()
+        cpu.step()
+        split.step()
+    torch.cuda.synchronize()
+    sd_cpu, sd_split = cpu.state_dict()["state"], split.state_dict()["state"]
+    for i, (p, q) in enumerate(zip(a.parameters(), b.parameters())):
+        head = heads[i]
+        pairs = [("param", p.detach().cpu().reshape(-1), q.detach().cpu().reshape(-1))]
+        pairs += [(k, sd_cpu[i][k].reshape(-1), sd_split[i][k].reshape(-1)) for k in sd_cpu[i] if k != "step"]
+        for key, x, y in pairs:
+            assert y.device.type == "cpu"
+            assert torch.equal(x[head:], y[head:]), f"param {i} {key}: host part"
+            torch.testing.assert_close(y[:head].float(), x[:head].float(), **FP32_TOL, msg=f"param {i} {key}")
+        assert all(v.device.type == "cpu" for v in split.state[q].values()), "optimizer.state holds no device tensors"
+        if dtype != torch.float32:
+            assert torch.equal(q.detach().cpu(), sd_split[i]["master"].to(dtype)), "the weight is the rounded master"
+    split.close()
+
+
+def test_cuda_device_tier_gradients_stay_on_the_device() -> None:
+    model = net(torch.bfloat16)
+    opt = ts.AdamW(model.parameters(), lr=1e-3, offload=ts.Offload(gpu=0.5, cpu=0.5, subgroup_numel=1 << 20))
+    heads = _device_heads(opt)
+    params = list(model.parameters())
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        for p, head in zip(params, heads):
+            if head:
+                assert p.grad is not None and p.grad.is_cuda, "a device-tier gradient is read where backward left it"
+            else:
+                assert p.grad is None, "host-tier gradients are streamed and released"
+        before = params[0].detach().clone()
+        opt.step()
+        torch.cuda.synchronize()
+        assert not torch.equal(before, params[0])
+    assert opt.tier_bytes()["device"] > 0
+    assert opt.stats().as_dict()["bytes"].get("device/d2h", 0) > 0  # the host part's gradients crossed
+
+
+def test_cuda_device_tier_grad_scaler_skips_everywhere() -> None:
+    model = net(torch.float16)
+    opt = ts.AdamW(model.parameters(), lr=1e-3, offload=ts.Offload(gpu=0.4, cpu=0.6, subgroup_numel=1 << 20))
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
+    for step in range(4):
+        x = torch.randn(8, 2048, device="cuda", dtype=torch.float16)
+        opt.zero_grad()
+        poison = float("inf") if step == 2 else 1.0
+        scaler.scale(model(x).float().pow(2).mean() * poison).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        state_before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            after = opt.state_dict()["state"]
+            assert all(torch.equal(after[i][k], v) for i, st in state_before.items() for k, v in st.items())
+            assert scaler.get_scale() == scale / 2
+    assert opt.skipped_steps == 1

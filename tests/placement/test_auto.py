@@ -31,7 +31,8 @@ def test_auto_picks_host_ram_when_it_fits_and_says_why(profile, caplog):
         opt = ts.AdamW(_params(), offload="auto")
     assert opt.offload.cpu == 1.0 and opt.offload.nvme == 0.0
     msg = " ".join(r.getMessage() for r in caplog.records if "offload='auto'" in r.getMessage())
-    assert "chose Offload(cpu=1, nvme=0," in msg and "fits in host RAM" in msg and str(profile) in msg
+    assert "chose Offload(gpu=0, cpu=1, nvme=0," in msg and "fits in host RAM" in msg and str(profile) in msg
+    assert "device not searched" in msg  # CPU parameters: no device tier
     opt.step()
 
 
@@ -80,3 +81,28 @@ def test_auto_with_no_room_anywhere_is_a_valueerror(tmp_path, monkeypatch):
     monkeypatch.setattr("os.statvfs", lambda p: type("S", (), {"f_bavail": 0, "f_frsize": 4096})())
     with pytest.raises(ValueError, match="no placement"):
         ts.AdamW(_params(1, 1 << 20), offload="auto")
+
+
+def test_on_cuda_auto_turns_a_plan_with_a_device_part_into_offload_gpu(monkeypatch):
+    """The step from the planner's choice to the Offload the optimizer is built with, for a CUDA
+    request (this machine has no GPU: the request says where the parameters are)."""
+    from tierstate.placement.auto import device_budget, offload_from_plan
+    from tierstate.placement.model_spec import ModelSpec
+    from tierstate.placement.planner import GIB, Budgets, Hardware, PlanRequest, choose
+
+    hw = Hardware(source="test", host_bandwidth=40e9, step_params_per_s=2e9, sumsq_params_per_s=8e9,
+                  host_flops=1e12, disk_read=2e9, disk_write=4e9, h2d=20e9, d2h=20e9, device_flops=400e12,
+                  device_bandwidth=2e12)
+    req = PlanRequest(ModelSpec("m", (1_000_000_000,), source="tensors"), device="cuda", param_dtype="bf16")
+    free = 40 * GIB
+    budget = device_budget(free, 2 * 10**9)
+    assert budget == free // 2 + 2 * 10**9  # half the free memory is left for activations
+    plan = choose(req, hw, Budgets(device=budget, host=200 * GIB), allow_device_tier=True)
+    offload = offload_from_plan(plan)
+    assert 0 < offload.gpu == plan.placement.gpu and offload.gpu + offload.cpu + offload.nvme == pytest.approx(1.0)
+    assert offload.subgroup_numel == plan.request.subgroup_numel
+    monkeypatch.setenv("TIERSTATE_AUTO_DEVICE_FRACTION", "0")
+    assert device_budget(free, 2 * 10**9) is None  # 0: the device tier is not searched
+    monkeypatch.setenv("TIERSTATE_AUTO_DEVICE_FRACTION", "half")
+    with pytest.raises(ValueError, match="TIERSTATE_AUTO_DEVICE_FRACTION='half'"):
+        device_budget(free, 0)

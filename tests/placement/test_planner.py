@@ -128,10 +128,30 @@ def test_device_tier_is_used_only_when_allowed():
     spec = ModelSpec("m", (1_000_000_000,), source="tensors")
     req = PlanRequest(spec, device="cuda", param_dtype="bf16")
     budgets = Budgets(device=20 * GIB, host=200 * GIB)
-    assert choose(req, HW, budgets).placement.gpu == 0
+    without = choose(req, HW, budgets)
+    assert without.placement.gpu == 0
+    assert any("--gpu-tier" in note for note in without.notes) and not any("not available" in n for n in without.notes)
     with_gpu = choose(req, HW, budgets, allow_device_tier=True)
-    assert with_gpu.placement.gpu > 0 and with_gpu.time.total < choose(req, HW, budgets).time.total
+    assert with_gpu.placement.gpu > 0 and with_gpu.time.total < without.time.total
     assert with_gpu.tier_total(Tier.DEVICE) <= budgets.device
+    assert not any("--gpu-tier" in note for note in with_gpu.notes)
+
+
+def test_device_tier_keeps_its_gradients_on_the_device_and_needs_no_staging():
+    """What the optimizer does with Offload(gpu=...): parameters touching the device range are
+    not streamed (their bf16 param.grad stays on the device), and one wholly inside it has no
+    staging tensor; the straddling one keeps both."""
+    numels = (600, 300, 100)  # gpu=0.7: parameter 0 inside the device range, parameter 1 straddles
+    req = PlanRequest(ModelSpec("m", numels, source="tensors"), device="cuda", param_dtype="bf16")
+    mem = memory_breakdown(req, Placement(0.7, 0.3, 0.0))
+    assert _bytes(mem, Tier.HOST, Kind.HOST_GRAD_BUFFER) == (100 * 2 + 63) // 64 * 64
+    device_grads = [m for m in mem if m.tier is Tier.DEVICE and m.kind is Kind.GRAD]
+    assert sum(m.nbytes for m in device_grads if "device tier" in m.note) == (600 + 300) * 2
+    assert _bytes(mem, Tier.HOST, Kind.WEIGHT_STAGING) == (300 + 100) * 2
+    assert _bytes(mem, Tier.DEVICE, Kind.MOMENTS) == 700 * 8 and _bytes(mem, Tier.HOST, Kind.MOMENTS) == 300 * 8
+    all_host = memory_breakdown(req, Placement(0.0, 1.0, 0.0))
+    assert _bytes(all_host, Tier.HOST, Kind.HOST_GRAD_BUFFER) == sum((n * 2 + 63) // 64 * 64 for n in numels)
+    assert _bytes(all_host, Tier.HOST, Kind.WEIGHT_STAGING) == 1000 * 2
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(device="tpu"), "device="), (dict(param_dtype="int8"), "param_dtype"),

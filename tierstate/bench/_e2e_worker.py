@@ -30,7 +30,14 @@ from pathlib import Path
 import torch
 
 TORCH_MODE = "torch"
-TIERSTATE_MODES = ("cpu", "nvme")
+TIERSTATE_MODES = ("cpu", "nvme", "cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
+# Modes whose model holds bf16 parameters and runs without autocast: the fp32 master lives in
+# the optimizer, which writes the rounded weight back in its fused pass (DeepSpeed's bf16 mode
+# is the same arrangement: bf16 model, fp32 master in the optimizer).
+BF16_PARAM_MODES = ("cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
+# Modes that update the state during backward (step_in_backward=True).
+IN_BACKWARD_MODES = ("cpu_bf16_bwd", "nvme_bf16_bwd")
+NVME_MODES = ("nvme", "nvme_bf16", "nvme_bf16_bwd", "ds_z3_nvme")
 DEEPSPEED_MODES = ("ds_z2_cpu", "ds_z3_nvme")
 MODES = (TORCH_MODE, *TIERSTATE_MODES, *DEEPSPEED_MODES)
 
@@ -71,13 +78,14 @@ def _tierstate_optimizer(model: torch.nn.Module, args: argparse.Namespace, state
     overrides = {}
     if args.subgroup_numel is not None:
         overrides["subgroup_numel"] = args.subgroup_numel
-    if args.mode == "nvme":
+    if args.mode in NVME_MODES:
         if args.buffer_count is not None:
             overrides["buffer_count"] = args.buffer_count
         offload = ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=state_dir, **overrides)
     else:
         offload = ts.Offload(cpu=1.0, **overrides)
-    return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload)
+    return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload,
+                    step_in_backward=args.mode in IN_BACKWARD_MODES)
 
 
 def _free_port() -> int:
@@ -135,10 +143,12 @@ def run(args: argparse.Namespace) -> dict:
     load_start = os.getloadavg()
     t_setup = time.perf_counter()
     model = build_model(args)
+    if args.mode in BF16_PARAM_MODES:
+        model.to(torch.bfloat16)
     nparams = sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     scratch = None
-    if args.mode in ("nvme", "ds_z3_nvme"):
+    if args.mode in NVME_MODES:
         root = Path(args.nvme_dir)
         root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"e2e-{args.mode}-", dir=root))
@@ -160,13 +170,17 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 opt = _tierstate_optimizer(model, args, scratch)
                 info["tier_bytes"] = opt.tier_bytes()
-                if args.mode == "nvme":
+                if args.mode in NVME_MODES:
                     from .. import io as tio
                     info["io_backend"] = tio.default_engine().backend
 
-            def forward():
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+            if args.mode in BF16_PARAM_MODES:
+                def forward():
                     return model(input_ids=tokens, labels=tokens).loss
+            else:
+                def forward():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        return model(input_ids=tokens, labels=tokens).loss
 
             def backward(loss):
                 loss.backward()

@@ -11,8 +11,22 @@ accelerator, so it must never hold device tensors, and it must not hold copies e
 copy is memory the user did not ask for). ``optimizer.state[p]`` therefore holds the
 ``step`` tensor (CPU, float32, as torch) and, for parameters whose state lives wholly in
 the host tier, views into the host arenas under torch's key names (plus ``master`` for
-low-precision or accelerator parameters). State held elsewhere (NVMe, or a parameter
-straddling tiers) is read on demand by ``state_dict()``.
+low-precision or accelerator parameters). State held elsewhere (the device tier, NVMe,
+or a parameter straddling tiers) is read on demand by ``state_dict()``, as CPU tensors.
+
+[Note: the device tier in a step]
+With ``Offload(gpu=f)`` the first ``f`` of the flat index space lives in a
+:class:`~tierstate.tiers.DeviceTier` on the parameters' device. Gradients of parameters
+touching it are not streamed to the host: they are read from ``param.grad`` where
+backward left them. A step then (1) queues the device part's share of the global norm,
+(2) computes the host part's share with the native kernel and waits for the device share
+(clipping and the non-finite skip need the total before any state moves), (3) queues the
+device part's update, one fused multi-tensor launch per parameter group, and (4) runs the
+host and NVMe sub-groups, which on CUDA overlap (3). At most one parameter straddles the
+device range and the host range; its tail is copied to the host at step time and only the
+tail is uploaded afterwards, its head being updated in place on the device. A wholly
+device-resident fp32 parameter is its own master, as in torch; bf16/fp16 ones keep an
+fp32 master in the device tier.
 """
 from __future__ import annotations
 
@@ -29,9 +43,10 @@ from .. import kernels
 from ..pipeline import run_subgroups
 from ..placement import Layout, Offload, Segment, TierKind, plan_layout
 from ..telemetry import Telemetry
-from ..tiers import HostTier, packed_arena
+from ..tiers import DeviceTier, HostTier, packed_arena
+from ..tiers.device import device_tier_on_cpu_allowed
 from .grad_stream import GradStream
-from .rules import UpdateRule
+from .rules import UpdateRule, UpdateTask
 
 _log = logging.getLogger("tierstate")
 
@@ -67,23 +82,41 @@ class OffloadOptimizer(torch.optim.Optimizer):
     rule: UpdateRule
 
     def __init__(self, params: Iterable, defaults: dict, *, offload: "str | Offload" = "cpu",
-                 max_grad_norm: float | None = None, on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+                 max_grad_norm: float | None = None, on_nonfinite: str = "skip", telemetry: bool = True,
+                 step_in_backward: bool = False) -> None:
         if not isinstance(offload, (str, Offload)):
             raise TypeError(f"offload must be 'cpu', 'nvme', 'auto' or a tierstate.Offload, got {type(offload).__name__}")
         if isinstance(offload, str) and offload == "auto":
             params = list(params)
-            offload = self._choose_auto(params)
+            offload = self._choose_auto(params, allow_device_tier=not step_in_backward)
         self.offload = Offload.from_mode(offload)
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
                 raise ValueError(f"max_grad_norm={max_grad_norm!r}: must be a positive number, or None to disable clipping")
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: must be one of {NONFINITE_POLICIES}")
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"step_in_backward must be True or False, got {step_in_backward!r}")
+        if step_in_backward and max_grad_norm is not None:
+            raise ValueError(
+                f"step_in_backward=True with max_grad_norm={max_grad_norm!r}: clipping needs the global gradient "
+                "norm before the first update, which an update during backward cannot wait for; pass "
+                "max_grad_norm=None or step_in_backward=False")
+        if step_in_backward and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            # DDP and FSDP reduce gradients across ranks after the per-parameter hooks this mode
+            # runs on, so an update there would use this rank's unreduced gradient.
+            raise ValueError(
+                f"step_in_backward=True in a process group of {torch.distributed.get_world_size()} ranks: "
+                "data-parallel wrappers reduce gradients after the hooks this mode updates in, so each rank "
+                "would step on its own gradient; use step_in_backward=False with DDP/FSDP")
+        self.step_in_backward = step_in_backward
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.on_nonfinite = on_nonfinite
         self.telemetry = Telemetry(enabled=telemetry)
         self._configure_health()
         self._engine_ready = False
+        self._backward = None
         self._slots: list[_Slot] = []
         self.skipped_steps = 0
         self._steps_taken = 0  # step() calls, for telemetry's step index
@@ -137,7 +170,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._watched_dirs: set = set()  # filled once the NVMe tier has made its folders
 
     @staticmethod
-    def _choose_auto(params: list) -> Offload:
+    def _choose_auto(params: list, allow_device_tier: bool = True) -> Offload:
         try:
             from ..placement.auto import choose_offload
         except ImportError as exc:
@@ -145,7 +178,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "offload='auto' needs the placement planner (tierstate.placement.auto), which is not "
                 f"available in this build ({exc}); pass offload='cpu' or 'nvme' or a tierstate.Offload(...)"
             ) from exc
-        return choose_offload(params)
+        return choose_offload(params, allow_device_tier=allow_device_tier)
 
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -154,12 +187,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = self._all_params()
         self.device = params[0].device if params else torch.device("cpu")
         on_accel = self.device.type != "cpu"
-        if self.offload.gpu > 0 and not on_accel:
-            raise ValueError(f"Offload(gpu={self.offload.gpu}) needs parameters on an accelerator; these are on {self.device}")
-        if self.offload.gpu > 0:
-            raise NotImplementedError(
-                f"Offload(gpu={self.offload.gpu}): keeping part of the state on the accelerator is not "
-                "supported yet; place it in host RAM and on NVMe, e.g. Offload(cpu=0.6, nvme=0.4)")
+        if self.offload.gpu > 0 and not on_accel and not device_tier_on_cpu_allowed():
+            raise ValueError(
+                f"Offload(gpu={self.offload.gpu}) needs parameters on an accelerator; these are on {self.device}: "
+                "move the model to the accelerator before building the optimizer, or keep the state in host RAM "
+                "and on NVMe, e.g. Offload(cpu=0.6, nvme=0.4)")
+        if self.offload.gpu > 0 and self.step_in_backward:
+            raise ValueError(f"step_in_backward=True with Offload(gpu={self.offload.gpu}): the update during backward "
+                             "runs on the host tiers only; use Offload(gpu=0, ...) or step_in_backward=False")
         slots, trainable = [], []
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
@@ -171,8 +206,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._slots = slots
         self._trainable = trainable
         self._slot_of = {id(s.param): s for s in slots}  # parameters are hashed by identity, as in torch
+        self._slot_by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
         fractions = {TierKind.DEVICE: self.offload.gpu, TierKind.HOST: self.offload.cpu, TierKind.NVME: self.offload.nvme}
         self.layout: Layout = plan_layout([p.numel() for p in trainable], fractions, self.offload.subgroup_numel)
+        self._device_numel = self._device_heads()
+        self._device_subgroups = frozenset(sg.index for sg in self.layout.subgroups if sg.tier is TierKind.DEVICE)
+        for s in slots:  # wholly on the device and fp32: the parameter is its own master, as in torch
+            if self._device_numel.get(s.trainable, -1) == s.param.numel() and s.param.dtype == torch.float32:
+                s.needs_master = False
         specs = {}
         for g in self.param_groups:
             for spec in self.rule.state_specs(g):
@@ -184,6 +225,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             dtypes["master"] = torch.float32
         pin = self.offload.pin_memory and self.device.type == "cuda"
         self.tiers: dict[TierKind, Any] = {}
+        if self.layout.tier_numel[TierKind.DEVICE] > 0:
+            # no master arena on the device unless a parameter there has one (fp32 ones are their own)
+            master_here = any(self._slot_by_trainable[t].needs_master for t in self._device_numel)
+            self.tiers[TierKind.DEVICE] = DeviceTier(
+                self.layout, {k: d for k, d in dtypes.items() if k != "master" or master_here}, inits, self.device)
         if self.layout.tier_numel[TierKind.HOST] > 0:
             self.tiers[TierKind.HOST] = HostTier(self.layout, dtypes, inits, pin_memory=pin)
         if self.layout.tier_numel[TierKind.NVME] > 0:
@@ -197,12 +243,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         streaming = self.offload.grad_streaming
         if streaming is None:
             streaming = self.device.type == "cuda"
-        self._grads = GradStream(trainable, keep_device_grads=self.offload.keep_device_grads, pin_memory=pin,
-                                 telemetry=self.telemetry) if streaming and trainable else None
+        # parameters touching the device tier keep their gradients on the device (not streamed)
+        streamed = [t for t in range(len(trainable)) if t not in self._device_numel]
+        self._stream_index = {t: k for k, t in enumerate(streamed)}
+        self._grads = GradStream([trainable[t] for t in streamed], keep_device_grads=self.offload.keep_device_grads,
+                                 pin_memory=pin, telemetry=self.telemetry) if streaming and streamed else None
         self._staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
         self._staging_arena: Tensor | None = None
         if self.device.type == "cuda":
-            low = [(i, p) for i, p in enumerate(trainable) if p.dtype != torch.float32]
+            low = [(i, p) for i, p in enumerate(trainable)
+                   if p.dtype != torch.float32 and self._device_numel.get(i, 0) < p.numel()]
             self._staging_arena, views = packed_arena([p for _, p in low], pin_memory=True, zero=False)
             self._staging = {i: v for (i, _), v in zip(low, views)}
         self._upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -211,6 +261,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for s in slots:
                 if s.trainable is not None:
                     self._init_state(s)
+        if self.step_in_backward and trainable:
+            from .backward_update import BackwardUpdater  # noqa: PLC0415 - only this mode needs it
+
+            self._backward = BackwardUpdater(self)
+            self._backward.plan_next()
         self._engine_ready = True
 
     def _rebuild_engine(self) -> None:
@@ -223,6 +278,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._import_state(s, saved[id(s.param)], master_ready=masters[id(s.param)])
 
     def _close_engine(self) -> None:
+        if getattr(self, "_backward", None) is not None:
+            self._backward.close()
+            self._backward = None
         if getattr(self, "_grads", None) is not None:
             self._grads.close()
         for tier in getattr(self, "tiers", {}).values():
@@ -324,7 +382,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             flat = s.param.detach().reshape(-1)
             for seg in self._segments(s):  # segment by segment: temporaries stay sub-group sized
                 sg = self.layout.subgroups[seg.subgroup]
-                piece = flat[seg.param_offset: seg.param_offset + seg.numel].to("cpu", torch.float32)
+                piece = flat[seg.param_offset: seg.param_offset + seg.numel]
+                if sg.tier is not TierKind.DEVICE:  # the device tier copies straight from the parameter
+                    piece = piece.to("cpu", torch.float32)
                 self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
             s.master_ready = True
 
@@ -357,8 +417,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # -- the step --------------------------------------------------------------------------------
     def _host_grad(self, s: _Slot) -> Tensor | None:
-        if self._grads is not None and s.trainable is not None:
-            return self._grads.grad(s.trainable)
+        if self._grads is not None and (k := self._stream_index.get(s.trainable)) is not None:
+            return self._grads.grad(k)
         g = s.param.grad
         if g is None:
             return None
@@ -428,14 +488,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._grads is not None:
             with tel.phase("grad_wait"):
                 self._grads.wait()
-        self._adopt_new_trainables()
-        active = [(s, g) for s in self._slots if s.trainable is not None and (g := self._host_grad(s)) is not None]
+        backward = self._backward if self._backward is not None and self._backward.open else None
+        if backward is not None:
+            backward.finish()
+        else:
+            self._adopt_new_trainables()
+        active = [(s, g) for s in self._slots if s.trainable is not None and (g := self._grad_of(s)) is not None]
         inv_scale, prior_inf, record, scaled = self._scaler_inputs(grad_scaler)
+        if backward is not None:
+            self._finish_backward_step(tel, backward, active, scaled)
+            return
 
         grad_scale = inv_scale
+        host_grads, device_grads = self._grads_by_tier(active)
+        device_scale, device_prior_inf = self._device_scaler_inputs(record, inv_scale) if device_grads else (1.0, False)
+        device_grad_scale = device_scale
         if active:  # one read of the gradients gives both the global norm and the non-finite check
             with tel.phase("clip"):
-                sumsq = sum(kernels.grad_sumsq(g, inv_scale) for _, g in active)
+                device_sumsq = self._device_sumsq(device_grads, device_scale)  # queued first: overlaps the host part
+                sumsq = sum(kernels.grad_sumsq(g[first:], inv_scale) for g, first in host_grads.values())
+                if device_grads:
+                    sumsq += float(device_sumsq)
+            prior_inf = prior_inf or device_prior_inf
             finite = math.isfinite(sumsq) and not prior_inf
             if record is not None:
                 record["found_inf_per_device"] = {torch.device("cpu"): torch.tensor([0.0 if finite else 1.0])}
@@ -445,7 +519,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     self.skipped_steps += 1
                     return  # GradScaler lowers its scale in update(); nothing to say
                 if self.on_nonfinite == "raise":
-                    bad = [s.index for s, g in active if not math.isfinite(kernels.grad_sumsq(g))]
+                    bad = [s.index for s, g in active if not bool(torch.isfinite(g).all())]
                     raise FloatingPointError(
                         f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan); pass on_nonfinite='skip' "
                         "to skip such steps, or use torch.amp.GradScaler"
@@ -466,51 +540,266 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 return
             if self.max_grad_norm is not None:
                 # torch.nn.utils.clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1
-                grad_scale = inv_scale * min(1.0, self.max_grad_norm / (norm + 1e-6))
+                clip = min(1.0, self.max_grad_norm / (norm + 1e-6))
+                grad_scale, device_grad_scale = inv_scale * clip, device_scale * clip
 
         grads: dict[int, Tensor] = {}
         fresh: set[int] = set()
         for s, g in active:
-            if not s.initialized:
-                self._init_state(s)
+            host = host_grads.get(s.trainable)
+            if self._prepare_slot(s, None if host is None else host[0][host[1]:]):
                 fresh.add(s.trainable)
-            self._ensure_master(s)
-            s.written = True
-            s.step += 1
-            grads[s.trainable] = g
-            read, written = self._kernel_traffic(s, g)
-            tel.add_bytes("host", "read", read)
-            tel.add_bytes("host", "write", written)
-        by_trainable = {s.trainable: s for s, _ in active}
+            if host is not None:
+                grads[s.trainable] = host[0]
+        if device_grads:
+            self._launch_device_part(tel, device_grads, fresh, device_grad_scale)
+        work = self._work(grads, skip=self._device_subgroups)
+
+        def update(seg: Segment, views) -> None:
+            self._update_segment(seg, views, grads[seg.param_index], first_step=seg.param_index in fresh,
+                                 grad_scale=grad_scale)
+
+        run_subgroups(work, self.tiers, update, tel)
+        self._after_update(tel, [s for s, _ in active], fresh)
+
+    def _prepare_slot(self, s: _Slot, grad: Tensor | None) -> bool:
+        """Make a parameter ready for its update (state, master, step count); True if its state is new.
+
+        ``grad``: the part of its gradient the host kernels read (None: it is wholly in the device tier).
+        """
+        fresh = not s.initialized
+        if fresh:
+            self._init_state(s)
+        self._ensure_master(s)
+        s.written = True
+        s.step += 1
+        if grad is not None:
+            read, written = self._kernel_traffic(s, grad)
+            self.telemetry.add_bytes("host", "read", read)
+            self.telemetry.add_bytes("host", "write", written)
+        return fresh
+
+    def _work(self, grads: dict, skip: set[int] = frozenset()) -> list[tuple]:
+        """(sub-group, its segments with a gradient) for every sub-group not in ``skip``, in layout order."""
         work = []
         for sg in self.layout.subgroups:
+            if sg.index in skip:
+                continue
             segs = [seg for seg in sg.segments if seg.param_index in grads]
             if segs:
                 work.append((sg, segs))
+        return work
 
-        def update(seg: Segment, views) -> None:
-            s = by_trainable[seg.param_index]
-            lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
-            plo, phi = seg.param_offset, seg.param_offset + seg.numel
-            state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
-            weight, weight_out = self._weight_views(s, views, lo, hi, plo, phi)
-            self.rule.update(weight=weight, grad=grads[seg.param_index][plo:phi], state=state, weight_out=weight_out,
-                             group=self.param_groups[s.group], step=s.step, first_step=seg.param_index in fresh,
-                             grad_scale=grad_scale)
+    def _update_segment(self, seg: Segment, views, grad: Tensor, *, first_step: bool, grad_scale: float) -> None:
+        """One fused kernel call: the piece ``seg`` of a parameter, given its sub-group's state views."""
+        s = self._slot_by_trainable[seg.param_index]
+        lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
+        plo, phi = seg.param_offset, seg.param_offset + seg.numel
+        state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+        weight, weight_out = self._weight_views(s, views, lo, hi, plo, phi)
+        self.rule.update(weight=weight, grad=grad[plo:phi], state=state, weight_out=weight_out,
+                         group=self.param_groups[s.group], step=s.step, first_step=first_step, grad_scale=grad_scale)
 
-        run_subgroups(work, self.tiers, update, tel)
-        for s, _ in active:
+    def _after_update(self, tel, slots: list[_Slot], fresh: set[int]) -> None:
+        """Publish the stepped parameters' state, upload their weights (CUDA) and set the gauges."""
+        for s in slots:
             if s.trainable in fresh or s.needs_master and "master" not in self.state[s.param]:
                 self._publish(s)
             else:
                 self._publish_step(s)
         if self.device.type == "cuda":
-            self._upload(tel, [s for s, _ in active])
+            self._upload(tel, slots)
         for tier_name, nbytes in self.tier_bytes().items():
             tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
         if self.device.type == "cuda":
             tel.set_gauge("pinned_bytes", self._pinned_bytes())
             tel.set_gauge("device_mem", torch.cuda.memory_allocated(self.device))
+
+    def _finish_backward_step(self, tel, backward, active: list, scaled: bool) -> None:
+        """step() after a backward whose sub-groups were (partly) updated by the
+        :class:`~tierstate.optim.backward_update.BackwardUpdater`: update what is left
+        (sub-groups with a parameter that got no gradient during backward, or whose gradient
+        is final only at its end), publish, and plan the next backward's I/O.
+
+        Every parameter ends either wholly updated or untouched: one whose gradient the worker
+        took (and found finite) gets its remaining pieces here even when a later gradient was
+        non-finite; then this raises ``FloatingPointError`` naming the non-finite ones.
+        """
+        bad = list(backward.nonfinite)
+        try:
+            if scaled:
+                raise ValueError("step_in_backward=True does not work with a GradScaler: unscaling and the inf "
+                                 "check need every gradient before the first update; use bf16 (no scaler) or "
+                                 "step_in_backward=False")
+            late = [s.index for s in self._slots if s.trainable is None and s.param.requires_grad
+                    and s.param.grad is not None]
+            if late:
+                raise RuntimeError(
+                    f"step_in_backward=True: parameter(s) {late[:8]} were frozen when the optimizer was built and "
+                    "now have gradients; their state cannot be placed while backward updates run. Build the "
+                    "optimizer after unfreezing them, or use step_in_backward=False")
+            grads = dict(backward.grads)
+            fresh = set(backward.fresh)
+            extra = [(s, g) for s, g in active if s.trainable not in backward.prepared]
+            sumsq = backward.sumsq
+            if not bad and extra:  # gradients that reached step() without passing a hook (set by hand)
+                with tel.phase("clip"):
+                    for s, g in extra:
+                        value = kernels.grad_sumsq(g)
+                        if math.isfinite(value):
+                            sumsq += value
+                        else:
+                            bad.append(s.index)
+            if not bad:
+                self.last_grad_norm = math.sqrt(sumsq)
+                for s, g in extra:
+                    if self._prepare_slot(s, g):
+                        fresh.add(s.trainable)
+                    grads[s.trainable] = g
+            work = self._work(grads, skip={sg.index for sg in backward.done})
+
+            def update(seg: Segment, views) -> None:
+                self._update_segment(seg, views, grads[seg.param_index], first_step=seg.param_index in fresh,
+                                     grad_scale=1.0)
+
+            run_subgroups(work, self.tiers, update, tel)
+            self._after_update(tel, [self._slot_by_trainable[t] for t in grads], fresh)
+        finally:
+            backward.close_cycle()
+        backward.plan_next()
+        if bad:
+            self.skipped_steps += 1
+            self.telemetry.count("skipped_steps")
+            raise FloatingPointError(
+                f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan) with step_in_backward=True: parameters "
+                "whose gradients were handed over before it are updated, the others are untouched (this mode "
+                "cannot skip a whole step; use step_in_backward=False for on_nonfinite='skip')")
+
+    # -- the device tier (see [Note: the device tier in a step]) ---------------------------------------
+    def _device_heads(self) -> dict[int, int]:
+        """{trainable index: how many of its first elements lie in the device tier}, for those with any.
+
+        The device range comes first in the flat index space, so a parameter's device part is
+        always its head."""
+        heads: dict[int, int] = {}
+        for sg in self.layout.subgroups:
+            if sg.tier is TierKind.DEVICE:
+                for seg in sg.segments:
+                    heads[seg.param_index] = heads.get(seg.param_index, 0) + seg.numel
+        return heads
+
+    def _grad_of(self, s: _Slot) -> Tensor | None:
+        """The flat gradient a step reads: ``param.grad`` where it lies for a parameter touching
+        the device tier, else the host gradient (:meth:`_host_grad`)."""
+        if s.trainable not in self._device_numel:
+            return self._host_grad(s)
+        g = s.param.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
+        return g.detach().reshape(-1)
+
+    def _grads_by_tier(self, active: list) -> tuple[dict[int, tuple[Tensor, int]], dict[int, Tensor]]:
+        """Split the gradients of a step between the host kernels and the device tier.
+
+        Returns ``{trainable: (host gradient indexed like the parameter, first element the
+        host part reads)}`` and ``{trainable: device gradient}``. The one parameter straddling
+        the device range gets a host buffer of its full size of which only the tail is copied
+        (and read); the head is never touched.
+        """
+        host: dict[int, tuple[Tensor, int]] = {}
+        device: dict[int, Tensor] = {}
+        for s, g in active:
+            head = self._device_numel.get(s.trainable, 0)
+            if head == 0:
+                host[s.trainable] = (g, 0)
+                continue
+            device[s.trainable] = g
+            if head == g.numel():
+                continue
+            if g.device.type != "cpu":
+                tail = g[head:]
+                with self.telemetry.phase("grad_transfer"):
+                    buffer = torch.empty(g.numel(), dtype=g.dtype)
+                    buffer[head:].copy_(tail)
+                self.telemetry.add_bytes("device", "d2h", tail.numel() * tail.element_size())
+                g = buffer
+            host[s.trainable] = (g, head)
+        return host, device
+
+    @staticmethod
+    def _device_scaler_inputs(record: dict | None, inv_scale: float) -> tuple[float, bool]:
+        """(inverse loss scale for the gradients left in ``param.grad``, inf already found in them).
+
+        ``scaler.unscale_(opt)`` unscales in place what it finds in ``param.grad``: with the
+        device tier that includes the device part's gradients even when the host part's were
+        streamed away (and so are still scaled)."""
+        if record is None:
+            return inv_scale, False
+        from torch.amp.grad_scaler import OptState
+        if record["stage"] is OptState.UNSCALED:
+            return 1.0, any(bool(v.item()) for v in record["found_inf_per_device"].values())
+        return inv_scale, False
+
+    def _device_sumsq(self, device_grads: dict[int, Tensor], scale: float) -> "Tensor | float":
+        """The device part's sum of squares of ``grad * scale``, in float64, as a tensor on the device.
+
+        Queued, not waited for (on CUDA): the caller reads it after the host part's sum. inf/nan propagate.
+        """
+        heads = [g[: self._device_numel[t]] for t, g in device_grads.items()]
+        if not heads:
+            return 0.0
+        norms = torch.stack(torch._foreach_norm(heads, 2, dtype=torch.float64))
+        return norms.square().sum() * (scale * scale)
+
+    def _launch_device_part(self, tel, device_grads: dict[int, Tensor], fresh: set[int], grad_scale: float) -> None:
+        """Queue the update of every device-tier segment with a gradient: one
+        :meth:`~tierstate.optim.rules.UpdateRule.update_on_device` call per parameter group.
+
+        On CUDA this returns once the kernels are queued on the current stream, so the host
+        part runs meanwhile; the next forward is queued behind them on that stream."""
+        tier = self.tiers[TierKind.DEVICE]
+        tasks: dict[int, list[UpdateTask]] = {}
+        held = []
+        for sg in self.layout.subgroups:
+            if sg.tier is not TierKind.DEVICE:
+                continue
+            segs = [seg for seg in sg.segments if seg.param_index in device_grads]
+            if not segs:
+                continue
+            views = tier.acquire(sg)
+            held.append(sg)
+            for seg in segs:
+                s = self._slot_by_trainable[seg.param_index]
+                lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
+                plo, phi = seg.param_offset, seg.param_offset + seg.numel
+                piece = s.param.data.view(-1)[plo:phi]
+                weight, weight_out = (views["master"][lo:hi], piece) if s.needs_master else (piece, None)
+                state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+                tasks.setdefault(s.group, []).append(UpdateTask(
+                    weight, device_grads[seg.param_index][plo:phi], state, weight_out, s.step,
+                    seg.param_index in fresh))
+        try:
+            with tel.phase("device_update"):
+                for group_index, group_tasks in tasks.items():
+                    self.rule.update_on_device(group_tasks, group=self.param_groups[group_index],
+                                               grad_scale=grad_scale)
+        finally:
+            for sg in held:
+                tier.release(sg, dirty=True)
+
+    def _read_host_part(self, s: _Slot, key: str) -> Tensor:
+        """A flat CPU copy of state ``key`` of parameter ``s`` past its device head (host and NVMe segments)."""
+        head = self._device_numel.get(s.trainable, 0)
+        out = torch.empty(s.param.numel() - head, dtype=self._state_dtypes[key])
+        for seg in self._segments(s):
+            sg = self.layout.subgroups[seg.subgroup]
+            if sg.tier is TierKind.DEVICE:
+                continue
+            lo = seg.param_offset - head
+            out[lo: lo + seg.numel] = self.tiers[sg.tier].read_range(key, sg, seg.subgroup_offset, seg.numel)
+        return out
 
     def _pinned_bytes(self) -> int:
         """Page-locked host memory this optimizer holds (arenas, gradient arena, staging, NVMe pool)."""
@@ -522,8 +811,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return total + (nvme.pool_nbytes if nvme is not None and nvme.pin_memory else 0)
 
     def _kernel_traffic(self, s: _Slot, grad: Tensor) -> tuple[int, int]:
-        """Host-memory bytes the update of one parameter reads and writes (one fused pass)."""
-        n = s.param.numel()
+        """Host-memory bytes the update of (the host part of) one parameter reads and writes (one fused pass)."""
+        n = grad.numel()
         state = sum(self._state_dtypes[k].itemsize for k in self._state_keys(s) if k != "master")
         weight = 4 if s.needs_master else s.param.element_size()  # the master, or the fp32 param itself
         out = s.param.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
@@ -544,8 +833,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """CUDA: copy updated weights to the device on a side stream; the compute stream waits for it."""
         with tel.phase("weight_upload"), torch.cuda.stream(self._upload_stream):
             for s in slots:
-                src = self._staging.get(s.trainable) if s.param.dtype != torch.float32 else self._read_state(s, "master")
-                s.param.data.view(-1).copy_(src.view(-1), non_blocking=True)
+                head = self._device_numel.get(s.trainable, 0)  # elements updated in place on the device
+                if head == s.param.numel():
+                    continue
+                if s.param.dtype != torch.float32:
+                    src = self._staging[s.trainable].view(-1)[head:]
+                else:
+                    src = self._read_state(s, "master").view(-1) if head == 0 else self._read_host_part(s, "master")
+                s.param.data.view(-1)[head:].copy_(src, non_blocking=True)
                 tel.add_bytes("device", "h2d", src.numel() * src.element_size())
             done = torch.cuda.Event()
             done.record(self._upload_stream)
@@ -559,22 +854,33 @@ class OffloadOptimizer(torch.optim.Optimizer):
             return
         pending = {}
         if self._grads is not None:  # gradients already streamed to the host survive the re-placement
-            pending = {id(s.param): self._grads.grad(s.trainable).clone() for s in self._slots
-                       if s.trainable is not None and self._grads.grad(s.trainable) is not None}
+            pending = {id(s.param): g.clone() for s in self._slots
+                       if s.trainable in self._stream_index and (g := self._host_grad(s)) is not None}
         self._rebuild_engine()
-        if self._grads is not None:
+        if self._grads is not None or pending:
             for s in self._slots:
                 g = pending.get(id(s.param))
+                k = self._stream_index.get(s.trainable)
+                if k is None:  # now touches the device tier (or frozen): its gradient is read from param.grad
+                    if g is not None and s.param.grad is None:
+                        s.param.grad = g.view(s.param.shape).to(s.param.device, s.param.dtype)
+                    continue
                 if g is None and s.param.grad is not None:
                     g = s.param.grad.detach().reshape(-1).to("cpu")
                     if not self.offload.keep_device_grads:
                         s.param.grad = None
                 if g is not None:
-                    self._grads.host[s.trainable].copy_(g)
-                    self._grads.valid[s.trainable] = True
+                    self._grads.host[k].copy_(g)
+                    self._grads.valid[k] = True
 
     # -- torch.optim surface ---------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._backward is not None and self._backward.open:
+            # step_in_backward=True already applied part of this step during backward; dropping
+            # the gradients now would leave the state half stepped, so the step is completed.
+            _log.warning("tierstate: zero_grad() after a backward whose updates already ran (step_in_backward=True)"
+                         " without step(); completing the step first")
+            self.step()
         super().zero_grad(set_to_none=set_to_none)
         if self._grads is not None:
             self._grads.reset(set_to_none)

@@ -130,6 +130,15 @@ class GradStream:
                     self.host[i].add_(scratch)
         self._inflight = remaining
 
+    def flush_now(self):
+        """CUDA: issue the copies of every gradient queued so far; return an event that is done
+        when they have landed (None on the CPU, where copies are synchronous). Used by
+        ``step_in_backward``, which cannot wait for a bucket to fill."""
+        if not self.is_cuda:
+            return None
+        self._flush()
+        return self._inflight[-1][0] if self._inflight else None
+
     # -- step side -----------------------------------------------------------------------------
     def wait(self) -> None:
         """Settle every copy in flight: afterwards the host buffers hold the final sums."""

@@ -21,11 +21,18 @@ _ENGINE_ARGS = """
             untouched, a warning logged and ``skipped_steps`` counted) or ``"raise"``
             (``FloatingPointError``). With a ``torch.amp.GradScaler`` the scaler decides.
         telemetry: record per-step stats (``opt.stats()``); cheap, on by default.
+        step_in_backward: update each sub-group during backward, on a worker thread, as soon as
+            every gradient in it is final, so the host kernels and the NVMe I/O overlap backward
+            (default False). Exact whenever it applies; it needs every ``backward()`` to be
+            followed by ``step()`` (no gradient accumulation), no ``max_grad_norm`` and no
+            GradScaler, and a non-finite gradient raises instead of skipping the step. See
+            :mod:`tierstate.optim.backward_update`.
 """
 
 
-def _engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry) -> dict:
-    return dict(offload=offload, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, telemetry=telemetry)
+def _engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry, step_in_backward) -> dict:
+    return dict(offload=offload, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, telemetry=telemetry,
+                step_in_backward=step_in_backward)
 
 
 class Adam(OffloadOptimizer):
@@ -40,9 +47,11 @@ class Adam(OffloadOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
-                 on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+                 on_nonfinite: str = "skip", telemetry: bool = True,
+                 step_in_backward: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry))
+        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
+                                                          step_in_backward))
 
 
 class AdamW(OffloadOptimizer):
@@ -63,9 +72,11 @@ class AdamW(OffloadOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
-                 on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+                 on_nonfinite: str = "skip", telemetry: bool = True,
+                 step_in_backward: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
-        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry))
+        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
+                                                          step_in_backward))
 
 
 class SGD(OffloadOptimizer):
@@ -80,10 +91,12 @@ class SGD(OffloadOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
-                 on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+                 on_nonfinite: str = "skip", telemetry: bool = True,
+                 step_in_backward: bool = False) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
-        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry))
+        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
+                                                          step_in_backward))
 
 
 class Lion(OffloadOptimizer):
@@ -100,9 +113,11 @@ class Lion(OffloadOptimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
                  maximize: bool = False, offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
-                 on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+                 on_nonfinite: str = "skip", telemetry: bool = True,
+                 step_in_backward: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
-        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry))
+        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
+                                                          step_in_backward))
 
 
 class Adagrad(OffloadOptimizer):
@@ -118,7 +133,9 @@ class Adagrad(OffloadOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
-                 on_nonfinite: str = "skip", telemetry: bool = True) -> None:
+                 on_nonfinite: str = "skip", telemetry: bool = True,
+                 step_in_backward: bool = False) -> None:
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
-        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry))
+        super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
+                                                          step_in_backward))

@@ -2,19 +2,30 @@
 
 A rule names its state (torch's key names), checks its hyper-parameters, and updates one
 contiguous piece of one parameter through a kernel of :mod:`tierstate.kernels`. It never
-sees a tier, a file, a device or a sub-group: the step pipeline hands it flat host views.
+sees a tier, a file or a sub-group: the step pipeline hands it flat views.
+
+Two ways in, one piece of math each:
+
+- :meth:`UpdateRule.update`: host pieces, through the native kernels (``ops=kernels``);
+  the same call with ``ops=kernels.reference`` runs the pure-torch twin on any device.
+- :meth:`UpdateRule.update_on_device`: all pieces of one parameter group that live on an
+  accelerator (the device tier), in one batch: Adam/AdamW through torch's fused
+  multi-tensor kernel (``torch._fused_adam_`` / ``torch._fused_adamw_``), the others
+  through the pure-torch reference of their kernel (elementwise torch ops, so they run
+  wherever the tensors are).
 """
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import kernels
+from ..kernels import reference
 
 
 @dataclass(frozen=True)
@@ -24,6 +35,18 @@ class StateSpec:
     name: str  # torch's key in optimizer.state[p]
     init: float = 0.0  # value it starts from (Adagrad's initial_accumulator_value)
     moment: bool = True  # stored in Offload.moment_dtype (else always fp32)
+
+
+@dataclass(frozen=True)
+class UpdateTask:
+    """One contiguous piece of one parameter, all its tensors on one device (device tier)."""
+
+    weight: Tensor  # fp32: the master, or the fp32 parameter itself
+    grad: Tensor  # same numel; any supported dtype; only read
+    state: Mapping[str, Tensor]  # the rule's state keys -> same-numel views
+    weight_out: Tensor | None  # the parameter's own piece when ``weight`` is a master (written rounded)
+    step: int  # the parameter's step count, this step included
+    first_step: bool  # its state was created for this step (SGD's momentum starts from the gradient)
 
 
 def _as_float(value: Any) -> float:
@@ -51,6 +74,14 @@ def _check_number(name: str, value: Any, *, low: float | None = None, low_open: 
         raise ValueError(f"Invalid {name}: {value!r}; it must be {rng if not (lo and hi) else 'in ' + rng}{hint}")
 
 
+def _scaled_fp32(grad: Tensor, grad_scale: float) -> Tensor:
+    """``fp32(grad) * grad_scale`` as the kernels compute it; the gradient itself when that is it."""
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    if grad_scale != 1.0:
+        g = g * grad_scale if g is grad else g.mul_(grad_scale)
+    return g
+
+
 def _check_betas(betas: Any, n: int = 2) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != n:
         raise ValueError(f"Invalid betas: {betas!r}; give a tuple of {n} numbers in [0, 1), e.g. (0.9, 0.999)")
@@ -75,8 +106,21 @@ class UpdateRule:
         raise NotImplementedError
 
     def update(self, *, weight: Tensor, grad: Tensor, state: Mapping[str, Tensor], weight_out: Tensor | None,
-               group: Mapping[str, Any], step: int, first_step: bool, grad_scale: float) -> None:
+               group: Mapping[str, Any], step: int, first_step: bool, grad_scale: float, ops=kernels) -> None:
+        """Update one piece in place. ``ops`` is the kernel namespace: :mod:`tierstate.kernels`
+        (native, CPU tensors) or :mod:`tierstate.kernels.reference` (pure torch, any device)."""
         raise NotImplementedError
+
+    def update_on_device(self, tasks: Sequence[UpdateTask], *, group: Mapping[str, Any], grad_scale: float) -> None:
+        """Update the device-tier pieces of one parameter group (every tensor on one device).
+
+        The default runs the pure-torch reference of the rule's kernel piece by piece: the
+        same formulas as the native kernel, in torch ops, so on CUDA they are queued on the
+        current stream and return before they ran.
+        """
+        for t in tasks:
+            self.update(weight=t.weight, grad=t.grad, state=t.state, weight_out=t.weight_out, group=group,
+                        step=t.step, first_step=t.first_step, grad_scale=grad_scale, ops=reference)
 
     def zero_step_is_noop(self, group: Mapping[str, Any]) -> bool:
         """True when a first step with all-zero gradients and lr 0 leaves the state at its init.
@@ -109,9 +153,9 @@ class AdamRule(UpdateRule):
         specs = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
         return specs + ((StateSpec("max_exp_avg_sq"),) if group["amsgrad"] else ())
 
-    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
         beta1, beta2 = (_as_float(b) for b in group["betas"])
-        kernels.adam_update(
+        ops.adam_update(
             weight, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), weight_out,
             lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=_as_float(group["eps"]),
             weight_decay=_as_float(group["weight_decay"]), decoupled=self.decoupled,
@@ -119,6 +163,36 @@ class AdamRule(UpdateRule):
             bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
             maximize=bool(group["maximize"]), grad_scale=grad_scale,
         )
+
+    def update_on_device(self, tasks, *, group, grad_scale):
+        """torch's fused Adam/AdamW kernel over every piece at once (one multi-tensor launch).
+
+        The fused kernel wants every tensor in fp32 (it rejects bf16 moments), so with
+        ``Offload(moment_dtype=torch.bfloat16)`` the reference path runs instead. The
+        gradient is handed over as ``fp32(grad) * grad_scale``, the very value the native
+        kernels compute with, rather than through the kernel's own ``grad_scale`` argument,
+        which divides by the scale (a different rounding) and writes the unscaled gradient
+        back into ``param.grad``.
+        """
+        if not tasks:
+            return
+        if any(v.dtype != torch.float32 for v in tasks[0].state.values()):
+            return super().update_on_device(tasks, group=group, grad_scale=grad_scale)
+        beta1, beta2 = (_as_float(b) for b in group["betas"])
+        device = tasks[0].weight.device
+        # torch keeps each step in a float32 tensor on the parameter's device for its fused path;
+        # the kernel computes the bias corrections from it (one copy for all pieces).
+        steps = torch.tensor([float(t.step) for t in tasks], dtype=torch.float32).to(device).unbind(0)
+        fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        amsgrad = bool(group["amsgrad"])
+        fused([t.weight for t in tasks], [_scaled_fp32(t.grad, grad_scale) for t in tasks],
+              [t.state["exp_avg"] for t in tasks], [t.state["exp_avg_sq"] for t in tasks],
+              [t.state["max_exp_avg_sq"] for t in tasks] if amsgrad else [], list(steps),
+              lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=_as_float(group["weight_decay"]),
+              eps=_as_float(group["eps"]), amsgrad=amsgrad, maximize=bool(group["maximize"]))
+        for t in tasks:
+            if t.weight_out is not None:
+                t.weight_out.copy_(t.weight)  # rounds to nearest even, as the native kernels' weight_out
 
 class LionRule(UpdateRule):
     """Lion (Chen et al. 2023); no torch namesake, parity is against the published algorithm."""
@@ -140,9 +214,9 @@ class LionRule(UpdateRule):
     def state_specs(self, group):
         return (StateSpec("exp_avg"),)
 
-    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
         beta1, beta2 = (_as_float(b) for b in group["betas"])
-        kernels.lion_update(weight, grad, state["exp_avg"], weight_out, lr=_as_float(group["lr"]),
+        ops.lion_update(weight, grad, state["exp_avg"], weight_out, lr=_as_float(group["lr"]),
                             beta1=beta1, beta2=beta2, weight_decay=_as_float(group["weight_decay"]),
                             maximize=bool(group["maximize"]), grad_scale=grad_scale)
 
@@ -169,8 +243,8 @@ class SGDRule(UpdateRule):
     def state_specs(self, group):
         return (StateSpec("momentum_buffer"),) if group["momentum"] != 0 else ()
 
-    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
-        kernels.sgd_update(weight, grad, state.get("momentum_buffer"), weight_out, lr=_as_float(group["lr"]),
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
+        ops.sgd_update(weight, grad, state.get("momentum_buffer"), weight_out, lr=_as_float(group["lr"]),
                            momentum=float(group["momentum"]), dampening=float(group["dampening"]),
                            weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
                            maximize=bool(group["maximize"]), first_step=first_step, grad_scale=grad_scale)
@@ -195,9 +269,9 @@ class AdagradRule(UpdateRule):
     def state_specs(self, group):
         return (StateSpec("sum", init=float(group["initial_accumulator_value"])),)
 
-    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale):
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
         lr = _as_float(group["lr"])
         clr = lr / (1 + (step - 1) * float(group["lr_decay"]))
-        kernels.adagrad_update(weight, grad, state["sum"], weight_out, clr=clr,
+        ops.adagrad_update(weight, grad, state["sum"], weight_out, clr=clr,
                                weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                                maximize=bool(group["maximize"]), grad_scale=grad_scale)

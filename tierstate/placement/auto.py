@@ -7,7 +7,13 @@ Inputs, in order of preference:
   else the planner's conservative defaults. Which one was used is logged.
 - budgets, read now (not from the profile, which may be old): 80% of the host RAM available
   (``TIERSTATE_AUTO_HOST_FRACTION`` overrides), the free space under the default NVMe folder,
-  and on CUDA the free device memory.
+  and on CUDA half of the free device memory (``TIERSTATE_AUTO_DEVICE_FRACTION`` overrides;
+  ``0`` keeps all state off the device).
+
+On CUDA the device tier is part of the search (``Offload(gpu=...)``): the planner puts as
+much state there as shortens the predicted step within the device budget. The optimizer
+is built before the first forward pass, so the activations' memory is unknown then; the
+half of the free memory left out of the budget is for them.
 
 The choice and its reason are logged at INFO on the ``"tierstate"`` logger. Moments stay fp32:
 "auto" chooses where state lives, never how precise it is.
@@ -25,6 +31,9 @@ from .planner import Budgets, Hardware, PlanError, PlanRequest, choose, gib
 
 _log = logging.getLogger("tierstate")
 HOST_FRACTION = 0.8  # headroom for the data loader, activations and the allocator's slack
+# Share of the free device memory (at construction) the device tier may plan with: activations,
+# the caching allocator's fragmentation and cuBLAS workspaces are not known yet and need the rest.
+DEVICE_FRACTION = 0.5
 # Smaller sub-groups shrink the NVMe buffer pool (buffer_count records of one sub-group) when
 # host RAM is tight; 1 Mi elements (12 MiB AdamW records) still reads in large sequential requests.
 SUBGROUP_OPTIONS = (1 << 24, 1 << 22, 1 << 20)
@@ -72,9 +81,41 @@ def _host_fraction() -> float:
     return value
 
 
-def choose_offload(params: Sequence) -> Offload:
+def _device_fraction() -> float:
+    raw = os.environ.get("TIERSTATE_AUTO_DEVICE_FRACTION")
+    if raw is None:
+        return DEVICE_FRACTION
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"TIERSTATE_AUTO_DEVICE_FRACTION={raw!r}: must be a number in [0, 1], e.g. 0.5 "
+                         "(0 keeps all optimizer state off the device)")
+    return value
+
+
+def device_budget(free_bytes: int, param_bytes: int) -> int | None:
+    """Device memory the plan may use: the parameters (already there) plus the allowed share of
+    the free memory; None when the share is 0 (then the device tier is not searched)."""
+    fraction = _device_fraction()
+    return None if fraction == 0.0 else int(free_bytes * fraction) + param_bytes
+
+
+def offload_from_plan(plan) -> Offload:
+    """The :class:`Offload` a plan's placement stands for, with the plan's sub-group size and pool."""
+    p = plan.placement
+    if p.nvme == 0 and p.gpu == 0:
+        return Offload(cpu=1.0)
+    return Offload(gpu=p.gpu, cpu=p.cpu, nvme=max(0.0, 1.0 - p.gpu - p.cpu),
+                   subgroup_numel=plan.request.subgroup_numel, buffer_count=plan.request.buffer_count)
+
+
+def choose_offload(params: Sequence, allow_device_tier: bool = True) -> Offload:
     """The :class:`Offload` that the planner predicts fastest within this machine's budgets.
 
+    ``allow_device_tier=False`` keeps the state off the device even on CUDA (the optimizer
+    passes it for ``step_in_backward=True``, which updates the host tiers only).
     Raises ValueError (naming what is missing) when no placement fits.
     """
     import psutil
@@ -97,30 +138,33 @@ def choose_offload(params: Sequence) -> Offload:
     available = psutil.virtual_memory().available
     nvme_root = _existing_ancestor(default_nvme_root())
     st = os.statvfs(nvme_root)
-    device_budget = None
+    device_bytes, search_device = None, False
     if on_cuda:
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
-        device_budget = free + sum(p.numel() * p.element_size() for p in trainable)
-    budgets = Budgets(device=device_budget, host=int(available * fraction) + existing,
+        param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+        share = device_budget(free, param_bytes) if allow_device_tier else None
+        search_device = share is not None
+        device_bytes = share if search_device else free + param_bytes
+    budgets = Budgets(device=device_bytes, host=int(available * fraction) + existing,
                       disk=st.f_bavail * st.f_frsize, disk_dir=str(default_nvme_root()))
     hw = _hardware()
     try:
-        plan = choose(req, hw, budgets, subgroup_options=SUBGROUP_OPTIONS, buffer_options=BUFFER_OPTIONS)
+        plan = choose(req, hw, budgets, allow_device_tier=search_device,
+                      subgroup_options=SUBGROUP_OPTIONS, buffer_options=BUFFER_OPTIONS)
     except PlanError as exc:
         raise ValueError(f"offload='auto' found no placement: {exc}\nPass offload='cpu', 'nvme' or a "
                          "tierstate.Offload(...) explicitly, or free memory/disk.") from exc
-    p = plan.placement
-    offload = Offload(cpu=p.cpu, nvme=1.0 - p.cpu, subgroup_numel=plan.request.subgroup_numel,
-                      buffer_count=plan.request.buffer_count) if p.nvme > 0 \
-        else Offload(cpu=1.0)
+    offload = offload_from_plan(plan)
     _log.info(
-        "tierstate: offload='auto' chose Offload(cpu=%.3g, nvme=%.3g, subgroup_numel=%d, buffer_count=%d) for %s params: "
+        "tierstate: offload='auto' chose Offload(gpu=%.3g, cpu=%.3g, nvme=%.3g, subgroup_numel=%d, buffer_count=%d) "
+        "for %s params: "
         "%s. Budgets: host %s "
-        "(%.0f%% of %s available + %s already held by the parameters), disk %s free under %s. Predicted "
+        "(%.0f%% of %s available + %s already held by the parameters), disk %s free under %s, device %s. Predicted "
         "optimizer step %.0f ms (bottleneck: %s). Rates from %s.",
-        offload.cpu, offload.nvme, offload.subgroup_numel, offload.buffer_count, f"{req.model.numel:,}", plan.reason, gib(budgets.host), fraction * 100,
-        gib(available), gib(existing), gib(budgets.disk), nvme_root, plan.time.optimizer * 1e3,
+        offload.gpu, offload.cpu, offload.nvme, offload.subgroup_numel, offload.buffer_count, f"{req.model.numel:,}", plan.reason, gib(budgets.host), fraction * 100,
+        gib(available), gib(existing), gib(budgets.disk), nvme_root,
+        f"{gib(device_bytes)} for the state" if search_device else "not searched", plan.time.optimizer * 1e3,
         plan.time.bottleneck, hw.source)
     return offload

@@ -37,7 +37,16 @@ class Offload:
     tiers hold the requested fractions (rounded to whole sub-groups).
 
     Args:
-        gpu: fraction updated on the accelerator by torch's fused kernels.
+        gpu: fraction kept in the parameters' device memory and updated there by torch's
+            own kernels (``torch._fused_adamw_``/``_fused_adam_`` for AdamW/Adam, elementwise
+            torch ops for the others), queued before the host part so that on CUDA both run
+            at once. Needs the parameters on an accelerator. Their gradients stay in
+            ``param.grad`` (not streamed); ``optimizer.state`` shows only ``step`` for them and
+            ``state_dict()`` reads their state as CPU tensors. Testing aid: with the
+            environment variable ``TIERSTATE_DEVICE_TIER_ON_CPU=1`` (read when the optimizer
+            is built) the device tier also runs on CPU parameters, keeping its "device" state
+            in host memory and running the very code a GPU runs, so it is tested on machines
+            without one; it is slower than ``cpu=`` there and not meant for training.
         cpu: fraction kept in host RAM and updated by the native kernels.
         nvme: fraction kept in files under ``nvme_dir``, streamed through a bounded pool.
         nvme_dir: a folder or a list of folders (one per drive; sub-groups are striped

@@ -11,7 +11,9 @@ test can hold the two against each other:
 
 - host tier: one arena per state key over the host range (``master`` fp32 only when the
   parameters are low precision or on an accelerator; moments in ``moment_dtype``);
-- device tier (``Offload(gpu=...)``): the same keys in device memory;
+- device tier (``Offload(gpu=...)``): the same keys in device memory; parameters touching
+  it keep their gradients in ``param.grad`` on the device (they are not streamed) and need
+  no staging tensor when wholly inside it;
 - NVMe tier: the same keys in files, plus a pool of ``buffer_count`` host records of one
   sub-group each;
 - gradients: ``param.grad`` where backward leaves it, or (grad streaming, the CUDA
@@ -341,6 +343,17 @@ def _activation_bytes(req: PlanRequest) -> tuple[int, str]:
     return int(layers + logits), "estimate (Korthikanti et al. 2022, fused attention)"
 
 
+def _device_touching(numels, n_device: int) -> tuple[list[bool], list[bool]]:
+    """Per parameter: whether it has elements in the device range (the first ``n_device`` of
+    the flat index space), and whether it lies wholly inside it (as the optimizer decides)."""
+    touching, inside, start = [], [], 0
+    for n in numels:
+        touching.append(n > 0 and start < n_device)
+        inside.append(n > 0 and start + n <= n_device)
+        start += n
+    return touching, inside
+
+
 def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]:
     """Bytes per tier and state kind for ``req`` placed as ``placement`` (see the note at the top)."""
     model = req.model
@@ -354,9 +367,12 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
     items: list[MemoryItem] = [MemoryItem(param_tier, Kind.PARAM, n_total * pb)]
     rounding = 0
 
-    # gradients
+    # gradients: parameters touching the device tier keep theirs on the device, the others are streamed
+    touching, wholly_device = _device_touching(numels, sizes[TierKind.DEVICE])
+    streamed = [n for n, t in zip(numels, touching) if not t]
+    device_grads = sum(n for n, t in zip(numels, touching) if t)
     if req.streaming:
-        arena = sum((n * pb + GRAD_ALIGN - 1) // GRAD_ALIGN * GRAD_ALIGN for n in numels)
+        arena = sum((n * pb + GRAD_ALIGN - 1) // GRAD_ALIGN * GRAD_ALIGN for n in streamed)
         items.append(MemoryItem(Tier.HOST, Kind.HOST_GRAD_BUFFER, arena, req.pinned, "one arena, 64 B slices"))
         rounding += pow2_ceil(arena) - arena if req.pinned else 0
         if req.keep_device_grads or not on_dev:
@@ -364,13 +380,17 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
             items.append(MemoryItem(param_tier, Kind.GRAD, kept, False,
                                     "param.grad kept" if req.keep_device_grads else "one param.grad before its copy"))
         else:
-            items.append(MemoryItem(Tier.DEVICE, Kind.GRAD, min(n_total * pb, GRAD_BUCKET_BYTES + model.largest_param * pb),
+            items.append(MemoryItem(Tier.DEVICE, Kind.GRAD, min(sum(streamed) * pb, GRAD_BUCKET_BYTES
+                                                                + max(streamed, default=0) * pb),
                                     False, "one bucket in flight"))
+            if device_grads:
+                items.append(MemoryItem(Tier.DEVICE, Kind.GRAD, device_grads * pb, False,
+                                        "param.grad of the parameters touching the device tier"))
         if on_dev and req.grad_accum > 1:
-            scratch = sum(pow2_ceil(n * pb) for n in numels)
-            items.append(MemoryItem(Tier.HOST, Kind.GRAD_ACCUM_SCRATCH, sum(n * pb for n in numels), req.pinned,
+            scratch = sum(pow2_ceil(n * pb) for n in streamed)
+            items.append(MemoryItem(Tier.HOST, Kind.GRAD_ACCUM_SCRATCH, sum(n * pb for n in streamed), req.pinned,
                                     "pinned scratch per parameter for accumulation"))
-            rounding += scratch - sum(n * pb for n in numels)
+            rounding += scratch - sum(n * pb for n in streamed)
     else:
         items.append(MemoryItem(param_tier, Kind.GRAD, n_total * pb, False, "param.grad"))
 
@@ -397,10 +417,11 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
                                 f"{n_records} x {gib(record)} records"))
         rounding += n_records * (pow2_ceil(record) - record) if req.pinned else 0
 
-    if on_dev and req.param_dtype != "fp32":
-        staging = n_total * pb
+    staged = [n for n, inside in zip(numels, wholly_device) if not inside]
+    if on_dev and req.param_dtype != "fp32" and staged:
+        staging = sum(staged) * pb
         items.append(MemoryItem(Tier.HOST, Kind.WEIGHT_STAGING, staging, req.pinned, "one pinned tensor per parameter"))
-        rounding += sum(pow2_ceil(n * pb) for n in numels) - staging if req.pinned else 0
+        rounding += sum(pow2_ceil(n * pb) for n in staged) - staging if req.pinned else 0
 
     if rounding:
         items.append(MemoryItem(Tier.HOST, Kind.PINNED_ROUNDING, rounding, True,
@@ -601,6 +622,7 @@ def _choose_placement(req: PlanRequest, hw: Hardware, budgets: Budgets, allow_de
     else:
         best.reason = f"{p.gpu:.0%} on the device gives the shortest predicted step within the device budget"
     if not allow_device_tier and req.on_accelerator:
-        best.notes.append("device tier not considered (Offload(gpu>0) is not available in this version)")
+        best.notes.append("device tier not considered: `tierstate plan --gpu-tier` (allow_device_tier=True) "
+                          "also weighs keeping part of the state in device memory")
     return best
 

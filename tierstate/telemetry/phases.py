@@ -26,6 +26,8 @@ _PHASES: dict[str, str] = {
     "weight_upload": "host->device copies of the updated (rounded) weights.",
     "device_update": "the optimizer update of the state kept on the accelerator.",
     "device_stall": "the step waiting on the accelerator (stream or event synchronise).",
+    "backward_wait": "step() waiting for the updates that step_in_backward=True runs during "
+    "backward to finish.",
     "other": "step time on the critical path not covered by any phase above: Python "
     "bookkeeping, hooks, scheduling. Computed, never recorded.",
 }

@@ -16,10 +16,14 @@ A tier implements:
 - ``read_range(key, sg, offset, numel)`` / ``write_range(key, sg, offset, values)``: state
   outside a step (init, state_dict, load_state_dict); always the newest values.
 - ``nbytes`` (bytes of state the tier holds) and ``close()``.
+
+:class:`DeviceTier` keeps its state on the parameters' device (``Offload(gpu=...)``),
+:class:`HostTier` in host RAM, :class:`NvmeTier` in files.
 """
+from .device import DeviceTier
 from .host import HostTier, packed_arena
 
-__all__ = ["HostTier", "NvmeTier", "packed_arena"]
+__all__ = ["DeviceTier", "HostTier", "NvmeTier", "packed_arena"]
 
 
 def __getattr__(name: str):

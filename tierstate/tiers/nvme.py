@@ -30,6 +30,18 @@ private to the run and removed at exit, a dirty buffer is as good as the file; e
 read or write of state outside a step (:meth:`read_range`, :meth:`write_range`) goes
 through the same pool, so it always sees the newest values.
 
+[Note: a plan in a fixed order]
+With ``step_in_backward=True`` (:mod:`tierstate.optim.backward_update`) the order of a
+step is not ours to choose: sub-groups come as backward finishes their gradients, and
+the optimizer hands the tier that order (the previous step's) right after a step ends.
+The pool then holds the previous step's last records, which this order needs last, so
+read-ahead evicts by Belady's rule: a record the plan needs later makes room for one it
+needs sooner. Their write-back runs during the next forward and the reads of the first
+records during forward and backward; as backward releases buffers, the rest stream
+through, the last records arriving back while the last layers' gradients are computed.
+Each record moves once each way per step, all of it off the step's critical path as
+long as forward + backward last longer than the disk needs for ``2 * S`` records.
+
 [Note: ordering between I/O threads]
 Every buffer has one I/O thread that runs its operations in order, so "write the old
 record, then read the new one into the same memory" needs no further locking. Across
@@ -261,6 +273,7 @@ class NvmeTier:
         self._writes: dict[int, _Op] = {}  # sub-group index -> its latest write-back in flight
         self._plan: list[SubGroup] = []
         self._plan_pos = 0
+        self._evict_needed = False  # the plan lets read-ahead evict records it needs later
         self._tick = 0
 
     # -- construction ------------------------------------------------------------------------
@@ -346,6 +359,19 @@ class NvmeTier:
                 best = (rank, buf)
         return None if best is None else best[1]
 
+    def _farthest(self, before: int) -> _Buffer | None:
+        """The unpinned buffer whose sub-group the plan needs last, if that is after plan position
+        ``before`` (Belady's choice: see [Note: a plan in a fixed order])."""
+        pos = {sg.index: i for i, sg in enumerate(self._plan) if i >= self._plan_pos}
+        best = None
+        for buf in self._pool:
+            if buf.pinned or buf.sg is None:
+                continue
+            at = pos.get(buf.sg.index)
+            if at is not None and at > before and (best is None or at > best[0]):
+                best = (at, buf)
+        return None if best is None else best[1]
+
     def _submit(self, buf: _Buffer, op: _Op) -> None:
         buf.last_op = op
         self._res.threads[buf.index].submit(op)
@@ -367,10 +393,13 @@ class NvmeTier:
 
     def _read_ahead(self) -> None:
         needed = self._needed()
-        for sg in self._plan[self._plan_pos:]:
+        for at in range(self._plan_pos, len(self._plan)):
+            sg = self._plan[at]
             if sg.index in self._resident:
                 continue
             buf = self._victim(needed)
+            if buf is None and self._evict_needed:
+                buf = self._farthest(at)
             if buf is None:
                 return
             self._load(buf, sg)
@@ -391,18 +420,23 @@ class NvmeTier:
         return buf
 
     # -- the tier interface --------------------------------------------------------------------
-    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
+    def schedule(self, subgroups: list[SubGroup], keep_order: bool = False) -> list[SubGroup]:
         """Plan the step: forward or reversed, whichever meets the resident sub-groups first.
+
+        With ``keep_order`` the order is the caller's (the order gradients become final
+        in during backward) and read-ahead may evict records the plan needs later for ones
+        it needs sooner (see [Note: a plan in a fixed order]).
 
         Returns the order in which the sub-groups will be acquired and starts reading
         ahead into the buffers the plan lets it reuse."""
         order = list(subgroups)
-        window = len(self._pool)
-        ahead = sum(sg.index in self._resident for sg in order[:window])
-        behind = sum(sg.index in self._resident for sg in order[-window:])
-        if behind > ahead:
-            order.reverse()
-        self._plan, self._plan_pos = order, 0
+        if not keep_order:
+            window = len(self._pool)
+            ahead = sum(sg.index in self._resident for sg in order[:window])
+            behind = sum(sg.index in self._resident for sg in order[-window:])
+            if behind > ahead:
+                order.reverse()
+        self._plan, self._plan_pos, self._evict_needed = order, 0, keep_order
         self._read_ahead()
         return order
 

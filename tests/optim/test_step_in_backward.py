@@ -1,0 +1,283 @@
+"""step_in_backward=True: sub-groups updated during backward, bit for bit the plain step.
+
+The model ties its input embedding to its output head (like GPT-2), so one parameter's
+gradient is final only at the very end of backward, and has a branch that is skipped on
+some steps (its parameters get no gradient there). Sub-groups are 1 Ki elements, so every
+layer spans several and several layers share one: updates happen during backward and
+some are left for step().
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import tierstate as ts
+from tierstate.placement import TierKind
+
+VOCAB, WIDTH = 96, 24
+SG = 1024  # the smallest sub-group: many per layer, straddling ones too
+
+
+class TiedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.up = torch.nn.Linear(WIDTH, 64)
+        self.down = torch.nn.Linear(64, WIDTH)
+        self.side = torch.nn.Linear(WIDTH, WIDTH)  # used on even steps only
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+        self.frozen = torch.nn.Parameter(torch.randn(8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.down(torch.nn.functional.gelu(self.up(h)))
+        if use_side:
+            h = h + self.side(h)
+        return self.head(self.norm(h))
+
+
+def make_net(dtype: torch.dtype) -> TiedNet:
+    torch.manual_seed(0)
+    return TiedNet().to(dtype)
+
+
+def loss_of(net: TiedNet, step: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randint(0, VOCAB, (4, 12), generator=gen)
+    logits = net(x, use_side=step % 2 == 0)
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), x.reshape(-1))
+
+
+def train(net: TiedNet, opt, steps: int = 8) -> list[float]:
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(steps):
+        loss = loss_of(net, i, gen)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def offload(kind: str, tmp_path, tag: str) -> ts.Offload:
+    if kind == "cpu":
+        return ts.Offload(cpu=1.0, subgroup_numel=SG)
+    folder = tmp_path / tag
+    if kind == "nvme":
+        return ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=folder, subgroup_numel=SG, buffer_count=3)
+    return ts.Offload(cpu=0.5, nvme=0.5, nvme_dir=folder, subgroup_numel=SG, buffer_count=2)
+
+
+def assert_same_state(a, b) -> None:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for index in sa:
+        assert sa[index].keys() == sb[index].keys()
+        for key in sa[index]:
+            assert torch.equal(sa[index][key], sb[index][key]), (index, key)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_bits_as_the_plain_step(kind: str, dtype: torch.dtype, tmp_path) -> None:
+    nets = [make_net(dtype) for _ in range(2)]
+    opts = [ts.AdamW(n.parameters(), lr=1e-2, weight_decay=0.1, offload=offload(kind, tmp_path, f"o{i}"),
+                     step_in_backward=bool(i)) for i, n in enumerate(nets)]
+    losses = [train(n, o) for n, o in zip(nets, opts)]
+    assert losses[0] == losses[1]
+    assert losses[1][-1] < losses[1][0]
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(p, q)
+    assert_same_state(*opts)
+    assert opts[1].last_grad_norm == pytest.approx(opts[0].last_grad_norm, rel=1e-6)
+    for o in opts:
+        o.close()
+
+
+CASES = {
+    "sgd-nesterov": (lambda ps: ts.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, offload=ts.Offload(subgroup_numel=SG),
+                                       step_in_backward=True),
+                     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)),
+    "adamw-amsgrad": (lambda ps: ts.AdamW(ps, lr=1e-2, amsgrad=True, offload=ts.Offload(subgroup_numel=SG),
+                                          step_in_backward=True),
+                      lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch_optimizer(case: str) -> None:
+    """fp32 against torch itself (not only against our plain step), every state key.
+
+    Tolerance as tests/optim/test_parity.py: fused fp32 kernel vs torch's op-by-op rounding."""
+    make_ours, make_ref = CASES[case]
+    ours_net, ref_net = make_net(torch.float32), make_net(torch.float32)
+    ours, ref = make_ours(list(ours_net.parameters())), make_ref(list(ref_net.parameters()))
+    train(ours_net, ours)
+    train(ref_net, ref)
+    for p, q in zip(ours_net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    s_ours, s_ref = ours.state_dict()["state"], ref.state_dict()["state"]
+    assert s_ours.keys() == s_ref.keys()
+    for index in s_ref:
+        for key, value in s_ref[index].items():
+            torch.testing.assert_close(s_ours[index][key], value, rtol=1e-5, atol=1e-6)
+    ours.close()
+
+
+def test_state_moves_during_backward() -> None:
+    """The last layers' sub-groups are updated while backward still runs; the tied embedding
+    (final only when backward ends) is not, until its hook fires."""
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    seen = {}
+
+    def in_backward(grad: torch.Tensor) -> None:
+        # runs when backward reaches the embedding's output: every later layer is done
+        opt._backward._queue.join()  # let the worker finish what backward handed it so far
+        seen.update({name: not torch.equal(p, before[name]) for name, p in net.named_parameters()})
+
+    def watch(module, args, out: torch.Tensor) -> None:
+        out.register_hook(in_backward)
+
+    net.emb.register_forward_hook(watch)
+    loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
+    assert seen["down.weight"] and seen["side.weight"] and seen["norm.bias"]
+    assert not seen["emb.weight"]
+    opt.step()
+    assert not torch.equal(net.emb.weight, before["emb.weight"])
+    assert opt.stats().lanes["backward-update"]["cpu_update"] > 0
+    opt.close()
+
+
+def test_nvme_plan_reads_the_next_backward_ahead(tmp_path) -> None:
+    """After a step, the NVMe pool is refilled in the order the next backward needs (Belady)."""
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), lr=1e-2, step_in_backward=True,
+                   offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s", subgroup_numel=SG, buffer_count=3))
+    train(net, opt, steps=2)
+    nvme = opt.tiers[TierKind.NVME]
+    nvme.drain()
+    expected = [sg.index for sg in opt._backward.expected_order if sg.tier is TierKind.NVME][:3]
+    assert sorted(nvme._resident) == sorted(expected)
+    opt.close()
+
+
+def test_second_backward_before_step_raises() -> None:
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    gen = torch.Generator().manual_seed(1)
+    loss_of(net, 1, gen).backward()
+    with pytest.raises(RuntimeError, match="second gradient before step"):
+        loss_of(net, 1, gen).backward()
+    opt.close()
+
+
+def test_nonfinite_gradient_updates_each_parameter_wholly_or_not_at_all() -> None:
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    train(net, opt, steps=1)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    steps_before = {name: opt.state[p]["step"].item() for name, p in net.named_parameters() if p in opt.state}
+    # an inf reaches the up-projection's gradient: later in backward than the norm/down layers
+    poison = net.up.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    loss_of(net, 1, torch.Generator().manual_seed(2)).backward()
+    with pytest.raises(FloatingPointError, match=r"non-finite gradient.*step_in_backward=True"):
+        opt.step()
+    for name, p in net.named_parameters():
+        if name not in steps_before:
+            continue
+        stepped = opt.state[p]["step"].item() == steps_before[name] + 1
+        changed = not torch.equal(p, before[name])
+        assert stepped == changed, name  # each parameter wholly updated or wholly untouched
+    assert torch.equal(net.up.weight, before["up.weight"])
+    assert opt.skipped_steps == 1
+    opt.zero_grad()
+    poison.remove()
+    train(net, opt, steps=1)  # training goes on after the error
+    assert torch.isfinite(net.up.weight).all()
+    opt.close()
+
+
+def test_zero_grad_without_step_completes_the_step(caplog) -> None:
+    nets = [make_net(torch.float32) for _ in range(2)]
+    opts = [ts.AdamW(n.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG), step_in_backward=b)
+            for n, b in zip(nets, (False, True))]
+    gen = [torch.Generator().manual_seed(1) for _ in range(2)]
+    loss_of(nets[0], 1, gen[0]).backward()
+    opts[0].step()
+    opts[0].zero_grad()
+    loss_of(nets[1], 1, gen[1]).backward()
+    with caplog.at_level(logging.WARNING, logger="tierstate"):
+        opts[1].zero_grad()
+    assert "completing the step" in caplog.text
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(p, q)
+    for o in opts:
+        o.close()
+
+
+def test_refuses_what_it_cannot_do() -> None:
+    net = make_net(torch.float32)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        ts.AdamW(net.parameters(), max_grad_norm=1.0, step_in_backward=True)
+    with pytest.raises(TypeError, match="step_in_backward must be True or False"):
+        ts.AdamW(net.parameters(), step_in_backward="yes")
+    opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(net, 1, torch.Generator().manual_seed(1))).backward()
+    with pytest.raises(ValueError, match="GradScaler"):
+        scaler.step(opt)
+    opt.close()
+
+
+def test_parameter_unfrozen_later_is_refused_not_dropped() -> None:
+    net = make_net(torch.float32)
+    net.side.weight.requires_grad_(False)
+    opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    net.side.weight.requires_grad_(True)
+    loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
+    with pytest.raises(RuntimeError, match="frozen when the optimizer was built"):
+        opt.step()
+    opt.close()
+
+
+def _refused_under_process_group(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        net = make_net(torch.float32)
+        try:
+            ts.AdamW(net.parameters(), step_in_backward=True)
+            out.put((rank, "accepted"))
+        except ValueError as exc:
+            out.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_refused_under_data_parallel_process_group() -> None:
+    """Two real gloo ranks: DDP/FSDP reduce gradients after the hooks, so the mode is refused."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_refused_under_process_group, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert set(results) == {0, 1}
+    for message in results.values():
+        assert "process group of 2 ranks" in message and "step_in_backward=False" in message
