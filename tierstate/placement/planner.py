@@ -18,7 +18,7 @@ test can hold the two against each other:
   sub-group each;
 - gradients: ``param.grad`` where backward leaves it, or (grad streaming, the CUDA
   default) one host arena with every parameter's slice padded to 64 bytes;
-- CUDA, low-precision parameters: a pinned staging tensor per parameter for the upload;
+- CUDA, low-precision parameters: one pinned staging arena (64 B slices) for the upload;
 - pinned memory: torch's CachingHostAllocator rounds every pinned allocation up to a
   power of two, so a 5 GiB arena takes 8 GiB of page-locked RAM. The rounding is its own
   line (``pinned_rounding``) so nobody mistakes it for state;
@@ -419,9 +419,10 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
 
     staged = [n for n, inside in zip(numels, wholly_device) if not inside]
     if on_dev and req.param_dtype != "fp32" and staged:
-        staging = sum(staged) * pb
-        items.append(MemoryItem(Tier.HOST, Kind.WEIGHT_STAGING, staging, req.pinned, "one pinned tensor per parameter"))
-        rounding += sum(pow2_ceil(n * pb) for n in staged) - staging if req.pinned else 0
+        # one packed arena (tiers.packed_arena), 64 B slices, pinned once: rounded once
+        staging = sum((n * pb + GRAD_ALIGN - 1) // GRAD_ALIGN * GRAD_ALIGN for n in staged)
+        items.append(MemoryItem(Tier.HOST, Kind.WEIGHT_STAGING, staging, req.pinned, "one arena, 64 B slices"))
+        rounding += pow2_ceil(staging) - staging if req.pinned else 0
 
     if rounding:
         items.append(MemoryItem(Tier.HOST, Kind.PINNED_ROUNDING, rounding, True,
