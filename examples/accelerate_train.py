@@ -6,12 +6,13 @@ accumulation, bf16 autocast, save_state/load_state through the streaming checkpo
 from __future__ import annotations
 
 import tempfile
+import time
 
 import torch
 from accelerate import Accelerator
 
 import tierstate as ts
-from common import build_model, dataset_for, parser, steps_of
+from common import build_model, dataset_for, figures, parser, steps_of
 from tierstate.integrations.accelerate import attach, metrics
 
 ACCUMULATE = 2
@@ -33,6 +34,7 @@ def main() -> None:
     attach(accelerator, opt)  # fp16 scaling + step_was_skipped; streaming save_state/load_state
     watch = metrics(opt)
     done, first_loss, loss = 0, None, None
+    start = time.perf_counter()
     while done < steps:
         for batch in loader:
             with accelerator.accumulate(model):
@@ -52,6 +54,7 @@ def main() -> None:
                     accelerator.save_state(f"{out}/state")
             if done >= steps:
                 break
+    accelerator.print(figures(opt, steps, time.perf_counter() - start))  # includes the save_state
     accelerator.print(f"loss {first_loss:.3f} -> {loss.item():.3f} over {steps} steps (x{ACCUMULATE} micro-batches)")
     accelerator.load_state(f"{out}/state")  # streams the optimizer state back
     accelerator.print(f"reloaded {out}/state: step {opt.state[next(model.parameters())]['step'].item():.0f}")

@@ -67,3 +67,35 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 def steps_of(args) -> int:
     return args.steps or (8 if args.tiny else 200)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, in GiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def figures(optimizer, steps: int, wall_s: float) -> str:
+    """The one line of figures examples/README.md quotes for a run: wall time per training step,
+    tierstate's optimizer step time and its largest phase, the state per tier, the bytes each
+    tier moved per step and the bandwidth achieved, and the process's peak RSS."""
+    from tierstate.integrations.common import find_offload_optimizer
+
+    opt = find_offload_optimizer(optimizer)
+    totals = opt.telemetry.totals()
+    parts = [f"{wall_s / steps:.2f} s/step over {steps} steps"]
+    if totals is not None:
+        phase, share = totals.bottleneck
+        parts.append(f"optimizer {totals.wall_s / totals.steps * 1e3:.1f} ms/step ({phase} {share:.0%})")
+        moved = [f"{k} {v / totals.steps / 2**30:.2f} GiB" for k, v in sorted(totals.bytes.items()) if v]
+        if moved:
+            parts.append("per step " + ", ".join(moved))
+        rates = [f"{k} {bw.gbps:.2f} GB/s" for k, bw in sorted(totals.bandwidth.items()) if bw.gbps]
+        if rates:
+            parts.append(", ".join(rates))
+    parts.append("state " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in opt.tier_bytes().items()))
+    parts.append(f"peak RSS {peak_rss_gib():.2f} GiB")
+    return "figures: " + "; ".join(parts)

@@ -12,7 +12,7 @@ import tempfile
 from transformers import TrainingArguments
 
 import tierstate as ts
-from common import build_model, dataset_for, parser, steps_of
+from common import build_model, dataset_for, figures, parser, steps_of
 from tierstate.integrations.hf import TierstateTrainer
 
 
@@ -32,10 +32,11 @@ def main() -> None:
         optimizer_cls_and_kwargs=(ts.AdamW, {"lr": training.learning_rate, "betas": (0.9, 0.95),
                                              "weight_decay": 0.1, "offload": "cpu", "max_grad_norm": 1.0}),
     )
-    trainer.train()
+    runtime = trainer.train().metrics["train_runtime"]  # includes the checkpoint at the middle step
     logs = [h for h in trainer.state.log_history if "loss" in h]
     print(f"loss {logs[0]['loss']:.3f} -> {logs[-1]['loss']:.3f} over {steps} steps; "
           f"optimizer step {logs[-1]['tierstate/step_ms']:.1f} ms; checkpoints in {out}")
+    print(figures(trainer.optimizer, steps, runtime))
     # Resume from the middle checkpoint, as after a crash: it continues to the same end.
     resumed = TierstateTrainer(model=build_model(args.model, args.tiny), args=training,
                                train_dataset=dataset_for(model, args.tiny),

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import glob
 import tempfile
+import time
 
 import lightning.pytorch as pl
 import torch
 
 import tierstate as ts
-from common import build_model, dataset_for, parser, steps_of
+from common import build_model, dataset_for, figures, parser, steps_of
 from tierstate.integrations.lightning import TierstateMetrics
 
 
@@ -50,10 +51,13 @@ def main() -> None:
     pl.seed_everything(0)
     module = FineTune(args.model, args.tiny, steps)
     trainer = pl.Trainer(callbacks=[TierstateMetrics(), ckpt], **common)
+    start = time.perf_counter()
     trainer.fit(module)
+    runtime = time.perf_counter() - start  # includes fit's set-up and the checkpoints
     m = trainer.logged_metrics
     print(f"final loss {float(m['loss']):.3f}; optimizer step {float(m['tierstate/step_ms']):.1f} ms; "
           f"metrics logged to {trainer.logger.log_dir}/metrics.csv")
+    print(figures(trainer.optimizers[0], steps, runtime))
     middle = sorted(glob.glob(f"{out}/ckpt/*step={max(1, steps // 2)}*.ckpt"))[0]
     resumed = pl.Trainer(callbacks=[TierstateMetrics()], **{**common, "enable_checkpointing": False})
     resumed.fit(FineTune(args.model, args.tiny, steps), ckpt_path=middle)

@@ -7,13 +7,14 @@ step and the replicas stay identical (checked at the end).
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import tierstate as ts
-from common import build_model, dataset_for, parser, steps_of
+from common import build_model, dataset_for, figures, parser, steps_of
 
 
 def main() -> None:
@@ -32,6 +33,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
     steps, done, first = steps_of(args), 0, None
     epoch = 0
+    start = time.perf_counter()
     while done < steps:
         sampler.set_epoch(epoch)
         for batch in loader:
@@ -44,6 +46,7 @@ def main() -> None:
             if done >= steps:
                 break
         epoch += 1
+    runtime = time.perf_counter() - start
     # Replicas must agree: compare a checksum of the weights across ranks.
     checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1).cpu()
     sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
@@ -52,6 +55,7 @@ def main() -> None:
         agree = all(torch.equal(s, sums[0]) for s in sums)
         print(f"{world} ranks: loss {first:.3f} -> {loss.item():.3f} over {steps} steps; "
               f"optimizer step {opt.stats().wall_s * 1e3:.1f} ms; replicas identical: {agree}")
+        print(f"rank 0 {figures(opt, steps, runtime)}")
         if not agree:
             raise SystemExit("replicas diverged")
     dist.destroy_process_group()
