@@ -52,6 +52,7 @@ class OffloadAccess:
 
     def __init__(self, opt: OffloadOptimizer) -> None:
         self.opt = opt
+        opt._follow_replaced_params()
         self.params = opt._all_params()
         self._slots = [opt._slot_of[id(p)] for p in self.params]
 
@@ -64,7 +65,7 @@ class OffloadAccess:
                     if key != "master" or s.master_ready:
                         keys[key] = self.opt._state_dtypes[key]
             step = float(s.step) if (self.opt.rule.has_step and s.initialized) else None
-            out.append(ParamInfo(i, s.group, tuple(s.param.shape), s.param.dtype, bool(keys) or
+            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, bool(keys) or
                                  (s.initialized and s.trainable is not None), step, keys))
         return out
 
@@ -80,7 +81,7 @@ class OffloadAccess:
                 yield _cpu_bytes(tier.read_range(key, sg, seg.subgroup_offset + lo, n))
 
     def read_param(self, index: int, piece_numel: int) -> Iterator[Tensor]:
-        flat = self.params[index].detach().reshape(-1)
+        flat = self._slots[index].local.detach().reshape(-1)
         for piece in _pieces(flat, piece_numel):
             yield _cpu_bytes(piece)
 
@@ -115,7 +116,7 @@ class OffloadAccess:
         opt, s = self.opt, self._slots[index]
         if key == "master" and not s.needs_master:
             # An fp32 host parameter is its own master: the saved master is its value.
-            s.param.data.view(-1)[offset: offset + values.numel()].copy_(values)
+            s.local.data.view(-1)[offset: offset + values.numel()].copy_(values)
             return
         end = offset + values.numel()
         for seg in opt._segments(s):
@@ -127,7 +128,7 @@ class OffloadAccess:
                                            values[lo - offset: hi - offset])
 
     def write_param(self, index: int, offset: int, values: Tensor) -> None:
-        p = self.params[index]
+        p = self._slots[index].local
         with torch.no_grad():
             p.data.view(-1)[offset: offset + values.numel()].copy_(values)
 

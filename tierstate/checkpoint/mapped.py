@@ -76,9 +76,9 @@ def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike) -> di
             if view is not None:
                 entry[key] = view
             else:
-                numel = s.param.numel()
+                numel = s.local.numel()
                 pieces = access.read_state(info.index, key, max(1, _PIECE_BYTES // dtype.itemsize))
-                entry[key] = _file_backed(scratch, numel, dtype, pieces).view(s.param.shape)
+                entry[key] = _file_backed(scratch, numel, dtype, pieces).view(s.local.shape)
         if info.step is not None:
             entry["step"] = torch.tensor(info.step, dtype=torch.float32)
         state[info.index] = entry

@@ -50,6 +50,11 @@ from .rules import UpdateRule, UpdateTask
 
 _log = logging.getLogger("tierstate")
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without torch.distributed: no parameter can be a DTensor
+    DTensor = ()
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -58,6 +63,35 @@ NONFINITE_POLICIES = ("skip", "raise")
 # where GradScaler's own inf check cannot see them, so the check and its record for
 # ``scaler.update()`` happen here.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The plain tensor the engine reads and writes for ``t``: ``t`` itself, or this rank's shard
+    when ``t`` is a DTensor (parameters and gradients under FSDP2's ``fully_shard``). The shard is
+    the DTensor's own storage, so writing into it updates the parameter."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _shard_key(p: Tensor) -> tuple:
+    """(mesh, mesh dims that shard ``p``): ranks along those dims hold the other parts of ``p``."""
+    if not isinstance(p, DTensor):
+        return ()
+    dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
+    return (p.device_mesh, dims) if dims else ()
+
+
+def _shard_groups(params: list[Tensor]) -> list[tuple[tuple, list]]:
+    """One ``(shard key, process groups)`` per way the trainable parameters are sharded, in
+    parameter order (the same on every rank, so the collectives match); empty when none is."""
+    out: dict[tuple, list] = {}
+    for p in params:
+        key = _shard_key(p)
+        if key and key not in out:
+            mesh, dims = key
+            out[key] = [mesh.get_group(d) for d in dims]
+    if out and any(not _shard_key(p) for p in params):
+        out.setdefault((), [])  # parameters replicated on every rank: their squares count once
+    return list(out.items())
 
 
 @dataclass(eq=False)  # slots are compared by identity, never by their tensors' values
@@ -73,6 +107,11 @@ class _Slot:
     master_ready: bool = False  # master holds the parameter's value
     written: bool = False  # its state regions may differ from the init values the tiers start with
     step: int = 0
+
+    @property
+    def local(self) -> Tensor:
+        """What the state mirrors: the parameter, or this rank's shard of it (FSDP2)."""
+        return local_tensor(self.param)
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -205,10 +244,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 slots.append(_Slot(len(slots), p, gi, t, needs_master=on_accel or p.dtype != torch.float32))
         self._slots = slots
         self._trainable = trainable
+        self._shard_groups = _shard_groups(trainable)
         self._slot_of = {id(s.param): s for s in slots}  # parameters are hashed by identity, as in torch
         self._slot_by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
         fractions = {TierKind.DEVICE: self.offload.gpu, TierKind.HOST: self.offload.cpu, TierKind.NVME: self.offload.nvme}
-        self.layout: Layout = plan_layout([p.numel() for p in trainable], fractions, self.offload.subgroup_numel)
+        self.layout: Layout = plan_layout([local_tensor(p).numel() for p in trainable], fractions,
+                                          self.offload.subgroup_numel)
+        if self.offload.gpu > 0 and self._shard_groups:
+            raise ValueError(f"Offload(gpu={self.offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "
+                             "keep the state on the host tiers, e.g. Offload(cpu=0.6, nvme=0.4)")
         self._device_numel = self._device_heads()
         self._device_subgroups = frozenset(sg.index for sg in self.layout.subgroups if sg.tier is TierKind.DEVICE)
         for s in slots:  # wholly on the device and fp32: the parameter is its own master, as in torch
@@ -243,6 +287,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         streaming = self.offload.grad_streaming
         if streaming is None:
             streaming = self.device.type == "cuda"
+        if any(isinstance(p, DTensor) for p in trainable):
+            # FSDP2 assigns each sharded gradient after its reduce-scatter instead of accumulating
+            # it, so the post-accumulate-grad hooks the stream relies on never fire: read .grad.
+            streaming = False
         # parameters touching the device tier keep their gradients on the device (not streamed)
         streamed = [t for t in range(len(trainable)) if t not in self._device_numel]
         self._stream_index = {t: k for k, t in enumerate(streamed)}
@@ -251,8 +299,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
         self._staging_arena: Tensor | None = None
         if self.device.type == "cuda":
-            low = [(i, p) for i, p in enumerate(trainable)
-                   if p.dtype != torch.float32 and self._device_numel.get(i, 0) < p.numel()]
+            low = [(i, local_tensor(p)) for i, p in enumerate(trainable)
+                   if p.dtype != torch.float32 and self._device_numel.get(i, 0) < local_tensor(p).numel()]
             self._staging_arena, views = packed_arena([p for _, p in low], pin_memory=True, zero=False)
             self._staging = {i: v for (i, _), v in zip(low, views)}
         self._upload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -308,10 +356,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host = self.tiers.get(TierKind.HOST)
         if host is None or s.trainable is None or key not in host.arenas:
             return None
-        if s.param.numel() and self.layout.tier_of_param(s.trainable) is not TierKind.HOST:
+        if s.local.numel() and self.layout.tier_of_param(s.trainable) is not TierKind.HOST:
             return None
         start = self.layout.param_starts[s.trainable]
-        return host.flat_range(key, start, s.param.numel()).view(s.param.shape)
+        return host.flat_range(key, start, s.local.numel()).view(s.local.shape)
 
     def _state_keys(self, s: _Slot) -> list[str]:
         keys = [spec.name for spec in self.rule.state_specs(self.param_groups[s.group])]
@@ -343,12 +391,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if view is not None:
             return view
         dtype = self._state_dtypes[key]
-        out = torch.empty(s.param.numel(), dtype=dtype)
+        out = torch.empty(s.local.numel(), dtype=dtype)
         for seg in self._segments(s):
             sg = self.layout.subgroups[seg.subgroup]
             tier = self.tiers[sg.tier]
             out[seg.param_offset: seg.param_offset + seg.numel] = tier.read_range(key, sg, seg.subgroup_offset, seg.numel)
-        return out.view(s.param.shape)
+        return out.view(s.local.shape)
 
     def _write_state(self, s: _Slot, key: str, value: Tensor) -> None:
         flat = value.detach().reshape(-1).to("cpu")
@@ -366,7 +414,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if skip is not None and skip.get(spec.name) is not None:
                 continue
             # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
-            fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.param.numel())
+            fill = torch.full((1,), spec.init, dtype=self._state_dtypes[spec.name]).expand(s.local.numel())
             self._write_state(s, spec.name, fill)
 
     def _init_state(self, s: _Slot) -> None:
@@ -379,7 +427,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def _ensure_master(self, s: _Slot) -> None:
         if s.needs_master and not s.master_ready:
-            flat = s.param.detach().reshape(-1)
+            flat = s.local.detach().reshape(-1)
             for seg in self._segments(s):  # segment by segment: temporaries stay sub-group sized
                 sg = self.layout.subgroups[seg.subgroup]
                 piece = flat[seg.param_offset: seg.param_offset + seg.numel]
@@ -403,11 +451,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for key in self._state_keys(s):
             if key in state and state[key] is not None:
                 value = state[key]
-                if not isinstance(value, Tensor) or value.numel() != s.param.numel():
+                if not isinstance(value, Tensor) or value.numel() != s.local.numel():
                     got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
                     raise ValueError(
                         f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, "
-                        f"the parameter has shape {tuple(s.param.shape)}"
+                        f"the parameter has shape {tuple(s.local.shape)}"
                     )
                 self._write_state(s, key, value)
         if "step" in state:
@@ -422,6 +470,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         g = s.param.grad
         if g is None:
             return None
+        g = local_tensor(g)
         if g.is_sparse:
             raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
         if g.device.type != "cpu":
@@ -492,6 +541,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if backward is not None:
             backward.finish()
         else:
+            self._follow_replaced_params()
             self._adopt_new_trainables()
         active = [(s, g) for s in self._slots if s.trainable is not None and (g := self._grad_of(s)) is not None]
         inv_scale, prior_inf, record, scaled = self._scaler_inputs(grad_scaler)
@@ -503,13 +553,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         host_grads, device_grads = self._grads_by_tier(active)
         device_scale, device_prior_inf = self._device_scaler_inputs(record, inv_scale) if device_grads else (1.0, False)
         device_grad_scale = device_scale
-        if active:  # one read of the gradients gives both the global norm and the non-finite check
+        if self._shard_groups:  # every rank takes part, with gradients or not, or the others wait forever
+            with tel.phase("clip"):  # (no device tier with sharded parameters: refused at construction)
+                sumsq, prior_inf = self._sumsq_over_shards(active, inv_scale, prior_inf)
+        elif active:  # one read of the gradients gives both the global norm and the non-finite check
             with tel.phase("clip"):
                 device_sumsq = self._device_sumsq(device_grads, device_scale)  # queued first: overlaps the host part
                 sumsq = sum(kernels.grad_sumsq(g[first:], inv_scale) for g, first in host_grads.values())
                 if device_grads:
                     sumsq += float(device_sumsq)
             prior_inf = prior_inf or device_prior_inf
+        if active:
             finite = math.isfinite(sumsq) and not prior_inf
             if record is not None:
                 record["found_inf_per_device"] = {torch.device("cpu"): torch.tensor([0.0 if finite else 1.0])}
@@ -814,19 +868,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Host-memory bytes the update of (the host part of) one parameter reads and writes (one fused pass)."""
         n = grad.numel()
         state = sum(self._state_dtypes[k].itemsize for k in self._state_keys(s) if k != "master")
-        weight = 4 if s.needs_master else s.param.element_size()  # the master, or the fp32 param itself
-        out = s.param.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
+        weight = 4 if s.needs_master else s.local.element_size()  # the master, or the fp32 param itself
+        out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
         return n * (grad.element_size() + state + weight), n * (state + weight + out)
 
     def _weight_views(self, s: _Slot, views, lo: int, hi: int, plo: int, phi: int) -> tuple[Tensor, Tensor | None]:
         """(fp32 weight the kernel updates, low-precision output it also writes, or None)."""
         if not s.needs_master:  # an fp32 parameter in host memory is its own master
-            return s.param.data.view(-1)[plo:phi], None
+            return s.local.data.view(-1)[plo:phi], None
         weight = views["master"][lo:hi]
         if s.param.dtype == torch.float32:
             return weight, None  # uploaded from the master itself
         if self.device.type == "cpu":
-            return weight, s.param.data.view(-1)[plo:phi]
+            return weight, s.local.data.view(-1)[plo:phi]
         return weight, self._staging[s.trainable][plo:phi]
 
     def _upload(self, tel, slots: list[_Slot]) -> None:
@@ -834,18 +888,62 @@ class OffloadOptimizer(torch.optim.Optimizer):
         with tel.phase("weight_upload"), torch.cuda.stream(self._upload_stream):
             for s in slots:
                 head = self._device_numel.get(s.trainable, 0)  # elements updated in place on the device
-                if head == s.param.numel():
+                if head == s.local.numel():
                     continue
                 if s.param.dtype != torch.float32:
                     src = self._staging[s.trainable].view(-1)[head:]
                 else:
                     src = self._read_state(s, "master").view(-1) if head == 0 else self._read_host_part(s, "master")
-                s.param.data.view(-1)[head:].copy_(src, non_blocking=True)
+                s.local.data.view(-1)[head:].copy_(src, non_blocking=True)
                 tel.add_bytes("device", "h2d", src.numel() * src.element_size())
             done = torch.cuda.Event()
             done.record(self._upload_stream)
         torch.cuda.current_stream(self.device).wait_event(done)
         self._upload_done = done
+
+    def _sumsq_over_shards(self, active, inv_scale: float, prior_inf: bool) -> tuple[float, bool]:
+        """(squared gradient norm over every rank's shards, whether any rank saw an inf).
+
+        Under FSDP2 each rank holds the gradient of its shards only: the global norm (for
+        clipping) sums the squares over the ranks that hold the other shards, and a non-finite
+        gradient on one rank must skip the step on all of them, or their replicas diverge.
+        """
+        shard_dims_of = {id(s.param): _shard_key(s.param) for s, _ in active}
+        parts = [0.0] * len(self._shard_groups)
+        keys = [key for key, _ in self._shard_groups]
+        for s, g in active:
+            parts[keys.index(shard_dims_of[id(s.param)])] += kernels.grad_sumsq(g, inv_scale)
+        total = 0.0
+        any_inf = prior_inf
+        for (_, groups), part in zip(self._shard_groups, parts):
+            # float64: the squares of ~1e9 gradient elements keep their low digits
+            buf = torch.tensor([part, 1.0 if prior_inf else 0.0], dtype=torch.float64, device=self.device)
+            for group in groups:
+                torch.distributed.all_reduce(buf, group=group)
+            total += float(buf[0])
+            any_inf = any_inf or float(buf[1]) > 0
+        return total, any_inf
+
+    def _follow_replaced_params(self) -> None:
+        """Re-place the state when ``param_groups`` now holds other parameter objects.
+
+        Accelerate's FSDP2 preparation builds the optimizer over the full parameters and then
+        swaps them in ``param_groups`` for the sharded DTensors ``fully_shard`` made (HF Trainer
+        does this for ``optimizer_cls_and_kwargs``). Before the first step there is no state to
+        carry, so the engine is simply built again over the new parameters; after it, the state
+        of a replaced parameter would have no owner, so that is refused.
+        """
+        params = self._all_params()
+        if len(params) == len(self._slots) and all(p is s.param for p, s in zip(params, self._slots)):
+            return
+        lost = [s.index for s in self._slots if s.initialized and not any(p is s.param for p in params)]
+        if lost:
+            raise RuntimeError(
+                f"param_groups no longer hold parameter(s) {lost[:8]} of this optimizer, which have state; "
+                "parameters may be replaced (e.g. by FSDP2 wrapping) only before the first step. Wrap the "
+                "model first, or save the optimizer state and load it into one built over the new parameters"
+            )
+        self._rebuild_engine()
 
     def _adopt_new_trainables(self) -> None:
         """A parameter frozen at construction that now has a gradient gets a place in the tiers."""
@@ -866,7 +964,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                         s.param.grad = g.view(s.param.shape).to(s.param.device, s.param.dtype)
                     continue
                 if g is None and s.param.grad is not None:
-                    g = s.param.grad.detach().reshape(-1).to("cpu")
+                    g = local_tensor(s.param.grad).detach().reshape(-1).to("cpu")
                     if not self.offload.keep_device_grads:
                         s.param.grad = None
                 if g is not None:
@@ -899,6 +997,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mapped from unlinked files in the NVMe tier's folder, so the dict never has to fit in
         RAM (:func:`tierstate.checkpoint.mmap_state_dict`).
         """
+        self._follow_replaced_params()
         nvme = self.tiers.get(TierKind.NVME)
         if nvme is not None and self._state_dict_in_files(nvme):
             from ..checkpoint import mmap_state_dict
@@ -921,6 +1020,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
+        self._follow_replaced_params()
         saved_state = state_dict.get("state", {})
         groups = state_dict.get("param_groups")
         if groups is None:
