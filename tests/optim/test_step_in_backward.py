@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tierstate as ts
+from tierstate import kernels
 from tierstate.placement import TierKind
 
 VOCAB, WIDTH = 96, 24
@@ -140,15 +141,19 @@ def test_state_moves_during_backward() -> None:
         # runs when backward reaches the embedding's output: every later layer is done
         opt._backward._queue.join()  # let the worker finish what backward handed it so far
         seen.update({name: not torch.equal(p, before[name]) for name, p in net.named_parameters()})
+        seen["threads"] = kernels.get_num_threads()
 
     def watch(module, args, out: torch.Tensor) -> None:
         out.register_hook(in_backward)
 
     net.emb.register_forward_hook(watch)
+    kernels.set_num_threads(2)
     loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
+    assert seen["threads"] == 1  # CPU backward: the kernels leave torch half the threads
     assert seen["down.weight"] and seen["side.weight"] and seen["norm.bias"]
     assert not seen["emb.weight"]
     opt.step()
+    assert kernels.get_num_threads() == 2  # restored for the rest of the step
     assert not torch.equal(net.emb.weight, before["emb.weight"])
     assert opt.stats().lanes["backward-update"]["cpu_update"] > 0
     opt.close()
