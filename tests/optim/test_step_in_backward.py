@@ -147,13 +147,17 @@ def test_state_moves_during_backward() -> None:
         out.register_hook(in_backward)
 
     net.emb.register_forward_hook(watch)
+    threads = kernels.get_num_threads()
     kernels.set_num_threads(2)
-    loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
-    assert seen["threads"] == 1  # CPU backward: the kernels leave torch half the threads
+    try:
+        loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
+        assert seen["threads"] == 1  # CPU backward: the kernels leave torch half the threads
+        opt.step()
+        assert kernels.get_num_threads() == 2  # restored for the rest of the step
+    finally:
+        kernels.set_num_threads(threads)
     assert seen["down.weight"] and seen["side.weight"] and seen["norm.bias"]
     assert not seen["emb.weight"]
-    opt.step()
-    assert kernels.get_num_threads() == 2  # restored for the rest of the step
     assert not torch.equal(net.emb.weight, before["emb.weight"])
     assert opt.stats().lanes["backward-update"]["cpu_update"] > 0
     opt.close()
