@@ -53,9 +53,11 @@ def test_cuda_adamw_matches_fp32_reference(dtype: torch.dtype, micro_batches: in
         assert torch.equal(p.detach().cpu(), master.to(dtype)), "the device weight is the rounded master"
 
 
-def test_cuda_grad_scaler_skips_and_backs_off() -> None:
+@pytest.mark.parametrize("offload", [ts.Offload(), ts.Offload(gpu=0.4, cpu=0.6, subgroup_numel=1 << 20)],
+                         ids=["host", "device-split"])
+def test_cuda_grad_scaler_skips_everywhere_and_backs_off(offload) -> None:
     model = net(torch.float16)
-    opt = ts.AdamW(model.parameters(), lr=1e-3)
+    opt = ts.AdamW(model.parameters(), lr=1e-3, offload=offload)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
     for step in range(4):
         x = torch.randn(8, 2048, device="cuda", dtype=torch.float16)
@@ -63,11 +65,15 @@ def test_cuda_grad_scaler_skips_and_backs_off() -> None:
         poison = float("inf") if step == 2 else 1.0
         scaler.scale(model(x).float().pow(2).mean() * poison).backward()
         before = [p.detach().clone() for p in model.parameters()]
+        state_before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
         scale = scaler.get_scale()
         scaler.step(opt)
         scaler.update()
         if step == 2:
+            torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            after = opt.state_dict()["state"]
+            assert all(torch.equal(after[i][k], v) for i, st in state_before.items() for k, v in st.items())
             assert scaler.get_scale() == scale / 2
     assert opt.skipped_steps == 1
 
@@ -155,26 +161,3 @@ def test_cuda_device_tier_gradients_stay_on_the_device() -> None:
         assert not torch.equal(before, params[0])
     assert opt.tier_bytes()["device"] > 0
     assert opt.stats().as_dict()["bytes"].get("device/d2h", 0) > 0  # the host part's gradients crossed
-
-
-def test_cuda_device_tier_grad_scaler_skips_everywhere() -> None:
-    model = net(torch.float16)
-    opt = ts.AdamW(model.parameters(), lr=1e-3, offload=ts.Offload(gpu=0.4, cpu=0.6, subgroup_numel=1 << 20))
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16)
-    for step in range(4):
-        x = torch.randn(8, 2048, device="cuda", dtype=torch.float16)
-        opt.zero_grad()
-        poison = float("inf") if step == 2 else 1.0
-        scaler.scale(model(x).float().pow(2).mean() * poison).backward()
-        before = [p.detach().clone() for p in model.parameters()]
-        state_before = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
-        scale = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        if step == 2:
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-            after = opt.state_dict()["state"]
-            assert all(torch.equal(after[i][k], v) for i, st in state_before.items() for k, v in st.items())
-            assert scaler.get_scale() == scale / 2
-    assert opt.skipped_steps == 1

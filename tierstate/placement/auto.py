@@ -68,31 +68,27 @@ def _existing_ancestor(path) -> str:
     return path
 
 
-def _host_fraction() -> float:
-    raw = os.environ.get("TIERSTATE_AUTO_HOST_FRACTION")
+def _fraction_env(name: str, default: float, *, zero_ok: bool, hint: str) -> float:
+    """A fraction in (0, 1] (or [0, 1] with ``zero_ok``) from environment variable ``name``."""
+    raw = os.environ.get(name)
     if raw is None:
-        return HOST_FRACTION
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"TIERSTATE_AUTO_HOST_FRACTION={raw!r}: must be a number in (0, 1], e.g. 0.8")
+    if not (0.0 <= value if zero_ok else 0.0 < value) or value > 1.0:
+        raise ValueError(f"{name}={raw!r}: must be a number in {'[0' if zero_ok else '(0'}, 1], {hint}")
     return value
+
+
+def _host_fraction() -> float:
+    return _fraction_env("TIERSTATE_AUTO_HOST_FRACTION", HOST_FRACTION, zero_ok=False, hint="e.g. 0.8")
 
 
 def _device_fraction() -> float:
-    raw = os.environ.get("TIERSTATE_AUTO_DEVICE_FRACTION")
-    if raw is None:
-        return DEVICE_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"TIERSTATE_AUTO_DEVICE_FRACTION={raw!r}: must be a number in [0, 1], e.g. 0.5 "
-                         "(0 keeps all optimizer state off the device)")
-    return value
+    return _fraction_env("TIERSTATE_AUTO_DEVICE_FRACTION", DEVICE_FRACTION, zero_ok=True,
+                         hint="e.g. 0.5 (0 keeps all optimizer state off the device)")
 
 
 def device_budget(free_bytes: int, param_bytes: int) -> int | None:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..placement import Layout, SubGroup, TierKind
+from .host import ArenaTier
 
 DEVICE_TIER_ON_CPU_ENV = "TIERSTATE_DEVICE_TIER_ON_CPU"
 
@@ -46,7 +47,7 @@ def device_tier_on_cpu_allowed() -> bool:
     return raw == "1"
 
 
-class DeviceTier:
+class DeviceTier(ArenaTier):
     """One flat buffer per state key over the device range of the layout, on ``device``."""
 
     kind = TierKind.DEVICE
@@ -61,25 +62,6 @@ class DeviceTier:
             # torch.full allocates and fills in one kernel; a failure here is the device's
             # out-of-memory error, raised at construction rather than mid-step.
             self.arenas[key] = torch.full((self.numel,), float(inits.get(key, 0.0)), dtype=dtype, device=self.device)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self.arenas.values())
-
-    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
-        """Device state needs no read-ahead; the given order."""
-        return list(subgroups)
-
-    def ready(self, sg: SubGroup) -> bool:
-        """Always: the state is in device memory."""
-        return True
-
-    def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
-        """Views of the sub-group's state in device memory (no copy)."""
-        return {k: a[sg.tier_offset: sg.tier_offset + sg.numel] for k, a in self.arenas.items()}
-
-    def release(self, sg: SubGroup, dirty: bool) -> None:
-        """Nothing to write back: the views are the storage."""
 
     def drain(self) -> None:
         """Wait for the updates queued on the device (CUDA runs them asynchronously)."""

@@ -26,7 +26,37 @@ def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tupl
     return arena, views
 
 
-class HostTier:
+class ArenaTier:
+    """State in memory, one flat tensor ("arena") per state key over the tier's range.
+
+    Sub-group ``sg`` owns ``arena[key][sg.tier_offset : sg.tier_offset + sg.numel]``.
+    ``acquire``/``release`` cost nothing here; they exist so the step pipeline treats every
+    tier alike. Subclasses fill ``self.arenas``.
+    """
+
+    arenas: dict[str, Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in self.arenas.values())
+
+    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
+        """In-memory state needs no read-ahead; any order is as good: the given one."""
+        return list(subgroups)
+
+    def ready(self, sg: SubGroup) -> bool:
+        """Always: the state is in memory."""
+        return True
+
+    def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
+        """Views of the sub-group's state (no copy)."""
+        return {k: a[sg.tier_offset: sg.tier_offset + sg.numel] for k, a in self.arenas.items()}
+
+    def release(self, sg: SubGroup, dirty: bool) -> None:
+        """Nothing to write back: the views are the storage."""
+
+
+class HostTier(ArenaTier):
     """One flat host buffer ("arena") per state key over the host range of the layout.
 
     Sub-group ``sg`` owns ``arena[key][sg.tier_offset : sg.tier_offset + sg.numel]``; a
@@ -50,24 +80,6 @@ class HostTier:
                 arena.fill_(inits[key])
             self.arenas[key] = arena
         self._start = min((sg.start for sg in layout.subgroups if sg.tier is TierKind.HOST), default=0)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in self.arenas.values())
-
-    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
-        """Host state needs no read-ahead; any order is as good: the given one."""
-        return list(subgroups)
-
-    def ready(self, sg: SubGroup) -> bool:
-        """Always: the state is in RAM."""
-        return True
-
-    def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
-        return {k: a[sg.tier_offset: sg.tier_offset + sg.numel] for k, a in self.arenas.items()}
-
-    def release(self, sg: SubGroup, dirty: bool) -> None:
-        """Nothing to write back: the views are the storage."""
 
     def drain(self) -> None:
         """No writes in flight."""
