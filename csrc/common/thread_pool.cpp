@@ -74,12 +74,20 @@ void ThreadPool::set_num_threads(int num_threads) {
 int ThreadPool::num_threads() const { return num_threads_; }
 
 void ThreadPool::start_workers(int n_workers) {
+  uint64_t current_generation;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_.store(false);
+    current_generation = generation_.load();
   }
+  // A new worker has seen every job so far: starting it at generation 0 instead made it
+  // run the last finished job again and count itself done twice, so that a later
+  // parallel_for returned while a task still ran on its stack frame, or waited forever
+  // for workers_busy_ to climb back from -1 (a hang within seconds under qemu-aarch64,
+  // where thread start-up is slow; tests/kernels/native_isa/thread_pool_stress.cpp).
   workers_.reserve(n_workers);
-  for (int i = 0; i < n_workers; ++i) workers_.emplace_back([this, i] { worker_loop(i + 1); });
+  for (int i = 0; i < n_workers; ++i)
+    workers_.emplace_back([this, i, current_generation] { worker_loop(i + 1, current_generation); });
 }
 
 void ThreadPool::stop_workers() {
@@ -124,8 +132,7 @@ std::vector<ThreadPool::WorkerSpan> ThreadPool::drain_spans() {
   return out;
 }
 
-void ThreadPool::worker_loop(int worker) {
-  uint64_t seen = 0;
+void ThreadPool::worker_loop(int worker, uint64_t seen) {
   for (;;) {
     spin_until([&] { return stopping_.load(std::memory_order_acquire) ||
                             generation_.load(std::memory_order_acquire) != seen; });

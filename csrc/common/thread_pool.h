@@ -54,7 +54,8 @@ class ThreadPool {
   explicit ThreadPool(int num_threads);
   void start_workers(int n_workers);
   void stop_workers();
-  void worker_loop(int worker);
+  // `seen`: the last job generation this worker need not run (the current one at start).
+  void worker_loop(int worker, uint64_t seen);
   void run_tasks();
   void run_tasks_as(int worker);
 

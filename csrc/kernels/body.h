@@ -280,7 +280,7 @@ void adagrad_range(const AdagradTask& t, int64_t begin, int64_t end) {
 
 // ---- sum of squares ---------------------------------------------------------
 // Sum of squares of [begin, end) with fp32 accumulators reduced to double every
-// kChunkElements: each of the 4 x kWidth lanes sums <= 16384 / 4 squares before that
+// kSumsqBlockElements: each of the 4 x kWidth lanes sums <= 16384 / 4 squares before that
 // (relative error <= ~1e-5; torch's own fp32 norm is no better). Converting every element
 // to double instead ran at 19-31 GB/s, half the memory bandwidth. Four independent chains
 // hide the FMA latency.
@@ -313,8 +313,8 @@ double sumsq_block(const void* grad, int64_t begin, int64_t end) {
 template <class V, DType G>
 double sumsq_loop(const void* grad, int64_t begin, int64_t end) {
   double total = 0.0;
-  for (int64_t b = begin; b < end; b += kChunkElements)
-    total += sumsq_block<V, G>(grad, b, std::min(end, b + kChunkElements));
+  for (int64_t b = begin; b < end; b += kSumsqBlockElements)
+    total += sumsq_block<V, G>(grad, b, std::min(end, b + kSumsqBlockElements));
   return total;
 }
 

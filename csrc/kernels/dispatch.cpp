@@ -59,7 +59,7 @@ struct ChunkPlan {
   int64_t end(int64_t task) const { return std::min(n, head + (task + 1) * chunk); }
 };
 
-ChunkPlan plan_chunks(const void* anchor, int64_t n, int64_t element_size, int64_t chunk = kChunkElements) {
+ChunkPlan plan_chunks(const void* anchor, int64_t n, int64_t element_size, int64_t chunk) {
   const auto address = reinterpret_cast<uintptr_t>(anchor);
   int64_t head = static_cast<int64_t>((64 - address % 64) % 64) / element_size;
   if (address % element_size != 0 || head >= n) head = 0;
@@ -70,16 +70,29 @@ ChunkPlan plan_chunks(const void* anchor, int64_t n, int64_t element_size, int64
 
 // grad_sumsq reads one stream and does two flops per element: a 16 Ki-element task (32 KiB
 // of bf16, ~1 us) is no longer than the cost of taking and reducing it, so its tasks are
-// 16x larger (the loop still reduces to double every kChunkElements, see body.h).
-constexpr int64_t kSumsqChunkElements = 16 * kChunkElements;
+// 16x larger (the loop still reduces to double every kSumsqBlockElements, see body.h).
+// Fixed, not per thread count: the sum must not depend on the thread count.
+constexpr int64_t kSumsqChunkElements = 16 * kSumsqBlockElements;
+
+// Task size for an update of n elements: ~8 tasks per thread, in [kMinTaskElements,
+// kMaxTaskElements] (kernels.h), a multiple of 4096 elements so that every task after the
+// aligned head starts on a cache line of the anchor plan_chunks aligns to (4096 x 2 bytes
+// of bf16 = 128 lines), which the streaming stores need.
+int64_t update_task_elements(int64_t n) {
+  const int64_t threads = ThreadPool::instance().num_threads();
+  const int64_t per_task = (n + 8 * threads - 1) / (8 * threads);
+  const int64_t rounded = (per_task + 4095) / 4096 * 4096;
+  return std::min(kMaxTaskElements, std::max(kMinTaskElements, rounded));
+}
 
 // Chunks align to weight_out's lines when there is one, so that its streaming stores
 // (see body.h) are aligned in every chunk; else to the weight's.
 template <class Task>
 void run_chunked(const Task& task, int64_t n, void (*kernel)(const Task&, int64_t, int64_t)) {
   if (n <= 0) return;
-  const ChunkPlan plan = task.weight_out != nullptr ? plan_chunks(task.weight_out, n, 2)
-                                                    : plan_chunks(task.weight, n, sizeof(float));
+  const int64_t chunk = update_task_elements(n);
+  const ChunkPlan plan = task.weight_out != nullptr ? plan_chunks(task.weight_out, n, 2, chunk)
+                                                    : plan_chunks(task.weight, n, sizeof(float), chunk);
   auto body = [&](int64_t i) { kernel(task, plan.begin(i), plan.end(i)); };
   ThreadPool::instance().parallel_for(plan.n_tasks, body);
 }

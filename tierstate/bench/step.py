@@ -13,6 +13,20 @@ phase (on shared VMs it can move by ~1.7x within seconds), reported as medians:
 - ``floor``             torch AdamW(fused=True) on fp32 grad/param alone: the 28 B/param
                         a fused step must move, at the speed torch moves it
 
+Every timed call starts after ``--gap-ms`` (default 20) of sleep. torch's OpenMP workers
+spin-wait after each parallel region (libgomp's default policy): measured 5-8 ms of CPU
+time within 40 ms of a 2-thread torch op, ~1 ms with OMP_WAIT_POLICY=PASSIVE. Back to
+back, that spin takes a core from whichever variant runs next: on 2 cores (100M params,
+2 threads, medians of per-round ratios over 5 runs) the native step timed right after
+torch's step was 1.02-1.14x of the floor, the same step timed after another native call
+0.95-1.03x; with the gap or OMP_WAIT_POLICY=PASSIVE the two positions agreed within 3.5%.
+torch's own variants reuse the spinning workers and pay nothing. The gap also matches
+offload training, where the step starts on CPUs that were idle during backward.
+Caveat: torch gives each thread one contiguous half, so while another process holds a
+core its step waits for the slower half; a gap lets such a process in, which then shows
+as a slower, wider floor (seen at load average ~3). Quote ratios from a quiet host, or
+cross-check with ``OMP_WAIT_POLICY=PASSIVE ... --gap-ms 0``.
+
 Bytes per parameter count the traffic a step needs (reads + writes of each array once,
 no write-allocate): native = read grad 2 + master 4 + m 4 + v 4, write master 4 + m 4 +
 v 4 + bf16 weight 2. GB/s = bytes/param * params / time, 1e9 B.
@@ -81,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    parser.add_argument("--gap-ms", type=float, default=20.0,
+                        help="sleep before each timed call, longer than torch's OpenMP spin-wait "
+                             "(default 20; 0: back to back)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
 
 
@@ -155,7 +172,7 @@ def _build(n: int, variants: list[str]) -> dict[str, Callable[[], None]]:
     return {name: steps[name] for name in variants if name in steps}
 
 
-def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int) -> list[Row]:
+def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int, gap_ms: float = 20.0) -> list[Row]:
     torch.set_num_threads(threads)
     kernels.set_num_threads(threads)
     steps = _build(n, variants)
@@ -163,6 +180,8 @@ def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int) -
     with torch.no_grad(), progress(warmup + reps, f"{n / 1e6:g}M params, {threads} threads") as advance:
         for rnd in range(warmup + reps):
             for name, step in steps.items():  # round-robin: each round sees one phase
+                if gap_ms > 0:
+                    time.sleep(gap_ms / 1e3)  # let the previous variant's spinning threads sleep
                 t0 = time.perf_counter()
                 step()
                 elapsed = time.perf_counter() - t0
@@ -228,19 +247,20 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
-    if args.reps < 1 or args.warmup < 0:
-        print("--reps must be >= 1 and --warmup >= 0", file=sys.stderr)
+    if args.reps < 1 or args.warmup < 0 or args.gap_ms < 0:
+        print("--reps must be >= 1, --warmup >= 0 and --gap-ms >= 0", file=sys.stderr)
         return 2
     if "deepspeed+copy" in variants and _deepspeed_adam() is None:
         print("note: deepspeed is not importable; its row is skipped", file=sys.stderr)
     info = kernels.backend_info()
     load1, load5, _ = os.getloadavg()
     print(f"kernels: isa={info['isa']} native={info['native']}; torch {torch.__version__} "
-          f"(cpu capability {torch.backends.cpu.get_cpu_capability()}); load average {load1:.2f} {load5:.2f}")
+          f"(cpu capability {torch.backends.cpu.get_cpu_capability()}); load average {load1:.2f} {load5:.2f}; "
+          f"{args.gap_ms:g} ms gap before each timed call")
     rows: list[Row] = []
     for n in args.sizes:
         for threads in args.threads:
-            rows.extend(measure(n, threads, variants, args.reps, args.warmup))
+            rows.extend(measure(n, threads, variants, args.reps, args.warmup, args.gap_ms))
     _print_table(rows)
     for line in _summary(rows):
         print(line)
