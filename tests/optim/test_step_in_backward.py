@@ -164,15 +164,19 @@ def test_state_moves_during_backward() -> None:
 
 
 def test_nvme_plan_reads_the_next_backward_ahead(tmp_path) -> None:
-    """After a step, the NVMe pool is refilled in the order the next backward needs (Belady)."""
+    """After a step the NVMe pool starts on the next backward's first record (written back and
+    read during forward) and keeps the rest of what it holds: those come last in the plan."""
     net = make_net(torch.float32)
     opt = ts.AdamW(net.parameters(), lr=1e-2, step_in_backward=True,
-                   offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s", subgroup_numel=SG, buffer_count=3))
+                   offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s", subgroup_numel=SG, buffer_count=2))
     train(net, opt, steps=2)
     nvme = opt.tiers[TierKind.NVME]
     nvme.drain()
-    expected = [sg.index for sg in opt._backward.expected_order if sg.tier is TierKind.NVME][:3]
-    assert sorted(nvme._resident) == sorted(expected)
+    plan = [sg.index for sg in opt._backward.expected_order if sg.tier is TierKind.NVME]
+    assert len(plan) > 2 * 2  # more records than the pool holds, twice over
+    resident = set(nvme._resident)
+    assert len(resident) == 2 and plan[0] in resident  # window W = max(1, 2 // 4) = 1
+    assert resident - {plan[0]} <= set(plan[len(plan) // 2:])  # not evicted: needed late
     opt.close()
 
 

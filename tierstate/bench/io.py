@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..io.engine import DEFAULT_BLOCK_SIZE
 from ..telemetry.progress import progress
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -48,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the test file (default: a temporary folder under the "
                              "current directory, removed afterwards)")
     parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="file size (default 1G)")
-    parser.add_argument("--block-size", type=parse_bytes, default=1 << 20,
-                        help="bytes per I/O (default 1M)")
+    parser.add_argument("--block-size", type=parse_bytes, default=DEFAULT_BLOCK_SIZE,
+                        help=f"bytes per I/O (default {DEFAULT_BLOCK_SIZE >> 20}M, the engine's)")
     parser.add_argument("--queue-depth", type=int, default=32, help="I/Os in flight (default 32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="engine workers: default 1 for io_uring (one ring, like one fio job) "
