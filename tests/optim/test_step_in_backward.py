@@ -294,3 +294,22 @@ def test_refused_under_data_parallel_process_group() -> None:
     assert set(results) == {0, 1}
     for message in results.values():
         assert "process group of 2 ranks" in message and "step_in_backward=False" in message
+
+
+def test_optimizer_is_collected_and_its_hooks_go_quiet(tmp_path) -> None:
+    """The hooks on the parameters must not keep the optimizer (its arenas, its NVMe files) alive."""
+    import gc
+    import weakref
+
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), step_in_backward=True,
+                   offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s", subgroup_numel=SG, buffer_count=2))
+    train(net, opt, steps=1)
+    files = list((tmp_path / "s").iterdir())
+    assert files
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    assert not any(f.exists() for f in files if f.suffix != ".lock")  # closed: the state files are gone
+    loss_of(net, 1, torch.Generator().manual_seed(1)).backward()  # no hook of the dead optimizer fires

@@ -45,6 +45,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -67,7 +68,9 @@ class BackwardUpdater:
     """
 
     def __init__(self, opt: "OffloadOptimizer") -> None:
-        self.opt = opt
+        # A weak reference: the hooks on the parameters keep this object alive, and must not
+        # keep the optimizer (its host arenas, its NVMe files) alive past the user's last use.
+        self._opt = weakref.ref(opt)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tierstate-backward-update", daemon=True)
         self._thread.start()
@@ -78,6 +81,13 @@ class BackwardUpdater:
         # the reverse of the parameters' order, which is how backward usually meets them.
         self.expected_order: list[SubGroup] = list(reversed(opt.layout.subgroups))
         self._reset()
+
+    @property
+    def opt(self) -> "OffloadOptimizer":
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError("the optimizer of this step_in_backward hook was garbage-collected")
+        return opt
 
     # -- one backward pass ---------------------------------------------------------------------
     def _reset(self) -> None:
@@ -114,7 +124,9 @@ class BackwardUpdater:
                 self.pending[seg.subgroup] = self.pending.get(seg.subgroup, 0) + 1
 
     def _on_grad(self, param: Tensor) -> None:
-        opt = self.opt
+        opt = self._opt()
+        if opt is None:  # collected without close(); its finalizer removes these hooks
+            return
         s = opt._slot_of.get(id(param))
         if s is None or s.trainable is None:
             return
