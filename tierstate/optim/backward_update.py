@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -102,7 +101,6 @@ class BackwardUpdater:
         self.error: BaseException | None = None
         self.stopped = False  # set by the worker at the first non-finite gradient or error
         self.sumsq = 0.0  # squared norm of the gradients the worker took (for last_grad_norm)
-        self.busy_s = 0.0
 
     def _begin(self) -> None:
         """First gradient of a backward pass: count, per sub-group, the parameters to wait for."""
@@ -173,7 +171,6 @@ class BackwardUpdater:
                 self._queue.task_done()
 
     def _handle(self, s: "_Slot", grad: Tensor, ready: list[SubGroup], landed) -> None:
-        t0 = time.perf_counter()
         opt = self.opt
         if landed is not None:
             landed.synchronize()
@@ -208,7 +205,6 @@ class BackwardUpdater:
             finally:
                 tier.release(sg, dirty=True)
             self.done.append(sg)
-        self.busy_s += time.perf_counter() - t0
 
     # -- the step's side -----------------------------------------------------------------------
     def finish(self) -> None:
