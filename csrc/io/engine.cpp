@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -390,7 +391,15 @@ std::shared_ptr<Request> Engine::submit(const std::shared_ptr<File>& file, bool 
     if (body) {
       bool mem_ok = reinterpret_cast<uintptr_t>(base + head) % file->mem_align() == 0;
       TaskPath path = mem_ok ? TaskPath::Direct : TaskPath::Bounce;
-      for (size_t rel = 0; rel < body; rel += block) add(head + rel, std::min(block, body - rel), path);
+      // A direct read of the block holding the end of the file transfers the whole block
+      // into the caller's memory, past the bytes it reports read: that block goes through
+      // the bounce buffer, which copies back only what was read.
+      const int64_t eof = (!write && mem_ok) ? file->size() : INT64_MAX;
+      for (size_t rel = 0; rel < body; rel += block) {
+        const size_t len = std::min(block, body - rel);
+        const bool past_eof = offset + static_cast<int64_t>(head + rel + len) > eof;
+        add(head + rel, len, past_eof ? TaskPath::Bounce : path);
+      }
     }
     if (tail) add(head + body, tail, TaskPath::Buffered);
   }
