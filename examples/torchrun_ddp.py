@@ -58,6 +58,10 @@ def main() -> None:
         print(f"rank 0 {figures(opt, steps, runtime)}")
         if not agree:
             raise SystemExit("replicas diverged")
+    # Tear the group down together: a rank that destroys its gloo group while another still
+    # runs can abort at exit (seen once in CI: SIGABRT, "terminate called without an active
+    # exception", on the rank that finished first).
+    dist.barrier()
     dist.destroy_process_group()
 
 
