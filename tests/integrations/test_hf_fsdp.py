@@ -23,7 +23,6 @@ pytest.importorskip("accelerate", reason="accelerate is not installed (pip insta
 
 import tierstate  # noqa: E402
 from tierstate.integrations.hf import _refuse_other_world_size  # noqa: E402
-from tierstate.optim import base as optim_base  # noqa: E402
 
 WORKER = Path(__file__).with_name("_hf_fsdp_worker.py")
 # The folder holding the tierstate under test: the ranks must import that one.
@@ -49,12 +48,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-needs_dtensor_support = pytest.mark.skipif(
-    not hasattr(optim_base, "local_tensor"),
-    reason="the optimizer front does not follow FSDP2 DTensor parameters (tierstate.optim.base.local_tensor is missing)")
-
-
-@needs_dtensor_support
 def test_parameters_and_state_are_sharded(ranks):
     for rank in ranks:
         assert rank["world_size"] == WORLD
@@ -73,7 +66,6 @@ def test_parameters_and_state_are_sharded(ranks):
         assert float(state["step"]) == STEPS
 
 
-@needs_dtensor_support
 def test_fsdp_trains_like_ddp(ranks):
     for rank in ranks:
         sharded, replicated = rank["straight"], rank["replicated"]
@@ -91,7 +83,6 @@ def test_fsdp_trains_like_ddp(ranks):
         for i in range(STEPS))
 
 
-@needs_dtensor_support
 def test_our_metrics_reach_trainer_logs(ranks):
     for rank in ranks:
         for logged in rank["straight"]["metrics"]:
@@ -100,7 +91,6 @@ def test_our_metrics_reach_trainer_logs(ranks):
             assert logged["tierstate/skipped_steps"] == 0
 
 
-@needs_dtensor_support
 def test_checkpoint_holds_each_ranks_state_and_resumes_bit_identically(ranks):
     files = set(ranks[0]["checkpoint_files"])
     assert {f"tierstate_optimizer_rank{r}_of_{WORLD}" for r in range(WORLD)} <= files, files
