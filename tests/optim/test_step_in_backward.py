@@ -313,3 +313,17 @@ def test_optimizer_is_collected_and_its_hooks_go_quiet(tmp_path) -> None:
     assert ref() is None
     assert not any(f.exists() for f in files if f.suffix != ".lock")  # closed: the state files are gone
     loss_of(net, 1, torch.Generator().manual_seed(1)).backward()  # no hook of the dead optimizer fires
+
+
+def test_close_between_backward_and_step_gives_the_kernel_threads_back() -> None:
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    threads = kernels.get_num_threads()
+    kernels.set_num_threads(2)
+    try:
+        loss_of(net, 1, torch.Generator().manual_seed(1)).backward()
+        assert kernels.get_num_threads() == 1  # halved while the CPU backward runs
+        opt.close()
+        assert kernels.get_num_threads() == 2
+    finally:
+        kernels.set_num_threads(threads)

@@ -213,9 +213,7 @@ class BackwardUpdater:
             return
         with self.opt.telemetry.phase("backward_wait"):
             self._queue.join()
-        if self._threads_outside is not None:
-            kernels.set_num_threads(self._threads_outside)
-            self._threads_outside = None
+        self._restore_threads()
         if self.error is not None:
             error, self.error = self.error, None
             self.close_cycle()
@@ -235,6 +233,12 @@ class BackwardUpdater:
             mine = [sg for sg in self.expected_order if sg.tier is TierKind.NVME]
             nvme.schedule(mine, keep_order=True)
 
+    def _restore_threads(self) -> None:
+        """Give the kernels back the threads :meth:`_begin` took away for a CPU backward."""
+        if self._threads_outside is not None:
+            kernels.set_num_threads(self._threads_outside)
+            self._threads_outside = None
+
     def close(self) -> None:
         for h in self._handles:
             h.remove()
@@ -242,3 +246,4 @@ class BackwardUpdater:
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        self._restore_threads()  # closed between a backward and its step()
