@@ -327,3 +327,25 @@ def test_close_between_backward_and_step_gives_the_kernel_threads_back() -> None
         assert kernels.get_num_threads() == 2
     finally:
         kernels.set_num_threads(threads)
+
+
+def test_state_dict_between_backward_and_step_waits_for_the_worker(tmp_path) -> None:
+    """Reading the state while backward's updates are in flight goes through the NVMe tier only
+    after the worker is done with it; the step then finishes as if nothing had been read."""
+    nets = [make_net(torch.float32) for _ in range(2)]
+    opts = [ts.AdamW(n.parameters(), lr=1e-2, step_in_backward=True,
+                     offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / f"o{i}", subgroup_numel=SG,
+                                        buffer_count=2)) for i, n in enumerate(nets)]
+    gens = [torch.Generator().manual_seed(1) for _ in nets]
+    for step in range(3):
+        for i, (net, opt) in enumerate(zip(nets, opts)):
+            loss_of(net, step, gens[i]).backward()
+            if i == 1:
+                opt.state_dict()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(p, q)
+    assert_same_state(*opts)
+    for o in opts:
+        o.close()

@@ -52,7 +52,7 @@ class OffloadAccess:
 
     def __init__(self, opt: OffloadOptimizer) -> None:
         self.opt = opt
-        opt._follow_replaced_params()
+        opt._before_state_access()
         self.params = opt._all_params()
         self._slots = [opt._slot_of[id(p)] for p in self.params]
 

@@ -924,6 +924,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
             any_inf = any_inf or float(buf[1]) > 0
         return total, any_inf
 
+    def _before_state_access(self) -> None:
+        """Before reading or writing state outside ``step()``: let the updates that
+        ``step_in_backward`` runs during backward land first (its worker owns the tiers until
+        then; the step stays open for ``step()`` to finish), and follow parameters that FSDP2
+        replaced."""
+        if self._backward is not None and self._backward.open:
+            self._backward.finish()
+        self._follow_replaced_params()
+
     def _follow_replaced_params(self) -> None:
         """Re-place the state when ``param_groups`` now holds other parameter objects.
 
@@ -997,7 +1006,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mapped from unlinked files in the NVMe tier's folder, so the dict never has to fit in
         RAM (:func:`tierstate.checkpoint.mmap_state_dict`).
         """
-        self._follow_replaced_params()
+        self._before_state_access()
         nvme = self.tiers.get(TierKind.NVME)
         if nvme is not None and self._state_dict_in_files(nvme):
             from ..checkpoint import mmap_state_dict
@@ -1020,7 +1029,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
-        self._follow_replaced_params()
+        self._before_state_access()
         saved_state = state_dict.get("state", {})
         groups = state_dict.get("param_groups")
         if groups is None:
