@@ -190,12 +190,13 @@ static void bind_io(nb::module_& m) {
     return std::make_tuple(p.ok, p.note);
   }, "queue_depth"_a = 32);
 
-  m.def("io_aligned_empty", [](size_t nbytes, size_t alignment) {
-    void* p = tio::aligned_alloc_bytes(nbytes, alignment);
+  m.def("io_aligned_empty", [](size_t nbytes, size_t alignment, bool huge_pages) {
+    void* p = tio::aligned_alloc_bytes(nbytes, alignment, huge_pages);
     nb::capsule owner(p, [](void* q) noexcept { tio::aligned_free(q); });
     size_t shape[1] = {nbytes};
     return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner);
-  }, "nbytes"_a, "alignment"_a, "Uninitialised host memory from posix_memalign, as a numpy uint8 array.");
+  }, "nbytes"_a, "alignment"_a, "huge_pages"_a = false,
+     "Uninitialised host memory from posix_memalign (madvise'd MADV_HUGEPAGE on request), as a numpy uint8 array.");
 }
 
 NB_MODULE(_native, m) {

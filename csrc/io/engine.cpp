@@ -6,6 +6,7 @@
 #include "io/engine.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -416,10 +417,17 @@ std::shared_ptr<Request> Engine::submit(const std::shared_ptr<File>& file, bool 
 
 // ---- aligned memory -----------------------------------------------------------
 
-void* aligned_alloc_bytes(size_t nbytes, size_t alignment) {
+void* aligned_alloc_bytes(size_t nbytes, size_t alignment, bool huge_pages) {
   void* p = nullptr;
   int rc = ::posix_memalign(&p, alignment, std::max<size_t>(nbytes, 1));
   if (rc != 0) throw IoError(rc, "", -1, "posix_memalign(" + std::to_string(nbytes) + " bytes): " + errno_text(rc));
+  // Before first touch, so that the pages are faulted in as huge ones; EINVAL (no THP in
+  // this kernel) just leaves 4 KiB pages.
+#ifdef MADV_HUGEPAGE
+  if (huge_pages && nbytes > 0) (void)::madvise(p, nbytes, MADV_HUGEPAGE);
+#else
+  (void)huge_pages;
+#endif
   return p;
 }
 

@@ -9,7 +9,7 @@
 Backends: io_uring when the kernel and container allow it, else a thread pool doing
 pread/pwrite; :func:`default_engine` ``.backend`` says which one runs.
 """
-from .buffers import DEFAULT_ALIGNMENT, aligned_empty
+from .buffers import DEFAULT_ALIGNMENT, aligned_empty, huge_page_size
 from .engine import Engine, default_engine, set_default_engine, uring_available
 from .errors import (
     DiskFullError,
@@ -36,6 +36,7 @@ __all__ = [
     "ReadOnlyFilesystemError",
     "ShortReadError",
     "aligned_empty",
+    "huge_page_size",
     "default_engine",
     "free_bytes",
     "reserve",

@@ -8,7 +8,9 @@ future until the I/O completes.
 """
 from __future__ import annotations
 
+import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,13 +22,41 @@ from .engine import _require_native
 DEFAULT_ALIGNMENT = 4096
 
 
-def aligned_empty(nbytes: int, alignment: int | None = None):
+@functools.cache
+def huge_page_size() -> int:
+    """Bytes of a transparent huge page, or 0 when the kernel will not give them.
+
+    0 when THP is ``never`` (``/sys/kernel/mm/transparent_hugepage/enabled``) or absent
+    (not Linux, no THP in the kernel). ``always`` and ``madvise`` both honour the advice
+    :func:`aligned_empty` gives."""
+    root = Path("/sys/kernel/mm/transparent_hugepage")
+    try:
+        enabled = (root / "enabled").read_text()
+    except OSError:
+        return 0
+    if "[never]" in enabled:
+        return 0
+    try:
+        return int((root / "hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 2 << 20  # x86-64 and 4 KiB-page arm64
+
+
+def aligned_empty(nbytes: int, alignment: int | None = None, *, huge_pages: bool | None = None):
     """An uninitialised ``torch.uint8`` tensor of ``nbytes`` whose first byte is aligned.
 
     Memory comes from ``posix_memalign`` in the native module (not from over-allocating
     and slicing), so the tensor owns exactly ``nbytes`` (rounded up by the allocator) and
     frees it with ``free`` when the last view dies. ``alignment`` defaults to 4096, a
     power of two >= 8.
+
+    ``huge_pages`` (default: when ``nbytes`` is at least one huge page and the kernel has
+    THP) aligns the memory to a huge page and advises the kernel to back it with them.
+    For direct I/O this matters more than it seems: the block layer splits a request at
+    the device's segment limit (virtio-blk: 254 segments), which over 4 KiB pages is
+    ~1 MiB, while a 2 MiB page is one segment. On the reference VM a 256 MiB buffer moved
+    6.1 GB/s written / 2.8 GB/s read with huge pages against 2.7 / 1.1 without, and a
+    thread computing beside it lost less time per GB (benchmarks/README.md).
     """
     import torch
 
@@ -35,7 +65,13 @@ def aligned_empty(nbytes: int, alignment: int | None = None):
     alignment = DEFAULT_ALIGNMENT if alignment is None else alignment
     if not isinstance(alignment, int) or alignment < 8 or alignment & (alignment - 1):
         raise ValueError(f"alignment={alignment!r}: expected a power of two >= 8 (e.g. 4096)")
-    array = _require_native().io_aligned_empty(nbytes, alignment)
+    page = huge_page_size()
+    if huge_pages is None:
+        huge_pages = page > 0 and nbytes >= page
+    huge_pages = bool(huge_pages) and page > 0
+    if huge_pages:
+        alignment = max(alignment, page)
+    array = _require_native().io_aligned_empty(nbytes, alignment, huge_pages)
     return torch.from_numpy(array)
 
 
