@@ -5,6 +5,10 @@ gradient is final only at the very end of backward, and has a branch that is ski
 some steps (its parameters get no gradient there). Sub-groups are 1 Ki elements, so every
 layer spans several and several layers share one: updates happen during backward and
 some are left for step().
+
+On CPU parameters the updates run on the backward thread itself; the worker thread that
+accelerators use is run here too (``where="worker"``) by switching the updater over before
+the first backward (see [Note: updates on the backward thread]).
 """
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import pytest
 import torch
 
 import tierstate as ts
-from tierstate import kernels
 from tierstate.placement import TierKind
 
 VOCAB, WIDTH = 96, 24
@@ -73,6 +76,15 @@ def offload(kind: str, tmp_path, tag: str) -> ts.Offload:
     return ts.Offload(cpu=0.5, nvme=0.5, nvme_dir=folder, subgroup_numel=SG, buffer_count=2)
 
 
+WHERE = ["backward-thread", "worker"]
+
+
+def run_updates_on(opt, where: str):
+    """Make ``opt`` (built with step_in_backward=True) update on ``where``; returns ``opt``."""
+    opt._backward.inline = where == "backward-thread"
+    return opt
+
+
 def assert_same_state(a, b) -> None:
     sa, sb = a.state_dict()["state"], b.state_dict()["state"]
     assert sa.keys() == sb.keys()
@@ -82,12 +94,14 @@ def assert_same_state(a, b) -> None:
             assert torch.equal(sa[index][key], sb[index][key]), (index, key)
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("kind", ["cpu", "nvme", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_same_bits_as_the_plain_step(kind: str, dtype: torch.dtype, tmp_path) -> None:
+def test_same_bits_as_the_plain_step(kind: str, dtype: torch.dtype, where: str, tmp_path) -> None:
     nets = [make_net(dtype) for _ in range(2)]
     opts = [ts.AdamW(n.parameters(), lr=1e-2, weight_decay=0.1, offload=offload(kind, tmp_path, f"o{i}"),
                      step_in_backward=bool(i)) for i, n in enumerate(nets)]
+    run_updates_on(opts[1], where)
     losses = [train(n, o) for n, o in zip(nets, opts)]
     assert losses[0] == losses[1]
     assert losses[1][-1] < losses[1][0]
@@ -129,37 +143,65 @@ def test_matches_torch_optimizer(case: str) -> None:
     ours.close()
 
 
-def test_state_moves_during_backward() -> None:
+@pytest.mark.parametrize("where", WHERE)
+def test_state_moves_during_backward(where: str) -> None:
     """The last layers' sub-groups are updated while backward still runs; the tied embedding
     (final only when backward ends) is not, until its hook fires."""
     net = make_net(torch.float32)
-    opt = ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    opt = run_updates_on(ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG),
+                                  step_in_backward=True), where)
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
     seen = {}
 
     def in_backward(grad: torch.Tensor) -> None:
         # runs when backward reaches the embedding's output: every later layer is done
-        opt._backward._queue.join()  # let the worker finish what backward handed it so far
+        opt._backward._queue.join()  # (worker) let it finish what backward handed it so far
         seen.update({name: not torch.equal(p, before[name]) for name, p in net.named_parameters()})
-        seen["threads"] = kernels.get_num_threads()
 
     def watch(module, args, out: torch.Tensor) -> None:
         out.register_hook(in_backward)
 
     net.emb.register_forward_hook(watch)
-    threads = kernels.get_num_threads()
-    kernels.set_num_threads(2)
-    try:
-        loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
-        assert seen["threads"] == 1  # CPU backward: the kernels leave torch half the threads
-        opt.step()
-        assert kernels.get_num_threads() == 2  # restored for the rest of the step
-    finally:
-        kernels.set_num_threads(threads)
+    loss_of(net, 0, torch.Generator().manual_seed(1)).backward()
+    opt.step()
     assert seen["down.weight"] and seen["side.weight"] and seen["norm.bias"]
     assert not seen["emb.weight"]
     assert not torch.equal(net.emb.weight, before["emb.weight"])
-    assert opt.stats().lanes["backward-update"]["cpu_update"] > 0
+    lanes = opt.stats().lanes
+    if where == "worker":
+        assert lanes["backward-update"]["cpu_update"] > 0
+    else:  # booked on the thread that ran backward, not on a lane of its own
+        assert "backward-update" not in lanes and lanes["main"]["cpu_update"] > 0
+    opt.close()
+
+
+def test_backward_thread_never_waits_on_the_disk(tmp_path) -> None:
+    """On the backward thread an NVMe sub-group is updated during backward only if its record
+    has landed; the others wait for a later hook or step() (backward itself never blocks)."""
+    net = make_net(torch.float32)
+    opt = ts.AdamW(net.parameters(), lr=1e-2, step_in_backward=True,
+                   offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s", subgroup_numel=SG, buffer_count=2))
+    nvme = opt.tiers[TierKind.NVME]
+    acquire = nvme.acquire
+    calls = []  # (inside backward(), record already in RAM)
+    inside = [False]
+
+    def watched(sg):
+        calls.append((inside[0], nvme.ready(sg)))
+        return acquire(sg)
+
+    nvme.acquire = watched
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        loss = loss_of(net, step, gen)
+        inside[0] = True
+        loss.backward()
+        inside[0] = False
+        opt.step()
+        opt.zero_grad()
+    during = [ready for in_backward, ready in calls if in_backward]
+    assert during and all(during)  # updates did happen during backward, none of them waited
+    assert len(calls) > len(during)  # ... and some were left for step()
     opt.close()
 
 
@@ -190,9 +232,11 @@ def test_second_backward_before_step_raises() -> None:
     opt.close()
 
 
-def test_nonfinite_gradient_updates_each_parameter_wholly_or_not_at_all() -> None:
+@pytest.mark.parametrize("where", WHERE)
+def test_nonfinite_gradient_updates_each_parameter_wholly_or_not_at_all(where: str) -> None:
     net = make_net(torch.float32)
-    opt = ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
+    opt = run_updates_on(ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG),
+                                  step_in_backward=True), where)
     train(net, opt, steps=1)
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
     steps_before = {name: opt.state[p]["step"].item() for name, p in net.named_parameters() if p in opt.state}
@@ -315,27 +359,28 @@ def test_optimizer_is_collected_and_its_hooks_go_quiet(tmp_path) -> None:
     loss_of(net, 1, torch.Generator().manual_seed(1)).backward()  # no hook of the dead optimizer fires
 
 
-def test_close_between_backward_and_step_gives_the_kernel_threads_back() -> None:
+def test_close_between_backward_and_step_stops_the_worker() -> None:
     net = make_net(torch.float32)
-    opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
-    threads = kernels.get_num_threads()
-    kernels.set_num_threads(2)
-    try:
-        loss_of(net, 1, torch.Generator().manual_seed(1)).backward()
-        assert kernels.get_num_threads() == 1  # halved while the CPU backward runs
-        opt.close()
-        assert kernels.get_num_threads() == 2
-    finally:
-        kernels.set_num_threads(threads)
+    opt = run_updates_on(ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True),
+                         "worker")
+    loss_of(net, 1, torch.Generator().manual_seed(1)).backward()
+    worker = opt._backward._thread
+    assert worker is not None and worker.is_alive()
+    opt.close()
+    assert not worker.is_alive()
+    loss_of(net, 1, torch.Generator().manual_seed(1)).backward()  # the hooks are gone with it
 
 
-def test_state_dict_between_backward_and_step_waits_for_the_worker(tmp_path) -> None:
+@pytest.mark.parametrize("where", WHERE)
+def test_state_dict_between_backward_and_step_waits_for_the_worker(where: str, tmp_path) -> None:
     """Reading the state while backward's updates are in flight goes through the NVMe tier only
-    after the worker is done with it; the step then finishes as if nothing had been read."""
+    after the worker is done with it (or, on the backward thread, after the sub-groups left
+    waiting for their records are updated); the step then finishes as if nothing had been read."""
     nets = [make_net(torch.float32) for _ in range(2)]
     opts = [ts.AdamW(n.parameters(), lr=1e-2, step_in_backward=True,
                      offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / f"o{i}", subgroup_numel=SG,
                                         buffer_count=2)) for i, n in enumerate(nets)]
+    run_updates_on(opts[1], where)
     gens = [torch.Generator().manual_seed(1) for _ in nets]
     for step in range(3):
         for i, (net, opt) in enumerate(zip(nets, opts)):

@@ -13,8 +13,8 @@ since at most ``B`` records can be in RAM when it starts (GPT-2 124M, the defaul
 Backward, though, finishes the gradients layer by layer, last layer first. Once every
 parameter with a piece in a sub-group has its final gradient (its
 ``register_post_accumulate_grad_hook`` has fired), nothing later in the backward pass
-changes that sub-group's inputs, so it can be updated right then, on a worker thread,
-while autograd computes the earlier layers. The NVMe tier is told the order the
+changes that sub-group's inputs, so it can be updated right then, while autograd has
+the earlier layers still to compute. The NVMe tier is told the order the
 sub-groups become ready in (the order of the previous step), and with that plan it
 writes the previous step's last records back during forward and reads the next records
 ahead during backward. What is left for ``step()`` is the sub-groups whose gradients are
@@ -26,14 +26,29 @@ only inside the nodes that consumed it, and its gradient is complete (the hook f
 only after all of them ran. On an accelerator the device copy of the weight is uploaded
 in ``step()``, as without this mode.
 
+[Note: updates on the backward thread]
+Where an update runs depends on where backward runs. On an accelerator the host cores are
+idle during backward, so a worker thread takes each ready sub-group (and the CUDA stream
+keeps the device busy meanwhile). On CPU parameters backward itself keeps every core busy,
+and a worker beside it only oversubscribes them: torch's parallel regions wait for their
+slowest thread, and a thread preempted by the worker stalls the whole region. So on CPU
+the hook updates a ready sub-group itself, on the backward thread with all kernel
+threads, between two autograd nodes; an NVMe sub-group whose record has not landed yet is
+left for a later hook (or ``step()``) instead of being waited for, so backward never waits
+on the disk. What overlaps backward is then the I/O alone, which is the point on CPU.
+Measured on the 2-core reference VM (GPT-2 124M, bf16 parameters, NVMe, two interleaved
+runs of ``tierstate bench e2e``): 1.77 / 1.80 s per step on the backward thread against
+1.89 / 1.97 s with a worker thread (which already ran its kernels on one thread of two),
+peak RSS 2.56 against 2.76-2.82 GiB.
+
 [Note: what this mode cannot do]
 An update made during backward cannot wait for the whole gradient, so:
 - no gradient clipping (``max_grad_norm``) and no ``GradScaler``: both need every
   gradient before the first update (refused at construction / at ``step()``);
 - no gradient accumulation: every ``backward()`` must be followed by ``step()``; a second
   gradient for a parameter already handed over raises ``RuntimeError`` from backward;
-- a non-finite gradient cannot skip the whole step: the worker checks each sub-group's
-  gradients before updating it and stops at the first non-finite one; sub-groups updated
+- a non-finite gradient cannot skip the whole step: each gradient is checked when it is
+  handed over and the updates stop at the first non-finite one; sub-groups updated
   before stay updated, the rest stay untouched, and ``step()`` raises
   ``FloatingPointError`` naming the parameters.
 The mode is off by default for these reasons; it is exact (bit for bit the same state as
@@ -45,6 +60,7 @@ import math
 import queue
 import threading
 import weakref
+from collections import deque
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -59,11 +75,12 @@ _LANE = "backward-update"
 
 
 class BackwardUpdater:
-    """Hooks every trainable parameter and updates sub-groups on a worker thread as they become ready.
+    """Hooks every trainable parameter and updates sub-groups as they become ready.
 
-    All tier access while a backward pass is open happens on the worker thread; ``step()``
-    calls :meth:`finish` (which waits for the worker) before it touches the tiers itself,
-    so the tiers never see two threads at once.
+    Where the updates run is said in [Note: updates on the backward thread]. Either way the
+    tiers never see two threads at once: with the worker, all tier access while a backward
+    pass is open happens on it, and ``step()`` calls :meth:`finish` (which waits for the
+    worker) before it touches the tiers itself.
     """
 
     def __init__(self, opt: "OffloadOptimizer") -> None:
@@ -71,14 +88,14 @@ class BackwardUpdater:
         # keep the optimizer (its host arenas, its NVMe files) alive past the user's last use.
         self._opt = weakref.ref(opt)
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="tierstate-backward-update", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # the worker, started at its first use
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._trainable]
-        self._threads_outside: int | None = None  # kernel threads to restore after a CPU backward
         # The order sub-groups became ready in during the last backward (then the leftovers
         # step() updated): the NVMe tier's plan for the next one. Before the first backward,
         # the reverse of the parameters' order, which is how backward usually meets them.
         self.expected_order: list[SubGroup] = list(reversed(opt.layout.subgroups))
+        # See [Note: updates on the backward thread]; tests set it to run the worker on CPU.
+        self.inline = opt.device.type == "cpu"
         self._reset()
 
     @property
@@ -101,19 +118,12 @@ class BackwardUpdater:
         self.error: BaseException | None = None
         self.stopped = False  # set by the worker at the first non-finite gradient or error
         self.sumsq = 0.0  # squared norm of the gradients the worker took (for last_grad_norm)
+        self.waiting: deque[SubGroup] = deque()  # inline: ready sub-groups whose record is still on its way
 
     def _begin(self) -> None:
         """First gradient of a backward pass: count, per sub-group, the parameters to wait for."""
         opt = self.opt
         self.open = True
-        if opt.device.type == "cpu":
-            # [Note: kernel threads during a CPU backward] torch's backward keeps every core
-            # busy; the kernels' threads compete with it for the same cores. Measured on the
-            # 2-core reference machine (GPT-2 124M bf16, interleaved): backward 1.00 s with the
-            # plain step, 1.66 s updating during backward with 2 kernel threads, 1.09 s with 1.
-            # On an accelerator the host cores are free during backward: all threads are used.
-            self._threads_outside = kernels.get_num_threads()
-            kernels.set_num_threads(max(1, self._threads_outside // 2))
         self.pending = {}
         for t, p in enumerate(opt._trainable):
             if not p.requires_grad:
@@ -153,7 +163,21 @@ class BackwardUpdater:
             self.pending[seg.subgroup] = left
             if left == 0:
                 ready.append(opt.layout.subgroups[seg.subgroup])
-        self._queue.put((s, grad, ready, landed))
+        if not self.inline:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierstate-backward-update", daemon=True)
+                self._thread.start()
+            self._queue.put((s, grad, ready, landed))
+            return
+        if self.stopped:
+            return
+        try:
+            if self._take(s, grad, landed):
+                self.waiting.extend(ready)
+            self._update_waiting(block=False)
+        except BaseException as exc:  # noqa: BLE001 - raised by finish(), as the worker's are
+            self.error = exc
+            self.stopped = True
 
     # -- the worker ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -171,6 +195,12 @@ class BackwardUpdater:
                 self._queue.task_done()
 
     def _handle(self, s: "_Slot", grad: Tensor, ready: list[SubGroup], landed) -> None:
+        if self._take(s, grad, landed):
+            for sg in ready:
+                self._update(sg)
+
+    def _take(self, s: "_Slot", grad: Tensor, landed) -> bool:
+        """Check one parameter's gradient and set up its state; False (and stop) if it is not finite."""
         opt = self.opt
         if landed is not None:
             landed.synchronize()
@@ -182,38 +212,61 @@ class BackwardUpdater:
         if not math.isfinite(sumsq):
             self.nonfinite.append(s.index)
             self.stopped = True
-            return
+            return False
         self.sumsq += sumsq
         self.grads[s.trainable] = grad
         if opt._prepare_slot(s, grad):
             self.fresh.add(s.trainable)
         self.prepared.add(s.trainable)
+        return True
+
+    def _update(self, sg: SubGroup) -> None:
+        """Update one sub-group whose gradients are all final."""
+        opt = self.opt
         tel = opt.telemetry
-        for sg in ready:
-            tier = opt.tiers[sg.tier]
-            segs = [seg for seg in sg.segments if seg.param_index in self.grads]
-            if sg.tier is TierKind.NVME:
-                with tel.phase("nvme_wait", lane=_LANE):
-                    views = tier.acquire(sg)
-            else:
+        lane = None if self.inline else _LANE
+        tier = opt.tiers[sg.tier]
+        segs = [seg for seg in sg.segments if seg.param_index in self.grads]
+        if sg.tier is TierKind.NVME:
+            with tel.phase("nvme_wait", lane=lane):
                 views = tier.acquire(sg)
-            try:
-                with tel.phase("cpu_update", lane=_LANE):
-                    for seg in segs:
-                        opt._update_segment(seg, views, self.grads[seg.param_index],
-                                            first_step=seg.param_index in self.fresh, grad_scale=1.0)
-            finally:
-                tier.release(sg, dirty=True)
-            self.done.append(sg)
+        else:
+            views = tier.acquire(sg)
+        try:
+            with tel.phase("cpu_update", lane=lane):
+                for seg in segs:
+                    opt._update_segment(seg, views, self.grads[seg.param_index],
+                                        first_step=seg.param_index in self.fresh, grad_scale=1.0)
+        finally:
+            tier.release(sg, dirty=True)
+        self.done.append(sg)
+
+    def _update_waiting(self, block: bool) -> None:
+        """Inline mode: update the ready sub-groups in order, up to the first whose NVMe record
+        has not landed yet (all of them with ``block``)."""
+        opt = self.opt
+        while self.waiting and not self.stopped:
+            sg = self.waiting[0]
+            if not block and sg.tier is TierKind.NVME and not opt.tiers[sg.tier].ready(sg):
+                return
+            self.waiting.popleft()
+            self._update(sg)
 
     # -- the step's side -----------------------------------------------------------------------
     def finish(self) -> None:
-        """Wait until the worker has handled every gradient delivered so far; raise its error."""
+        """Wait until every gradient delivered so far is handled (by the worker, or here for the
+        sub-groups left waiting for their NVMe records); raise the first error."""
         if not self.open:
             return
-        with self.opt.telemetry.phase("backward_wait"):
-            self._queue.join()
-        self._restore_threads()
+        if self.inline:
+            try:
+                self._update_waiting(block=True)
+            except BaseException as exc:  # noqa: BLE001 - raised below, as the worker's are
+                self.error = exc
+                self.stopped = True
+        else:
+            with self.opt.telemetry.phase("backward_wait"):
+                self._queue.join()
         if self.error is not None:
             error, self.error = self.error, None
             self.close_cycle()
@@ -233,17 +286,10 @@ class BackwardUpdater:
             mine = [sg for sg in self.expected_order if sg.tier is TierKind.NVME]
             nvme.schedule(mine, keep_order=True)
 
-    def _restore_threads(self) -> None:
-        """Give the kernels back the threads :meth:`_begin` took away for a CPU backward."""
-        if self._threads_outside is not None:
-            kernels.set_num_threads(self._threads_outside)
-            self._threads_outside = None
-
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        self._restore_threads()  # closed between a backward and its step()
