@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="all",
                         help="engine backends to measure: all (those available), uring, threads, "
                              "or a comma list")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="also time the first backend over a buffer of 4 KiB pages (the default "
+                             "buffer uses transparent huge pages where the kernel has them)")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even when installed")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio handle")
     parser.add_argument("--json", default=None, metavar="PATH",
@@ -89,7 +92,7 @@ def drop_page_cache() -> bool:
 
 # ---- methods -------------------------------------------------------------------------
 
-def _engine_method(backend: str, path: str, size: int, args, buf) -> Method:
+def _engine_method(backend: str, path: str, size: int, args, buf, label: str = "") -> Method:
     import tierstate.io as tio
 
     engine = tio.Engine(backend=backend, threads=args.threads, queue_depth=args.queue_depth,
@@ -100,6 +103,7 @@ def _engine_method(backend: str, path: str, size: int, args, buf) -> Method:
         note = f"buffered: {handle.direct_note}"
     else:
         note = f"O_DIRECT, threads={threads}" + (f", qd={args.queue_depth}/ring" if backend == "uring" else "")
+        note += ", " + _page_note(buf)
 
     def write() -> float:
         t0 = time.perf_counter()
@@ -118,9 +122,19 @@ def _engine_method(backend: str, path: str, size: int, args, buf) -> Method:
             raise RuntimeError(f"engine read {n} of {size} bytes")
         return dt
 
-    m = Method(f"tierstate {backend}", write, read, note)
+    m = Method(f"tierstate {backend}{label}", write, read, note)
     m.close = lambda: (handle.close(), engine.close())  # type: ignore[attr-defined]
     return m
+
+
+def _page_note(buf) -> str:
+    """Which pages back ``buf``: a direct request over 4 KiB pages is split at the device's
+    segment limit (see tierstate.io.aligned_empty), so this moves the figures a lot."""
+    import tierstate.io as tio
+
+    page = tio.huge_page_size()
+    huge = page > 0 and buf.data_ptr() % page == 0 and buf.numel() >= page
+    return "huge-page buffer" if huge else "4 KiB-page buffer"
 
 
 def _fio_method(ioengine: str, path: str, size: int, args) -> Method:
@@ -217,8 +231,14 @@ def main(args: argparse.Namespace) -> int:
             f.write(buf)
             f.sync()
 
-        for backend in _selected_backends(args.backends):
+        backends = _selected_backends(args.backends)
+        for backend in backends:
             methods.append(_engine_method(backend, path, size, args, buf))
+        if args.small_pages and backends and tio.huge_page_size():
+            # the same engine over an ordinary buffer: what the huge pages are worth here
+            small = tio.aligned_empty(size, huge_pages=False)
+            small.copy_(buf)
+            methods.append(_engine_method(backends[0], path, size, args, small, label=", 4K pages"))
         if args.no_fio:
             skipped["fio"] = "--no-fio"
         elif shutil.which("fio") is None:
@@ -291,15 +311,16 @@ def _print_table(result: dict) -> None:
           f"page cache dropped before reads: {'yes' if c['page_cache_dropped_before_reads'] else 'NO (not root)'}; "
           f"load {c['loadavg_before_after'][0]:.2f} -> {c['loadavg_before_after'][1]:.2f}")
     ref = result["best_fio_median"]
-    header = f"| {'method':<18} | {'write GB/s':<20} | {'read GB/s':<20} | vs best fio (w / r) | notes"
+    w = max([18] + [len(name) for name in result["methods"]])
+    header = f"| {'method':<{w}} | {'write GB/s':<20} | {'read GB/s':<20} | vs best fio (w / r) | notes"
     print(header)
-    print("|" + "-" * 20 + "|" + "-" * 22 + "|" + "-" * 22 + "|" + "-" * 21 + "|------")
+    print("|" + "-" * (w + 2) + "|" + "-" * 22 + "|" + "-" * 22 + "|" + "-" * 21 + "|------")
     for name, m in result["methods"].items():
         ratio = "-"
         if ref["write"] and ref["read"] and m["write_median"] and m["read_median"]:
             ratio = f"{m['write_median'] / ref['write']:.0%} / {m['read_median'] / ref['read']:.0%}"
         note = m["note"] + (f"; ERROR {m['error']}" if m["error"] else "")
-        print(f"| {name:<18} | {_median_range(m['write_gbps']):<20} | {_median_range(m['read_gbps']):<20} "
+        print(f"| {name:<{w}} | {_median_range(m['write_gbps']):<20} | {_median_range(m['read_gbps']):<20} "
               f"| {ratio:<19} | {note}")
     for name, why in result["skipped"].items():
         print(f"skipped {name}: {why}")
