@@ -359,6 +359,28 @@ def test_optimizer_is_collected_and_its_hooks_go_quiet(tmp_path) -> None:
     loss_of(net, 1, torch.Generator().manual_seed(1)).backward()  # no hook of the dead optimizer fires
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_masters_read_between_backward_and_step_hold_the_weights(where: str, tmp_path) -> None:
+    """On a parameter's first step its NVMe master pieces are copied in by their updates; a
+    state read between backward and step() (the side branch's sub-groups wait for step() on odd
+    steps) must still see every master equal to its weight (weight == master rounded)."""
+    net = make_net(torch.bfloat16)
+    opt = run_updates_on(ts.AdamW(net.parameters(), lr=1e-2, step_in_backward=True,
+                                  offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s",
+                                                     subgroup_numel=SG, buffer_count=2)), where)
+    gen = torch.Generator().manual_seed(1)
+    params = list(net.parameters())
+    for step in (1, 2, 3):
+        loss_of(net, step, gen).backward()
+        state = opt.state_dict()["state"]
+        for index, entry in state.items():
+            if "master" in entry:
+                assert torch.equal(entry["master"].bfloat16().reshape(params[index].shape), params[index].detach())
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+
+
 def test_close_between_backward_and_step_stops_the_worker() -> None:
     net = make_net(torch.float32)
     opt = run_updates_on(ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True),

@@ -117,3 +117,29 @@ def test_state_dict_round_trip_continues_exactly(tmp_path):
         nvme_opt.step()
     _assert_same((ref_params, ref_opt), (nvme_params, nvme_opt))
     nvme_opt.close()
+
+
+def test_first_step_streams_each_record_once(tmp_path):
+    """A fresh bf16 parameter's fp32 master is copied in by its first update, inside the record
+    the step streams anyway: step 0 reads no record twice (writing the masters through the
+    pool beforehand read 21 records and wrote 17 of a 13-record state with 4 buffers)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)]).bfloat16()
+    opt = ts.AdamW(net.parameters(), lr=1e-3, offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s",
+                                                                 subgroup_numel=4096, buffer_count=4))
+    nvme = opt.tiers[TierKind.NVME]
+    records = len(nvme.subgroups)
+    assert records >= 3 * 4  # the state is well beyond the pool
+    x = torch.randn(8, 64).bfloat16()
+    moved = []
+    for _ in range(3):
+        net(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        moved.append(opt.stats().bytes)
+    assert moved[0]["nvme/read"] <= nvme.nbytes  # every record at most once in step 0
+    assert moved[0]["nvme/write"] <= (records - 4) * nvme.record_nbytes  # evictions only
+    state = opt.state_dict()["state"]
+    for index, p in enumerate(net.parameters()):  # and the masters are right: weight == master rounded
+        assert torch.equal(state[index]["master"].bfloat16().reshape(p.shape), p.detach())
+    opt.close()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -104,7 +104,9 @@ class _Slot:
     trainable: int | None  # index into the layout (None: frozen at construction)
     needs_master: bool  # an fp32 master copy exists in the tiers
     initialized: bool = False  # state exists in torch's sense (first step with a grad done)
-    master_ready: bool = False  # master holds the parameter's value
+    master_ready: bool = False  # master holds the parameter's value (see _ensure_master)
+    # (sub-group, param offset) of the NVMe segments whose master the next update copies in
+    master_pending: set = field(default_factory=set)
     written: bool = False  # its state regions may differ from the init values the tiers start with
     step: int = 0
 
@@ -426,15 +428,39 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._publish(s)
 
     def _ensure_master(self, s: _Slot) -> None:
+        """Fill a slot's master from its parameter, before its first update.
+
+        An NVMe piece is not written here: written through the pool, parameter by parameter,
+        every record would be read, filled and written back once before the step streams it
+        again, doubling the first step's I/O (a 13-record model with a 4-buffer pool: 21 reads
+        and 17 writes in step 0 against 9 and 8 afterwards). Its update copies it into the
+        record the step holds anyway (:meth:`_update_segment`); anything that reads the state
+        before that goes through :meth:`_before_state_access`, which writes what is pending."""
         if s.needs_master and not s.master_ready:
             flat = s.local.detach().reshape(-1)
             for seg in self._segments(s):  # segment by segment: temporaries stay sub-group sized
                 sg = self.layout.subgroups[seg.subgroup]
+                if sg.tier is TierKind.NVME:
+                    s.master_pending.add((seg.subgroup, seg.param_offset))
+                    continue
                 piece = flat[seg.param_offset: seg.param_offset + seg.numel]
                 if sg.tier is not TierKind.DEVICE:  # the device tier copies straight from the parameter
                     piece = piece.to("cpu", torch.float32)
                 self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
             s.master_ready = True
+
+    def _write_pending_masters(self) -> None:
+        """Write the master pieces :meth:`_ensure_master` left for updates that have not run."""
+        for s in self._slots:
+            if not s.master_pending:
+                continue
+            flat = s.local.detach().reshape(-1)
+            for seg in self._segments(s):
+                if (seg.subgroup, seg.param_offset) in s.master_pending:
+                    sg = self.layout.subgroups[seg.subgroup]
+                    piece = flat[seg.param_offset: seg.param_offset + seg.numel].to("cpu", torch.float32)
+                    self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
+            s.master_pending.clear()
 
     def _export_state(self, s: _Slot) -> dict:
         out = {key: self._read_state(s, key) for key in self._state_keys(s) if key != "master" or s.master_ready}
@@ -649,6 +675,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         s = self._slot_by_trainable[seg.param_index]
         lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
         plo, phi = seg.param_offset, seg.param_offset + seg.numel
+        if s.master_pending and (seg.subgroup, plo) in s.master_pending:  # see _ensure_master
+            views["master"][lo:hi].copy_(s.local.detach().reshape(-1)[plo:phi])
+            s.master_pending.discard((seg.subgroup, plo))
         state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
         weight, weight_out = self._weight_views(s, views, lo, hi, plo, phi)
         self.rule.update(weight=weight, grad=grad[plo:phi], state=state, weight_out=weight_out,
@@ -927,10 +956,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _before_state_access(self) -> None:
         """Before reading or writing state outside ``step()``: let the updates that
         ``step_in_backward`` runs during backward land first (its worker owns the tiers until
-        then; the step stays open for ``step()`` to finish), and follow parameters that FSDP2
-        replaced."""
+        then; the step stays open for ``step()`` to finish), write the master pieces still
+        waiting for their first update (:meth:`_ensure_master`), and follow parameters that
+        FSDP2 replaced."""
         if self._backward is not None and self._backward.open:
             self._backward.finish()
+        self._write_pending_masters()
         self._follow_replaced_params()
 
     def _follow_replaced_params(self) -> None:
