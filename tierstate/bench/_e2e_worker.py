@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> dict:
             if opt is not None and args.mode in TIERSTATE_MODES:
                 stats = opt.stats().as_dict()
                 record["phases"] = stats["phases"]
+                record["lanes"] = stats["lanes"]
                 record["bytes"] = stats["bytes"]
             steps.append(record)
             print(f"[{args.mode}] step {i} fwd {record['fwd']:.3f}s bwd {record['bwd']:.3f}s "
