@@ -97,3 +97,19 @@ def test_state_larger_than_pool_never_uses_more_buffers(tmp_path):
         tier.release(sg, dirty=True)
     assert len(tier._pool) == 2 and len(tier._resident) == 2
     tier.close()
+
+
+def test_pool_without_huge_pages_says_what_it_costs(tmp_path, monkeypatch, caplog):
+    """Where the kernel has transparent huge pages off, the tier still works on 4 KiB pages
+    and says once, naming the setting that lets it use them."""
+    import logging
+
+    import tierstate.io as tio
+    from tierstate.io import engine as io_engine
+
+    monkeypatch.setattr(tio, "huge_page_size", lambda: 0)
+    monkeypatch.setattr(io_engine, "_said", set())
+    with caplog.at_level(logging.WARNING, logger="tierstate"):
+        tier = _tier(tmp_path)
+    assert "transparent huge pages are off" in caplog.text and "madvise" in caplog.text
+    tier.close()
