@@ -92,7 +92,8 @@ def drop_page_cache() -> bool:
 
 # ---- methods -------------------------------------------------------------------------
 
-def _engine_method(backend: str, path: str, size: int, args, buf, label: str = "") -> Method:
+def _engine_method(backend: str, path: str, size: int, args, buf, label: str = "",
+                   huge_pages: bool = True) -> Method:
     import tierstate.io as tio
 
     engine = tio.Engine(backend=backend, threads=args.threads, queue_depth=args.queue_depth,
@@ -103,7 +104,7 @@ def _engine_method(backend: str, path: str, size: int, args, buf, label: str = "
         note = f"buffered: {handle.direct_note}"
     else:
         note = f"O_DIRECT, threads={threads}" + (f", qd={args.queue_depth}/ring" if backend == "uring" else "")
-        note += ", " + _page_note(buf)
+        note += ", " + _page_note(buf, huge_pages)
 
     def write() -> float:
         t0 = time.perf_counter()
@@ -127,13 +128,14 @@ def _engine_method(backend: str, path: str, size: int, args, buf, label: str = "
     return m
 
 
-def _page_note(buf) -> str:
-    """Which pages back ``buf``: a direct request over 4 KiB pages is split at the device's
-    segment limit (see tierstate.io.aligned_empty), so this moves the figures a lot."""
+def _page_note(buf, huge_pages: bool) -> str:
+    """Which pages back ``buf`` (from tierstate.io.aligned_empty, asked for huge pages or not):
+    a direct request over 4 KiB pages is split at the device's segment limit, so this moves
+    the figures a lot."""
     import tierstate.io as tio
 
     page = tio.huge_page_size()
-    huge = page > 0 and buf.data_ptr() % page == 0 and buf.numel() >= page
+    huge = huge_pages and page > 0 and buf.numel() >= page
     return "huge-page buffer" if huge else "4 KiB-page buffer"
 
 
@@ -238,7 +240,8 @@ def main(args: argparse.Namespace) -> int:
             # the same engine over an ordinary buffer: what the huge pages are worth here
             small = tio.aligned_empty(size, huge_pages=False)
             small.copy_(buf)
-            methods.append(_engine_method(backends[0], path, size, args, small, label=", 4K pages"))
+            methods.append(_engine_method(backends[0], path, size, args, small, label=", 4K pages",
+                                          huge_pages=False))
         if args.no_fio:
             skipped["fio"] = "--no-fio"
         elif shutil.which("fio") is None:
