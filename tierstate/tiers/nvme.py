@@ -15,9 +15,10 @@ drives and the reads of k+1 and the writes of k-1 run on different disks.
 ``Offload.buffer_count`` buffers, each the size of the largest record, are the tier's
 whole host memory. They sit on transparent huge pages (:func:`tierstate.io.aligned_empty`):
 over 4 KiB pages the block layer splits every direct request at the device's segment limit,
-and this tier's reads ran 2.2x slower that way on the reference VM. A buffer holds one sub-group's record; it is *pinned* while the step
-updates it and *dirty* once updated. A dirty buffer is written back only when it is
-evicted to make room for a sub-group the schedule needs (or on :meth:`NvmeTier.flush`):
+and this tier's reads ran 2.2x slower that way on the reference VM. A buffer holds one
+sub-group's record; it is *pinned* while the step updates it and *dirty* once updated. A
+dirty buffer is written back only when it is evicted to make room for a sub-group the
+schedule needs (or on :meth:`NvmeTier.flush`):
 its write and the read of the newcomer are queued on the buffer's own I/O thread, write
 first, so they overlap the update of the sub-group pinned at that moment. Victims are
 buffers holding nothing the rest of the schedule needs, clean before dirty, least
