@@ -71,12 +71,19 @@ def test_tiny_bf16_modes_update_in_backward_to_the_same_bits(tiny_report):
     losses = {m: [s["loss"] for s in report["runs"][m][0]["steps"]] for m in ("cpu_bf16", "nvme_bf16_bwd")}
     assert losses["cpu_bf16"] == losses["nvme_bf16_bwd"]
     assert losses["cpu_bf16"][-1] < losses["cpu_bf16"][0]
-    for mode, outside in (("cpu_bf16", False), ("nvme_bf16_bwd", True)):
+    for mode, in_backward in (("cpu_bf16", False), ("nvme_bf16_bwd", True)):
         last = report["runs"][mode][0]["steps"][-1]
-        in_step = last["phases"].get("cpu_update", 0.0)  # the critical path: inside step()
-        on_thread = last["lanes"]["main"]["cpu_update"]  # all of the main thread's updates
-        # CPU parameters update on the backward thread: most of it before step() opens
-        assert (on_thread > in_step * 1.5) if outside else on_thread == pytest.approx(in_step, rel=1e-6), mode
+        phases, lanes = last["phases"], last["lanes"]  # phases: the critical path inside step()
+        # The plain step checks the gradients ("clip") and updates inside step(); in backward
+        # mode the hooks check each gradient as it lands, and on CPU parameters every update
+        # runs on the thread that ran backward (no worker lane). How many of them wait for
+        # step() depends on the disk, so only the split of the plain step is exact.
+        assert ("clip" in phases) != in_backward, mode
+        assert "backward-update" not in lanes, mode
+        if in_backward:
+            assert lanes["main"]["cpu_update"] >= phases.get("cpu_update", 0.0)
+        else:
+            assert lanes["main"]["cpu_update"] == pytest.approx(phases["cpu_update"], rel=1e-6)
 
 
 def test_tiny_nvme_mode_streams_state_through_its_files_and_removes_them(tiny_report):
