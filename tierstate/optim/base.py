@@ -392,13 +392,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         view = self._host_view(s, key)
         if view is not None:
             return view
-        dtype = self._state_dtypes[key]
-        out = torch.empty(s.local.numel(), dtype=dtype)
+        return self._read_flat(s, key).view(s.local.shape)
+
+    def _read_flat(self, s: _Slot, key: str, first: int = 0) -> Tensor:
+        """A flat CPU copy of state ``key`` of parameter ``s`` from element ``first`` on, read
+        segment by segment from whichever tiers hold them."""
+        out = torch.empty(s.local.numel() - first, dtype=self._state_dtypes[key])
         for seg in self._segments(s):
+            if seg.param_offset < first:
+                continue
             sg = self.layout.subgroups[seg.subgroup]
-            tier = self.tiers[sg.tier]
-            out[seg.param_offset: seg.param_offset + seg.numel] = tier.read_range(key, sg, seg.subgroup_offset, seg.numel)
-        return out.view(s.local.shape)
+            lo = seg.param_offset - first
+            out[lo: lo + seg.numel] = self.tiers[sg.tier].read_range(key, sg, seg.subgroup_offset, seg.numel)
+        return out
 
     def _write_state(self, s: _Slot, key: str, value: Tensor) -> None:
         flat = value.detach().reshape(-1).to("cpu")
@@ -439,15 +445,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if s.needs_master and not s.master_ready:
             flat = s.local.detach().reshape(-1)
             for seg in self._segments(s):  # segment by segment: temporaries stay sub-group sized
-                sg = self.layout.subgroups[seg.subgroup]
-                if sg.tier is TierKind.NVME:
+                if self.layout.subgroups[seg.subgroup].tier is TierKind.NVME:
                     s.master_pending.add((seg.subgroup, seg.param_offset))
-                    continue
-                piece = flat[seg.param_offset: seg.param_offset + seg.numel]
-                if sg.tier is not TierKind.DEVICE:  # the device tier copies straight from the parameter
-                    piece = piece.to("cpu", torch.float32)
-                self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
+                else:
+                    self._write_master_piece(flat, seg)
             s.master_ready = True
+
+    def _write_master_piece(self, flat: Tensor, seg: Segment) -> None:
+        """Write the piece ``seg`` of a parameter's flat value into its sub-group's master."""
+        sg = self.layout.subgroups[seg.subgroup]
+        piece = flat[seg.param_offset: seg.param_offset + seg.numel]
+        if sg.tier is not TierKind.DEVICE:  # the device tier copies straight from the parameter
+            piece = piece.to("cpu", torch.float32)
+        self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
 
     def _write_pending_masters(self) -> None:
         """Write the master pieces :meth:`_ensure_master` left for updates that have not run."""
@@ -457,9 +467,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             flat = s.local.detach().reshape(-1)
             for seg in self._segments(s):
                 if (seg.subgroup, seg.param_offset) in s.master_pending:
-                    sg = self.layout.subgroups[seg.subgroup]
-                    piece = flat[seg.param_offset: seg.param_offset + seg.numel].to("cpu", torch.float32)
-                    self.tiers[sg.tier].write_range("master", sg, seg.subgroup_offset, piece)
+                    self._write_master_piece(flat, seg)
             s.master_pending.clear()
 
     def _export_state(self, s: _Slot) -> dict:
@@ -872,18 +880,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for sg in held:
                 tier.release(sg, dirty=True)
 
-    def _read_host_part(self, s: _Slot, key: str) -> Tensor:
-        """A flat CPU copy of state ``key`` of parameter ``s`` past its device head (host and NVMe segments)."""
-        head = self._device_numel.get(s.trainable, 0)
-        out = torch.empty(s.param.numel() - head, dtype=self._state_dtypes[key])
-        for seg in self._segments(s):
-            sg = self.layout.subgroups[seg.subgroup]
-            if sg.tier is TierKind.DEVICE:
-                continue
-            lo = seg.param_offset - head
-            out[lo: lo + seg.numel] = self.tiers[sg.tier].read_range(key, sg, seg.subgroup_offset, seg.numel)
-        return out
-
     def _pinned_bytes(self) -> int:
         """Page-locked host memory this optimizer holds (arenas, gradient arena, staging, NVMe pool)."""
         tensors = [t for tier in self.tiers.values() for t in getattr(tier, "arenas", {}).values()]
@@ -922,7 +918,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if s.param.dtype != torch.float32:
                     src = self._staging[s.trainable].view(-1)[head:]
                 else:
-                    src = self._read_state(s, "master").view(-1) if head == 0 else self._read_host_part(s, "master")
+                    # past the device head (which is the device tier's, updated in place there)
+                    src = self._read_state(s, "master").view(-1) if head == 0 else self._read_flat(s, "master", head)
                 s.local.data.view(-1)[head:].copy_(src, non_blocking=True)
                 tel.add_bytes("device", "h2d", src.numel() * src.element_size())
             done = torch.cuda.Event()
