@@ -26,7 +26,6 @@ from torch import Tensor
 from ..tiers import packed_arena
 
 
-
 class GradStream:
     def __init__(self, params: Sequence[Tensor], *, keep_device_grads: bool, pin_memory: bool,
                  bucket_bytes: int = 32 << 20, telemetry=None) -> None:

@@ -21,9 +21,9 @@ _ENGINE_ARGS = """
             untouched, a warning logged and ``skipped_steps`` counted) or ``"raise"``
             (``FloatingPointError``). With a ``torch.amp.GradScaler`` the scaler decides.
         telemetry: record per-step stats (``opt.stats()``); cheap, on by default.
-        step_in_backward: update each sub-group during backward, on a worker thread, as soon as
-            every gradient in it is final, so the host kernels and the NVMe I/O overlap backward
-            (default False). Exact whenever it applies; it needs every ``backward()`` to be
+        step_in_backward: update each sub-group during backward as soon as every gradient in
+            it is final (on CPU parameters on the backward thread itself, on accelerators on a
+            worker thread), so the NVMe I/O overlaps forward and backward (default False). Exact whenever it applies; it needs every ``backward()`` to be
             followed by ``step()`` (no gradient accumulation), no ``max_grad_norm`` and no
             GradScaler, and a non-finite gradient raises instead of skipping the step. See
             :mod:`tierstate.optim.backward_update`.
