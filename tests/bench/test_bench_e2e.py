@@ -27,7 +27,8 @@ def tiny_report(tmp_path_factory):
         pytest.skip(f"tierstate._native did not load: {why}")
     tmp = tmp_path_factory.mktemp("e2e")
     out = tmp / "e2e.json"
-    args = _parse(["--tiny", "--modes", "torch,cpu,nvme,cpu_bf16,nvme_bf16_bwd,ds_z2_cpu", "--steps", "2", "--warmup", "1",
+    args = _parse(["--tiny", "--modes", "torch,cpu,nvme,cpu_bf16,nvme_bf16_bwd,ds_z2_cpu", "--precision", "bf16",
+                   "--steps", "2", "--warmup", "1",
                    "--repeats", "1", "--threads", "1", "--json", str(out), "--nvme-dir", str(tmp / "nvme"),
                    "--peers-python", sys.executable, "--timeout", "300"])
     rc = e2e.main(args)
@@ -119,3 +120,38 @@ def test_unknown_mode_is_rejected_naming_the_option(capsys):
         _parse(["--modes", "torch,zero9"])
     err = capsys.readouterr().err
     assert "--modes" in err and "zero9" in err and "ds_z3_nvme" in err
+
+
+def test_fp32_precision_trains_without_bf16_anywhere(tmp_path):
+    """--precision fp32 (auto's pick on CPUs without bf16 matrix units): no autocast, and the
+    in-backward NVMe mode on fp32 parameters trains bit for bit like the plain CPU mode."""
+    ok, why = native_status()
+    if not ok:
+        pytest.skip(f"tierstate._native did not load: {why}")
+    out = tmp_path / "e2e.json"
+    args = _parse(["--tiny", "--modes", "torch,cpu,nvme_bwd", "--precision", "fp32", "--steps", "2", "--warmup", "1",
+                   "--repeats", "1", "--threads", "1", "--json", str(out), "--nvme-dir", str(tmp_path / "nvme"),
+                   "--timeout", "300"])
+    assert e2e.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["meta"]["precision"] == "fp32"
+    runs = {m: report["runs"][m][0] for m in ("torch", "cpu", "nvme_bwd")}
+    assert {r["precision"] for r in runs.values()} == {"fp32"}
+    losses = {m: [s["loss"] for s in r["steps"]] for m, r in runs.items()}
+    assert losses["cpu"] == losses["nvme_bwd"]  # same kernels, other tier, updated during backward
+    assert losses["cpu"] == pytest.approx(losses["torch"], rel=1e-4)  # fp32 throughout: close to torch
+    assert "clip" not in runs["nvme_bwd"]["steps"][-1]["phases"]  # its updates ran in backward's hooks
+
+
+def test_fp32_precision_refuses_bf16_parameter_modes(capsys, tmp_path):
+    args = _parse(["--tiny", "--modes", "torch,cpu_bf16", "--precision", "fp32", "--nvme-dir", str(tmp_path)])
+    assert e2e.main(args) == 2
+    err = capsys.readouterr().err
+    assert "cpu_bf16" in err and "--precision bf16" in err
+
+
+def test_bf16_slowdown_probe_is_a_positive_ratio():
+    from tierstate.placement.probe import bf16_matmul_slowdown
+
+    slowdown = bf16_matmul_slowdown(size=64, reps=1)
+    assert math.isfinite(slowdown) and slowdown > 0

@@ -10,7 +10,9 @@ processes, alternates their order and aggregates what they write.
 The training step is the same for every mode: fp32 parameters, forward and loss under
 ``torch.autocast("cpu", bfloat16)``, ``loss.backward()``, optimizer step, gradients set
 to None. DeepSpeed runs its own bf16 mode instead of autocast (bf16 model, fp32 master in
-its optimizer), as a DeepSpeed user would. Each phase is timed with ``perf_counter``
+its optimizer), as a DeepSpeed user would. With ``--precision fp32`` (for CPUs without
+native bf16 matrix units, where a bf16 matmul is ~100x slower than an fp32 one) every mode
+runs in fp32: no autocast, DeepSpeed with bf16 off, and the ``*_bf16*`` modes refuse. Each phase is timed with ``perf_counter``
 around the call that does it: ``fwd`` = model call with loss, ``bwd`` = backward,
 ``opt`` = optimizer step plus ``zero_grad`` (DeepSpeed: ``engine.step()``, which zeroes).
 """
@@ -30,16 +32,18 @@ from pathlib import Path
 import torch
 
 TORCH_MODE = "torch"
-TIERSTATE_MODES = ("cpu", "nvme", "cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
+TIERSTATE_MODES = ("cpu", "nvme", "cpu_bwd", "nvme_bwd", "cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
 # Modes whose model holds bf16 parameters and runs without autocast: the fp32 master lives in
 # the optimizer, which writes the rounded weight back in its fused pass (DeepSpeed's bf16 mode
 # is the same arrangement: bf16 model, fp32 master in the optimizer).
 BF16_PARAM_MODES = ("cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
 # Modes that update the state during backward (step_in_backward=True).
-IN_BACKWARD_MODES = ("cpu_bf16_bwd", "nvme_bf16_bwd")
-NVME_MODES = ("nvme", "nvme_bf16", "nvme_bf16_bwd", "ds_z3_nvme")
+IN_BACKWARD_MODES = ("cpu_bwd", "nvme_bwd", "cpu_bf16_bwd", "nvme_bf16_bwd")
+NVME_MODES = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd", "ds_z3_nvme")
 DEEPSPEED_MODES = ("ds_z2_cpu", "ds_z3_nvme")
 MODES = (TORCH_MODE, *TIERSTATE_MODES, *DEEPSPEED_MODES)
+# The training precision of a run: "bf16" (autocast, or bf16 parameters) or "fp32" (no bf16 anywhere).
+PRECISIONS = ("bf16", "fp32")
 
 # The optimizer every mode runs (the peers' reference run used the same).
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
@@ -116,7 +120,7 @@ def _deepspeed_engine(model: torch.nn.Module, args: argparse.Namespace, swap_dir
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": args.precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                   "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": zero,
@@ -139,6 +143,9 @@ def _current_rss_bytes() -> int:
 
 def run(args: argparse.Namespace) -> dict:
     """Build the model and optimizer of ``args.mode``, train ``warmup + steps`` steps, return figures."""
+    if args.precision == "fp32" and args.mode in BF16_PARAM_MODES:
+        raise ValueError(f"--mode {args.mode} trains bf16 parameters; with --precision fp32 use one of "
+                         f"{', '.join(m for m in MODES if m not in BF16_PARAM_MODES)}")
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     t_setup = time.perf_counter()
@@ -174,7 +181,7 @@ def run(args: argparse.Namespace) -> dict:
                     from .. import io as tio
                     info["io_backend"] = tio.default_engine().backend
 
-            if args.mode in BF16_PARAM_MODES:
+            if args.mode in BF16_PARAM_MODES or args.precision == "fp32":
                 def forward():
                     return model(input_ids=tokens, labels=tokens).loss
             else:
@@ -218,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "mode": args.mode, "status": "ok", "nparams": nparams, "steps": steps,
         "peak_rss_bytes": _peak_rss_bytes(), "rss_after_setup_bytes": rss_after_setup, "setup_s": setup_s,
-        "threads": args.threads, "torch": torch.__version__, "python": sys.executable,
+        "threads": args.threads, "precision": args.precision, "torch": torch.__version__, "python": sys.executable,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(), **info,
     }
 
@@ -230,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                        help="bf16: autocast / bf16 parameters / DeepSpeed bf16 (default); fp32: none of them")
     parser.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="folder for nvme-mode state files")
     add_model_arguments(parser)
     args = parser.parse_args(argv)

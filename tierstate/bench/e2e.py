@@ -11,6 +11,8 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
                   the plain-PyTorch baseline
 ``cpu``           ``tierstate.AdamW(offload="cpu")``, fp32 parameters, bf16 autocast
 ``nvme``          ``tierstate.AdamW(offload="nvme")``, the same; state in files
+``cpu_bwd``       ``cpu`` with ``step_in_backward=True``
+``nvme_bwd``      ``nvme`` with ``step_in_backward=True``
 ``cpu_bf16``      bf16 parameters, no autocast, fp32 master in the optimizer (how a
                   tierstate user trains in mixed precision; DeepSpeed's bf16 mode)
 ``nvme_bf16``     the same with the state in files
@@ -21,6 +23,10 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
 ``ds_z2_cpu``     DeepSpeed ZeRO-2, optimizer offloaded to the CPU (its bf16 mode)
 ``ds_z3_nvme``    DeepSpeed ZeRO-3, optimizer offloaded to NVMe (its bf16 mode)
 ================  ================================================================
+
+``--precision fp32`` (what ``auto`` picks on a CPU without bf16 matrix units, where a
+bf16 matmul runs ~100x slower than an fp32 one) drops autocast and DeepSpeed's bf16 mode,
+so every mode trains in fp32; the ``*_bf16*`` modes are then left out.
 
 Each issue target names "tierstate nvme" or "tierstate cpu"; it is evaluated for every
 variant of that mode that ran, so the report shows which configuration meets it.
@@ -53,20 +59,20 @@ import time
 from pathlib import Path
 
 from ..telemetry.progress import progress
-from ._e2e_worker import DEEPSPEED_MODES, MODES, TIERSTATE_MODES, add_model_arguments
+from ._e2e_worker import BF16_PARAM_MODES, DEEPSPEED_MODES, MODES, TIERSTATE_MODES, add_model_arguments
 
 _GIB = 2**30
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the tierstate package
 
 # Figures measured on this machine kind (peers/RESULTS.md section 4, bf16, two runs), used only
-# to put a number next to a target when DeepSpeed cannot run here: not a verdict.
+# to put a number next to a target when DeepSpeed cannot run here: not a verdict (bf16 runs only).
 REFERENCE_STEP_S = {"torch": (1.17, 1.34), "ds_z2_cpu": (1.54, 2.09), "ds_z3_nvme": (3.02, 3.25)}
 
 
 # (name, numerator mode, denominator mode, limit): step-time ratios the NVMe issue sets,
 # for each tierstate variant of the numerator's mode.
-_NVME_VARIANTS = ("nvme", "nvme_bf16", "nvme_bf16_bwd")
-_CPU_VARIANTS = ("cpu", "cpu_bf16", "cpu_bf16_bwd")
+_NVME_VARIANTS = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd")
+_CPU_VARIANTS = ("cpu", "cpu_bwd", "cpu_bf16", "cpu_bf16_bwd")
 TIME_TARGETS = tuple(
     [(f"{m} vs DeepSpeed ZeRO-3 NVMe", m, "ds_z3_nvme", 0.5) for m in _NVME_VARIANTS]
     + [(f"{m} vs plain torch", m, "torch", 1.3) for m in _NVME_VARIANTS]
@@ -104,8 +110,12 @@ def _non_negative(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the end-to-end benchmark."""
-    parser.add_argument("--modes", type=_modes, default=list(MODES),
-                        help=f"comma list of modes to run (default: all of {','.join(MODES)})")
+    parser.add_argument("--modes", type=_modes, default=None,
+                        help=f"comma list of modes to run (default: all of {','.join(MODES)}, less the "
+                             "bf16-parameter ones under --precision fp32)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="bf16: autocast, bf16 parameters, DeepSpeed's bf16 mode; fp32: none of them; auto "
+                             "(default): bf16 unless this CPU's bf16 matmul is much slower than its fp32 one")
     parser.add_argument("--steps", type=_positive, default=6, help="timed steps per run (default 6)")
     parser.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--repeats", type=_positive, default=2,
@@ -176,7 +186,7 @@ def _worker_command(python: str, mode: str, args: argparse.Namespace, out: Path,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--nvme-dir", str(nvme_dir), "--layers", str(args.layers), "--embd", str(args.embd),
            "--heads", str(args.heads), "--vocab", str(args.vocab), "--batch", str(args.batch),
-           "--seq", str(args.seq)]
+           "--seq", str(args.seq), "--precision", args.precision]
     if args.subgroup_numel is not None:
         cmd += ["--subgroup-numel", str(args.subgroup_numel)]
     if args.buffer_count is not None:
@@ -249,7 +259,7 @@ def is_issue_shape(args: argparse.Namespace) -> bool:
     return all(getattr(args, k) == v for k, v in ISSUE_SHAPE.items())
 
 
-def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool) -> list[dict]:
+def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool, precision: str = "bf16") -> list[dict]:
     """Each target of the issue: ratio of medians, per-round ratios, and whether it holds.
 
     ``met`` is None where a side did not run, or where the model is not the issue's shape
@@ -270,7 +280,7 @@ def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool) -> 
                     mb = statistics.median(s["total"] for s in _timed(rb))
                     per_round.append(ma / mb)
             entry.update(ratio=ratio, per_round=per_round, met=(ratio <= limit) if issue_shape else None)
-        elif a.get("status") == "ok" and den in REFERENCE_STEP_S and issue_shape:
+        elif a.get("status") == "ok" and den in REFERENCE_STEP_S and issue_shape and precision == "bf16":
             lo, hi = REFERENCE_STEP_S[den]
             entry.update(ratio=None, met=None, reference_ratio=(a["total"]["median"] / hi, a["total"]["median"] / lo),
                          note=f"{den} {b.get('status', 'not run')}; against RESULTS.md's {lo}-{hi} s (another run)")
@@ -304,7 +314,8 @@ def _fmt_spread(s: dict, digits: int = 2) -> str:
 def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
     """The table, the tierstate phases and the targets, as printed."""
     load = (meta["loadavg_start"][0], meta["loadavg_end"][0])
-    lines = [f"GPT-2 {meta['nparams_text']} batch {meta['batch']} x {meta['seq']}, {meta['steps']} timed steps after "
+    lines = [f"GPT-2 {meta['nparams_text']} batch {meta['batch']} x {meta['seq']}, {meta.get('precision', 'bf16')}, "
+             f"{meta['steps']} timed steps after "
              f"{meta['warmup']} warm-up, {meta['repeats']} run(s) per mode, threads {meta['threads']}, "
              f"load average {load[0]:.2f} at start, {load[1]:.2f} at end",
              "seconds: median (min-max) over all timed steps; peak RSS: median over runs"]
@@ -349,6 +360,22 @@ def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def resolve_precision(args: argparse.Namespace) -> str | None:
+    """Settle ``args.precision`` ("auto" -> "bf16" or "fp32"); returns what to tell the user, if anything."""
+    if args.precision != "auto":
+        return None
+    from ..placement.probe import SLOW_BF16_FACTOR, bf16_matmul_slowdown
+
+    slowdown = bf16_matmul_slowdown()
+    if slowdown <= SLOW_BF16_FACTOR:
+        args.precision = "bf16"
+        return None
+    args.precision = "fp32"
+    return (f"precision: fp32 (auto): a bf16 matmul runs {slowdown:.0f}x slower than an fp32 one on this CPU "
+            "(no bf16 matrix units), so bf16 autocast would time oneDNN's fallback, not training; "
+            "--precision bf16 forces it")
+
+
 def main(args: argparse.Namespace) -> int:
     """Runs the benchmark described by ``args`` (see :func:`add_arguments`); returns an exit code:
     0 when every requested mode that can run here ran, 1 when a run failed."""
@@ -358,6 +385,15 @@ def main(args: argparse.Namespace) -> int:
         from ..placement import default_nvme_root
         args.nvme_dir = str(default_nvme_root())
     nvme_dir = Path(args.nvme_dir)
+    precision_note = resolve_precision(args)
+    if precision_note:
+        print(precision_note, flush=True)
+    if args.modes is None:
+        args.modes = [m for m in MODES if args.precision == "bf16" or m not in BF16_PARAM_MODES]
+    elif args.precision == "fp32" and (bad := [m for m in args.modes if m in BF16_PARAM_MODES]):
+        print(f"--modes: {', '.join(bad)} train bf16 parameters, which --precision fp32 rules out; leave them out "
+              "or pass --precision bf16", file=sys.stderr)
+        return 2
     python_of = {m: sys.executable for m in args.modes}
     unavailable = {}
     if any(m in DEEPSPEED_MODES for m in args.modes):
@@ -373,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
     runnable = [m for m in args.modes if m not in unavailable]
     meta = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
             "batch": args.batch, "seq": args.seq, "layers": args.layers, "embd": args.embd, "vocab": args.vocab,
-            "nvme_dir": str(nvme_dir), "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "precision": args.precision, "nvme_dir": str(nvme_dir), "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     runs: dict[str, list[dict]] = {m: [] for m in args.modes}
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tierstate-e2e-") as tmp, \
@@ -398,7 +434,7 @@ def main(args: argparse.Namespace) -> int:
     meta["nparams"] = nparams
     meta["nparams_text"] = f"{nparams / 1e6:.1f}M" if nparams else "(no run)"
     meta["issue_shape"] = is_issue_shape(args)
-    targets = evaluate_targets(summaries, rounds, meta["issue_shape"])
+    targets = evaluate_targets(summaries, rounds, meta["issue_shape"], args.precision)
     print(format_report(summaries, targets, meta), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "summaries": summaries, "targets": targets,

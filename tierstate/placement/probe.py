@@ -226,6 +226,21 @@ def measure_host_matmul(size: int, reps: int) -> dict:
             "by_dtype": out, "best": out["float32"]["median"]}
 
 
+def bf16_matmul_slowdown(size: int = 256, reps: int = 3) -> float:
+    """How many times slower a bf16 ``torch.mm`` runs than an fp32 one on this CPU (median rates).
+
+    ~0.5-1 on CPUs with bf16 matrix units (AVX-512 BF16, AMX, SVE BF16); ~100 without them
+    (measured 116 vs 0.9 GFLOP/s on an AVX2-only Zen 3, where oneDNN has no fast bf16 path).
+    256 x 256 keeps it under 0.1 s even there."""
+    rates = measure_host_matmul(size, reps)["by_dtype"]
+    return rates["float32"]["median"] / rates["bfloat16"]["median"]
+
+
+# A bf16 matmul this many times slower than fp32 means the CPU has no bf16 matrix units:
+# bf16 training (autocast or bf16 parameters) is then the wrong choice on the CPU.
+SLOW_BF16_FACTOR = 4.0
+
+
 def _disk_with_tierstate_io(path: Path, nbytes: int, chunk: int, reps: int) -> dict:
     from tierstate import io as tio
 
@@ -362,6 +377,12 @@ def run_probe(nvme_dirs: list[str] | None = None, quick: bool = False) -> dict:
     m["cuda"] = measure_cuda(size["cuda"], size["reps"])
     if "skipped" in m["cuda"]:
         notes.append(m["cuda"]["skipped"])
+    mm = m["host_matmul"]["by_dtype"]
+    slowdown = mm["float32"]["median"] / mm["bfloat16"]["median"]
+    if slowdown > SLOW_BF16_FACTOR:
+        notes.append(f"bf16 matmul runs {slowdown:.0f}x slower than fp32 on this CPU (no bf16 matrix units): "
+                     "train CPU models in fp32, not under bf16 autocast or with bf16 parameters "
+                     "(tierstate's optimizer kernels are fast in either precision)")
     if m["optimizer_step"]["impl"].startswith("pure-torch"):
         notes.append("the native kernels did not load: optimizer_step measures the slower reference kernels")
     return {
