@@ -25,10 +25,14 @@ _EXPORTS = {
     "Offload": ".placement",
     "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
 }
-__all__ = [*_EXPORTS, "__version__"]
+# Modules reachable as attributes (``ts.host_allocator.policy()``), imported on first use too.
+_SUBMODULES = ("host_allocator",)
+__all__ = [*_EXPORTS, *_SUBMODULES, "__version__"]
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tierstate' has no attribute {name!r}")
@@ -38,4 +42,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))

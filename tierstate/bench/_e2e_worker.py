@@ -32,6 +32,11 @@ from pathlib import Path
 import torch
 
 TORCH_MODE = "torch"
+# Plain torch with the host-allocator setting tierstate's optimizers apply on CPU parameters
+# (tierstate.host_allocator): shows how much of a tierstate mode's gain over "torch" is that
+# setting rather than the optimizer.
+TORCH_RETAIN_MODE = "torch_retain"
+TORCH_MODES = (TORCH_MODE, TORCH_RETAIN_MODE)
 TIERSTATE_MODES = ("cpu", "nvme", "cpu_bwd", "nvme_bwd", "cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
 # Modes whose model holds bf16 parameters and runs without autocast: the fp32 master lives in
 # the optimizer, which writes the rounded weight back in its fused pass (DeepSpeed's bf16 mode
@@ -41,7 +46,7 @@ BF16_PARAM_MODES = ("cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
 IN_BACKWARD_MODES = ("cpu_bwd", "nvme_bwd", "cpu_bf16_bwd", "nvme_bf16_bwd")
 NVME_MODES = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd", "ds_z3_nvme")
 DEEPSPEED_MODES = ("ds_z2_cpu", "ds_z3_nvme")
-MODES = (TORCH_MODE, *TIERSTATE_MODES, *DEEPSPEED_MODES)
+MODES = (*TORCH_MODES, *TIERSTATE_MODES, *DEEPSPEED_MODES)
 # The training precision of a run: "bf16" (autocast, or bf16 parameters) or "fp32" (no bf16 anywhere).
 PRECISIONS = ("bf16", "fp32")
 
@@ -171,12 +176,16 @@ def run(args: argparse.Namespace) -> dict:
 
             backward, optimizer_step, opt = engine.backward, engine.step, None
         else:
-            if args.mode == TORCH_MODE:
+            if args.mode in TORCH_MODES:
+                if args.mode == TORCH_RETAIN_MODE:
+                    from .. import host_allocator
+                    info["host_allocator"] = "retain" if host_allocator.retain_freed_memory() else "system"
                 opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                         weight_decay=WEIGHT_DECAY, fused=True)
             else:
                 opt = _tierstate_optimizer(model, args, scratch)
                 info["tier_bytes"] = opt.tier_bytes()
+                info["host_allocator"] = opt.host_allocator
                 if args.mode in NVME_MODES:
                     from .. import io as tio
                     info["io_backend"] = tio.default_engine().backend

@@ -9,6 +9,10 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
 ================  ================================================================
 ``torch``         ``torch.optim.AdamW(fused=True)``, fp32 parameters, bf16 autocast:
                   the plain-PyTorch baseline
+``torch_retain``  ``torch`` with the host-allocator setting tierstate's optimizers apply on
+                  CPU parameters (freed memory kept for reuse: no page faults in forward
+                  and backward; :mod:`tierstate.host_allocator`), to tell that gain apart
+                  from the optimizer's
 ``cpu``           ``tierstate.AdamW(offload="cpu")``, fp32 parameters, bf16 autocast
 ``nvme``          ``tierstate.AdamW(offload="nvme")``, the same; state in files
 ``cpu_bwd``       ``cpu`` with ``step_in_backward=True``
@@ -245,7 +249,7 @@ def summarize(mode: str, runs: list[dict]) -> dict:
         summary["phases_s"] = {k: statistics.median(s["phases"].get(k, 0.0) for s in with_phases) for k in names}
         moved = sorted({k for s in with_phases for k in s["bytes"]})
         summary["bytes_per_step"] = {k: statistics.median(s["bytes"].get(k, 0) for s in with_phases) for k in moved}
-    for key in ("deepspeed", "optimizer", "io_backend", "tier_bytes"):
+    for key in ("deepspeed", "optimizer", "io_backend", "tier_bytes", "host_allocator"):
         if key in ok[0]:
             summary[key] = ok[0][key]
     return summary
@@ -338,6 +342,10 @@ def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
     for r in (header, tuple("-" * w for w in widths), *rows):
         lines.append("  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)).rstrip())
     lines.extend(not_run)
+    retained = [m for m, s in summaries.items() if s.get("host_allocator") == "retain"]
+    if retained:
+        lines.append(f"host memory freed by torch kept for reuse (tierstate.host_allocator) in: {', '.join(retained)}; "
+                     "the other modes use the C library's default")
     for mode in TIERSTATE_MODES:
         s = summaries.get(mode, {})
         if s.get("status") == "ok" and s.get("phases_s"):

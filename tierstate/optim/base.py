@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from .. import kernels
+from .. import host_allocator, kernels
 from ..pipeline import run_subgroups
 from ..placement import Layout, Offload, Segment, TierKind, plan_layout
 from ..telemetry import Telemetry
@@ -164,6 +164,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         super().__init__(params, defaults)
         self._build_engine()
+        # CPU training: keep freed host memory for reuse (see tierstate.host_allocator), the
+        # policy actually in effect ("system" where the C library has no such knob).
+        wanted = self.offload.host_allocator_for(self.device)
+        if wanted == "retain":
+            host_allocator.retain_freed_memory()
+        self.host_allocator = host_allocator.policy()
 
     # -- construction ----------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

@@ -13,6 +13,7 @@ from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
 PathLike = Union[str, os.PathLike]
 
 OFFLOAD_MODES = ("cpu", "nvme", "auto")
+HOST_ALLOCATOR_POLICIES = ("retain", "system")
 
 
 def default_nvme_root() -> Path:
@@ -63,6 +64,16 @@ class Offload:
             gradients already are in host RAM).
         keep_device_grads: keep ``param.grad`` on the device after it was streamed to the
             host (default False: its memory is released once copied).
+        host_allocator: ``"retain"``: keep host memory that torch frees in the process heap
+            for reuse (:func:`tierstate.host_allocator.retain_freed_memory`, process-wide),
+            so forward and backward on CPU parameters stop page-faulting (GPT-2 124M fp32 on
+            a 2-vCPU VM: 140-210 K faults and ~0.5 CPU-s of kernel time per step less; RSS
+            then stays near its high-water mark: +0.34 GiB there). ``"system"``: leave the C
+            allocator alone. Default (None): ``"retain"`` for CPU parameters whose state is
+            all in host RAM (no ``nvme`` part), ``"system"`` otherwise (accelerator
+            parameters, or an NVMe tier, chosen to bound host memory); the environment
+            variable ``TIERSTATE_HOST_ALLOCATOR=system|retain`` overrides the default, not an
+            explicit value.
     """
 
     gpu: float = 0.0
@@ -75,6 +86,7 @@ class Offload:
     pin_memory: bool = True
     grad_streaming: bool | None = None
     keep_device_grads: bool = False
+    host_allocator: str | None = None
     nvme_dirs: tuple[Path, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +111,9 @@ class Offload:
             raise ValueError(
                 f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32 or torch.bfloat16"
             )
+        if self.host_allocator is not None and self.host_allocator not in HOST_ALLOCATOR_POLICIES:
+            raise ValueError(f"Offload(host_allocator={self.host_allocator!r}): must be one of "
+                             f"{HOST_ALLOCATOR_POLICIES}, or None for the default (retain on CPU parameters)")
         dirs: Sequence[PathLike]
         if self.nvme_dir is None:
             dirs = [default_nvme_root()]
@@ -122,3 +137,15 @@ class Offload:
         raise ValueError(
             f"offload={mode!r} is not a known mode: use one of {OFFLOAD_MODES} or a tierstate.Offload(...)"
         )
+
+    def host_allocator_for(self, device: torch.device) -> str:
+        """The host-allocator policy for parameters on ``device`` (see ``host_allocator``)."""
+        if self.host_allocator is not None:
+            return self.host_allocator
+        env = os.environ.get("TIERSTATE_HOST_ALLOCATOR")
+        if env:
+            if env not in HOST_ALLOCATOR_POLICIES:
+                raise ValueError(f"TIERSTATE_HOST_ALLOCATOR={env!r}: must be one of {HOST_ALLOCATOR_POLICIES} "
+                                 "(or unset for the default)")
+            return env
+        return "retain" if device.type == "cpu" and self.nvme == 0 else "system"

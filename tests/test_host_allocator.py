@@ -1,0 +1,124 @@
+"""tierstate.host_allocator: freed host memory kept for reuse, measured in page faults.
+
+Each case runs in a fresh interpreter: the setting is process-wide, and "before" must mean a
+process where nothing set it yet (this test process may have built CPU optimizers already)."""
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+
+# Allocates, touches and frees a 64 MiB tensor (16 Ki pages) several times; prints the minor
+# faults of each round, before and after the setting under test.
+_CHURN = r"""
+import json, os, resource, sys
+import torch
+import tierstate as ts
+
+def faults_per_round(rounds=16, nbytes=64 << 20):
+    out = []
+    for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        t.fill_(1)   # touch every page
+        del t
+        out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return out
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+result = {"policy_at_start": ts.host_allocator.policy(), "system": faults_per_round()}
+rss_before = rss()
+action = sys.argv[1]
+if action == "retain":
+    result["applied"] = ts.host_allocator.retain_freed_memory()
+elif action.startswith("optimizer"):
+    kwargs = json.loads(sys.argv[2])
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = ts.AdamW([p], offload=ts.Offload(**kwargs))
+    result["optimizer_policy"] = opt.host_allocator
+result["policy"] = ts.host_allocator.policy()
+result["after"] = faults_per_round()
+result["rss_growth"] = rss() - rss_before
+if action == "retain":
+    rss_retained = rss()
+    result["released"] = ts.host_allocator.release_to_system()
+    result["policy_after_release"] = ts.host_allocator.policy()
+    result["rss_returned"] = rss_retained - rss()
+print(json.dumps(result))
+"""
+
+PAGES = (64 << 20) // 4096
+
+
+def _run(*argv: str, env: dict | None = None) -> dict:
+    import os
+
+    child_env = {k: v for k, v in os.environ.items() if k != "TIERSTATE_HOST_ALLOCATOR"}
+    child_env.update(env or {})
+    done = subprocess.run([sys.executable, "-c", _CHURN, *argv], capture_output=True, text=True, timeout=300,
+                          env=child_env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_retained_memory_is_reused_without_page_faults_and_release_returns_it():
+    r = _run("retain")
+    assert r["policy_at_start"] == "system"
+    # glibc's default: every round maps fresh pages (one fault per 4 KiB page)
+    assert min(r["system"]) >= PAGES * 0.9
+    assert r["applied"] is True and r["policy"] == "retain"
+    # kept in the heap: once freed neighbours coalesced (glibc cannot reuse a freed block for a
+    # posix_memalign of its own size; 2-10 rounds here), the rounds reuse it and nothing faults,
+    # and the heap stops growing: bounded by a few blocks, not one per round
+    assert max(r["after"][-4:]) < PAGES * 0.01
+    assert r["rss_growth"] <= 12 * (64 << 20)
+    assert r["released"] is True and r["policy_after_release"] == "system"
+    # malloc_trim gives the heap's free blocks back: at least what the loop's blocks took
+    assert r["rss_returned"] >= (64 << 20)
+
+
+def test_optimizer_on_cpu_parameters_retains_by_default():
+    r = _run("optimizer", json.dumps({}))
+    assert r["optimizer_policy"] == "retain" == r["policy"]
+    assert max(r["after"][-4:]) < PAGES * 0.01
+
+
+def test_optimizer_with_an_nvme_tier_leaves_the_allocator_alone(tmp_path):
+    r = _run("optimizer", json.dumps({"cpu": 0.5, "nvme": 0.5, "nvme_dir": str(tmp_path), "subgroup_numel": 4096}))
+    assert r["optimizer_policy"] == "system" == r["policy"]
+    assert min(r["after"]) >= PAGES * 0.9
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_system_policy_leaves_the_allocator_alone(how):
+    if how == "argument":
+        r = _run("optimizer", json.dumps({"host_allocator": "system"}), env={"TIERSTATE_HOST_ALLOCATOR": "retain"})
+    else:
+        r = _run("optimizer", json.dumps({}), env={"TIERSTATE_HOST_ALLOCATOR": "system"})
+    assert r["optimizer_policy"] == "system" == r["policy"]
+    assert min(r["after"]) >= PAGES * 0.9
+
+
+def test_bad_policy_names_the_argument_and_the_choices(monkeypatch):
+    import torch
+
+    import tierstate as ts
+
+    with pytest.raises(ValueError, match=r"host_allocator='keep'.*'retain', 'system'"):
+        ts.Offload(host_allocator="keep")
+    monkeypatch.setenv("TIERSTATE_HOST_ALLOCATOR", "jemalloc")
+    with pytest.raises(ValueError, match="TIERSTATE_HOST_ALLOCATOR='jemalloc'"):
+        ts.Offload().host_allocator_for(torch.device("cpu"))
+    monkeypatch.delenv("TIERSTATE_HOST_ALLOCATOR")
+    assert ts.Offload().host_allocator_for(torch.device("cuda")) == "system"
+    assert ts.Offload().host_allocator_for(torch.device("cpu")) == "retain"
+    assert ts.Offload(cpu=0.0, nvme=1.0).host_allocator_for(torch.device("cpu")) == "system"
+    assert ts.Offload(cpu=0.0, nvme=1.0, host_allocator="retain").host_allocator_for(torch.device("cpu")) == "retain"
