@@ -15,6 +15,9 @@ _ENGINE_ARGS = """
     Offload arguments (shared by every tierstate optimizer):
         offload: ``"cpu"`` (default: state in host RAM), ``"nvme"`` (state in files), ``"auto"``
             (the planner picks from the measured hardware) or a :class:`tierstate.Offload`.
+            With CPU parameters and all state in RAM the optimizer also keeps host memory that
+            torch frees for reuse (process-wide; ``Offload(host_allocator=...)`` and
+            :mod:`tierstate.host_allocator` say why and how to opt out).
         max_grad_norm: clip the global gradient norm, computed over every tier, to this value
             (as ``torch.nn.utils.clip_grad_norm_``, which cannot see offloaded gradients).
         on_nonfinite: ``"skip"`` (default: a step with an inf/nan gradient is skipped, every state
