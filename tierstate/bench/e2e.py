@@ -29,7 +29,7 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
 ================  ================================================================
 
 ``--precision fp32`` (what ``auto`` picks on a CPU without bf16 matrix units, where a
-bf16 matmul runs ~100x slower than an fp32 one) drops autocast and DeepSpeed's bf16 mode,
+bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3) drops autocast and DeepSpeed's bf16 mode,
 so every mode trains in fp32; the ``*_bf16*`` modes are then left out.
 
 Each issue target names "tierstate nvme" or "tierstate cpu"; it is evaluated for every
