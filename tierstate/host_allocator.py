@@ -11,9 +11,9 @@ towards 32 MiB as blocks are freed) with a fresh ``mmap`` and gives it back with
 when torch frees it, so the next step touches new pages again: every 4 KiB page costs a page
 fault, and the kernel zeroes it. GPT-2 124M in fp32 at 2 x 256 tokens (2-vCPU AVX2 VM, plain
 torch loop): 140-210 K minor faults and 0.45-0.70 CPU-seconds of kernel time per step (of ~8
-CPU-seconds). With the setting below: no fault from the third step on. Most of that memory comes in blocks above 32 MiB
-(logits, the embedding's gradient), so raising the mmap threshold to its 32 MiB maximum alone
-left 150-160 K faults per step.
+CPU-seconds). With the setting below: no fault from the third step on. Most of that memory
+comes in blocks above 32 MiB (logits, the embedding's gradient), so raising the mmap threshold
+to its 32 MiB maximum alone left 150-160 K faults per step.
 
 PyTorch's CUDA caching allocator keeps freed device blocks for the same reason; torch has no
 such cache for host memory, so tierstate asks glibc for the equivalent: ``M_MMAP_MAX = 0``

@@ -13,8 +13,9 @@ to None. DeepSpeed runs its own bf16 mode instead of autocast (bf16 model, fp32 
 its optimizer), as a DeepSpeed user would. With ``--precision fp32`` (for CPUs without
 bf16 matrix units, where a bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3)
 every mode runs in fp32: no autocast, DeepSpeed with bf16 off, and the ``*_bf16*`` modes
-refuse. Each phase is timed with ``perf_counter`` around the call that does it: ``fwd`` = model call with loss, ``bwd`` = backward,
-``opt`` = optimizer step plus ``zero_grad`` (DeepSpeed: ``engine.step()``, which zeroes).
+refuse. Each phase is timed with ``perf_counter`` around the call that does it:
+``fwd`` = model call with loss, ``bwd`` = backward, ``opt`` = optimizer step plus
+``zero_grad`` (DeepSpeed: ``engine.step()``, which zeroes).
 """
 from __future__ import annotations
 
@@ -179,7 +180,8 @@ def run(args: argparse.Namespace) -> dict:
             if args.mode in TORCH_MODES:
                 if args.mode == TORCH_RETAIN_MODE:
                     from .. import host_allocator
-                    info["host_allocator"] = "retain" if host_allocator.retain_freed_memory() else "system"
+                    host_allocator.retain_freed_memory()
+                    info["host_allocator"] = host_allocator.policy()
                 opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                         weight_decay=WEIGHT_DECAY, fused=True)
             else:

@@ -29,8 +29,8 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
 ================  ================================================================
 
 ``--precision fp32`` (what ``auto`` picks on a CPU without bf16 matrix units, where a
-bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3) drops autocast and DeepSpeed's bf16 mode,
-so every mode trains in fp32; the ``*_bf16*`` modes are then left out.
+bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3) drops autocast and
+DeepSpeed's bf16 mode, so every mode trains in fp32; the ``*_bf16*`` modes are then left out.
 
 Each issue target names "tierstate nvme" or "tierstate cpu"; it is evaluated for every
 variant of that mode that ran, so the report shows which configuration meets it.
@@ -417,7 +417,8 @@ def main(args: argparse.Namespace) -> int:
     runnable = [m for m in args.modes if m not in unavailable]
     meta = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
             "batch": args.batch, "seq": args.seq, "layers": args.layers, "embd": args.embd, "vocab": args.vocab,
-            "precision": args.precision, "nvme_dir": str(nvme_dir), "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "precision": args.precision, "nvme_dir": str(nvme_dir), "loadavg_start": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     runs: dict[str, list[dict]] = {m: [] for m in args.modes}
     rounds: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="tierstate-e2e-") as tmp, \

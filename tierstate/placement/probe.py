@@ -226,14 +226,19 @@ def measure_host_matmul(size: int, reps: int) -> dict:
             "by_dtype": out, "best": out["float32"]["median"]}
 
 
+def bf16_slowdown(host_matmul: dict) -> float:
+    """fp32 / bf16 rate of a :func:`measure_host_matmul` result: how many times slower bf16 runs."""
+    rates = host_matmul["by_dtype"]
+    return rates["float32"]["median"] / rates["bfloat16"]["median"]
+
+
 def bf16_matmul_slowdown(size: int = 256, reps: int = 3) -> float:
     """How many times slower a bf16 ``torch.mm`` runs than an fp32 one on this CPU (median rates).
 
-    ~0.5-1 on CPUs with bf16 matrix units (AVX-512 BF16, AMX, SVE BF16); ~100 without them
-    (measured 116 vs 0.9 GFLOP/s on an AVX2-only Zen 3, where oneDNN has no fast bf16 path).
-    256 x 256 keeps it under 0.1 s even there."""
-    rates = measure_host_matmul(size, reps)["by_dtype"]
-    return rates["float32"]["median"] / rates["bfloat16"]["median"]
+    ~0.5-1 on CPUs with bf16 matrix units (AVX-512 BF16, AMX, SVE BF16); 45-130 without them
+    (an AVX2-only Zen 3: 45-76x at 256 x 256, 116 vs 0.9 GFLOP/s at 512 x 768 x 3072, where
+    oneDNN has no fast bf16 path). 256 x 256 keeps it under 0.1 s even there."""
+    return bf16_slowdown(measure_host_matmul(size, reps))
 
 
 # A bf16 matmul this many times slower than fp32 means the CPU has no bf16 matrix units:
@@ -377,8 +382,7 @@ def run_probe(nvme_dirs: list[str] | None = None, quick: bool = False) -> dict:
     m["cuda"] = measure_cuda(size["cuda"], size["reps"])
     if "skipped" in m["cuda"]:
         notes.append(m["cuda"]["skipped"])
-    mm = m["host_matmul"]["by_dtype"]
-    slowdown = mm["float32"]["median"] / mm["bfloat16"]["median"]
+    slowdown = bf16_slowdown(m["host_matmul"])
     if slowdown > SLOW_BF16_FACTOR:
         notes.append(f"bf16 matmul runs {slowdown:.0f}x slower than fp32 on this CPU (no bf16 matrix units): "
                      "train CPU models in fp32, not under bf16 autocast or with bf16 parameters "
