@@ -7,6 +7,7 @@ planner prices the same parameter tensors. Agreement within 10% is the bar.
 """
 import pytest
 
+import tierstate as ts
 from tierstate.bench.plan_accuracy import MEMORY_CONFIGS, measure_memory, memory_config, predicted_memory
 from tierstate.kernels import backend_info
 from tierstate.placement.planner import Kind, Tier
@@ -48,6 +49,10 @@ def test_planner_host_memory_within_10_percent_of_measured_peak(name, tmp_path):
     hand = n * 2 * pb + state + largest * max(mb, 4 if master else 0)
     planner_no_activations = plan.tier_total(Tier.HOST) - plan.bytes_of(Tier.HOST, Kind.ACTIVATIONS)
     assert planner_no_activations == hand
+    # each run under its own default allocator policy, none inherited from the warm-up
+    # (tierstate.host_allocator: "retain" for CPU state, "system" with an NVMe tier)
+    if ts.host_allocator._glibc() is not None:
+        assert report["host_allocator"] == ("system" if cfg["offload"] == "nvme" else "retain")
     measured = report["peak_growth_bytes"]
     predicted = plan.tier_total(Tier.HOST)
     assert abs(predicted / measured - 1) < 0.10, (
