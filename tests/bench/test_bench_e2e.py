@@ -6,12 +6,15 @@ import argparse
 import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
 
 from tierstate._native_loader import native_status
 from tierstate.bench import e2e
+from tierstate.kernels import backend_info
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -51,7 +54,22 @@ def test_tiny_run_times_every_phase_of_every_mode(tiny_report):
         assert run["peak_rss_bytes"] >= run["rss_after_setup_bytes"] > 0
     for mode in ("cpu", "nvme"):
         assert report["summaries"][mode]["phases_s"]["cpu_update"] > 0
+        assert report["summaries"][mode]["kernels"] == backend_info()["isa"]  # the native ISA, named
     assert "phases_s" not in report["summaries"]["torch"]
+
+
+def test_tierstate_mode_refuses_to_time_the_reference_kernels(tmp_path):
+    """An interpreter without the compiled module would time the pure-torch fallback: the
+    worker stops instead, and says which interpreter and what to do."""
+    out = tmp_path / "cpu.json"
+    env = {**os.environ, "TIERSTATE_NATIVE_PATH": str(tmp_path / "missing_native.so")}
+    done = subprocess.run([sys.executable, "-m", "tierstate.bench._e2e_worker", "--mode", "cpu", "--out", str(out),
+                           "--steps", "1", "--warmup", "0", "--threads", "1", "--layers", "1", "--embd", "32",
+                           "--heads", "2", "--vocab", "64", "--batch", "1", "--seq", "8", "--precision", "fp32"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not out.exists()
+    assert "--mode cpu: tierstate's native module did not load" in done.stderr
+    assert "pip install ." in done.stderr
 
 
 def test_tiny_run_trains_the_same_model_in_every_mode(tiny_report):

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ..placement.defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
+
 TORCH_MODE = "torch"
 # Plain torch with the host-allocator setting tierstate's optimizers apply on CPU parameters
 # (tierstate.host_allocator): shows how much of a tierstate mode's gain over "torch" is that
@@ -64,9 +66,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--subgroup-numel", type=int, default=None,
-                        help="tierstate Offload.subgroup_numel (default: the library's, 16 Mi elements)")
+                        help="tierstate Offload.subgroup_numel (default: the library's, "
+                             f"{DEFAULT_SUBGROUP_NUMEL >> 20} Mi elements)")
     parser.add_argument("--buffer-count", type=int, default=None,
-                        help="tierstate Offload.buffer_count for nvme (default: the library's, 4)")
+                        help=f"tierstate Offload.buffer_count for nvme (default: the library's, {DEFAULT_BUFFER_COUNT})")
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -96,6 +99,25 @@ def _tierstate_optimizer(model: torch.nn.Module, args: argparse.Namespace, state
         offload = ts.Offload(cpu=1.0, **overrides)
     return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload,
                     step_in_backward=args.mode in IN_BACKWARD_MODES)
+
+
+def _native_kernels(mode: str) -> str:
+    """The ISA of the kernels a tierstate mode will time; refuses the pure-torch reference.
+
+    Without the compiled module (an interpreter tierstate was not installed into, reached
+    through PYTHONPATH) the optimizers fall back to the reference kernels, 12x slower on the
+    2-vCPU AVX2 VM (741 against 62 ms for a 100M-parameter AdamW step): a figure from them
+    would be wrong, not slow."""
+    from ..kernels import backend_info
+
+    info = backend_info()
+    if not info["native"]:
+        raise RuntimeError(
+            f"--mode {mode}: tierstate's native module did not load under {sys.executable} "
+            f"({info['native_error']}), so this run would time the pure-torch reference kernels; "
+            "install tierstate into that interpreter (pip install . from the checkout) or run the "
+            "benchmark with the one it is installed in")
+    return info["isa"]
 
 
 def _free_port() -> int:
@@ -185,6 +207,7 @@ def run(args: argparse.Namespace) -> dict:
                 opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                         weight_decay=WEIGHT_DECAY, fused=True)
             else:
+                info["kernels"] = _native_kernels(args.mode)
                 opt = _tierstate_optimizer(model, args, scratch)
                 info["tier_bytes"] = opt.tier_bytes()
                 info["host_allocator"] = opt.host_allocator

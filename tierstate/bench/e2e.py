@@ -249,7 +249,7 @@ def summarize(mode: str, runs: list[dict]) -> dict:
         summary["phases_s"] = {k: statistics.median(s["phases"].get(k, 0.0) for s in with_phases) for k in names}
         moved = sorted({k for s in with_phases for k in s["bytes"]})
         summary["bytes_per_step"] = {k: statistics.median(s["bytes"].get(k, 0) for s in with_phases) for k in moved}
-    for key in ("deepspeed", "optimizer", "io_backend", "tier_bytes", "host_allocator"):
+    for key in ("deepspeed", "optimizer", "io_backend", "tier_bytes", "host_allocator", "kernels"):
         if key in ok[0]:
             summary[key] = ok[0][key]
     return summary
@@ -346,6 +346,9 @@ def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
     if retained:
         lines.append(f"host memory freed by torch kept for reuse (tierstate.host_allocator) in: {', '.join(retained)}; "
                      "the other modes use the C library's default")
+    kernels = sorted({s["kernels"] for s in summaries.values() if s.get("kernels")})
+    if kernels:
+        lines.append(f"tierstate kernels: {', '.join(kernels)}")
     for mode in TIERSTATE_MODES:
         s = summaries.get(mode, {})
         if s.get("status") == "ok" and s.get("phases_s"):

@@ -5,7 +5,8 @@
 One run measures, on the same folder and the same I/O engine (same block size):
 
 - the disk's sequential write and read bandwidth (records-sized requests, O_DIRECT,
-  overwriting a file first written once, as the tier's files are after the first step);
+  overwriting a file first written once, as the tier's files are after the first step),
+  probed before, halfway through and after the timed steps (medians: the disk drifts);
 - the CPU step time: ``ts.AdamW(offload="cpu")`` on a copy of the same parameters and
   gradients, interleaved with the NVMe steps so both see the same memory-bandwidth
   phase of the machine;
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for the state files and the disk probe (default: a temporary folder under "
                              "TIERSTATE_NVME_DIR or the tierstate cache dir)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
+    parser.add_argument("--probe-bytes", type=_count, default=256 << 20,
+                        help="bytes each way per disk probe, at least the step's (default 256 MiB); the disk "
+                             "is probed before, halfway through and after the timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -160,6 +164,7 @@ def _timed_step(opt) -> tuple[float, dict]:
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark; returns the figures ``main`` prints."""
     import tierstate as ts
+    from ..kernels import backend_info
     from ..placement import default_nvme_root
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -178,9 +183,16 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(args.warmup):
             cpu_opt.step()
             nvme_opt.step()
+        # The disk's speed drifts over minutes here (reads 1.7-3.2 GB/s across runs), so it is
+        # probed before, halfway through and after the timed steps; the floor takes the medians.
+        pool = tier.pool_nbytes // tier.record_nbytes
+        probe_bytes = max(tier.record_nbytes * max(1, len(tier.subgroups) - pool), args.probe_bytes)
+        disks = [measure_disk(work, probe_bytes, tier.record_nbytes, reps=1)]
         cpu_times, nvme_times, reads, writes, waits = [], [], [], [], []
         with progress(args.steps, "cpu and nvme steps") as advance:
             for i in range(args.steps):
+                if i == args.steps // 2 and i > 0:
+                    disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
                 pair = [(cpu_opt, cpu_times), (nvme_opt, nvme_times)]
                 for opt, times in (pair if i % 2 == 0 else pair[::-1]):
                     wall, info = _timed_step(opt)
@@ -191,7 +203,11 @@ def run(args: argparse.Namespace) -> dict:
                         waits.append(info["nvme_wait"])
                 advance()  # between pairs of timed steps
         read_bytes, write_bytes = statistics.median(reads), statistics.median(writes)
-        disk = measure_disk(work, max(int(read_bytes + write_bytes) // 2, 256 << 20), tier.record_nbytes)
+        disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
+        disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks)
+                                  for k in ("write_gbps", "read_gbps", "mixed_gbps")},
+                    probes=len(disks), reps=[{k: d[k] for k in ("write_gbps", "read_gbps", "mixed_gbps")}
+                                             for d in disks])
         result = {
             "params": args.params,
             "dtype": args.dtype,
@@ -202,6 +218,7 @@ def run(args: argparse.Namespace) -> dict:
             "pool_bytes": tier.pool_nbytes,
             "state_bytes": tier.nbytes,
             "direct": tier.direct,
+            "kernels": backend_info()["isa"],
             "disk": disk,
             "cpu_step_s": statistics.median(cpu_times),
             "nvme_step_s": statistics.median(nvme_times),
@@ -210,6 +227,8 @@ def run(args: argparse.Namespace) -> dict:
             "nvme_wait_s": statistics.median(waits),
             "read_bytes": read_bytes,
             "write_bytes": write_bytes,
+            "read_bytes_per_step": reads,
+            "write_bytes_per_step": writes,
         }
         nvme_opt.close()
         cpu_opt.close()
@@ -240,21 +259,31 @@ def _load_average() -> str:
         return "n/a"
 
 
+def _binary(n: int) -> str:
+    """4194304 -> '4 Mi', 262144 -> '256 Ki' (whole units where they divide)."""
+    for unit, size in (("Gi", 2**30), ("Mi", 2**20), ("Ki", 2**10)):
+        if n >= size:
+            return f"{n / size:.0f} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
+    return str(n)
+
+
 def format_table(r: dict) -> str:
     d = r["disk"]
     gib = 2**30
     rows = [
         ("parameters", f"{r['params'] / 1e6:.0f}M {r['dtype']} (moments {r['moment_dtype']})"),
-        ("sub-groups x pool", f"{r['subgroups']} x {r['subgroup_numel'] / 2**20:.0f} Mi elems; pool "
-                              f"{r['buffer_count']} x {r['pool_bytes'] / r['buffer_count'] / 2**20:.0f} MiB"),
+        ("sub-groups x pool", f"{r['subgroups']} x {_binary(r['subgroup_numel'])} elems; pool "
+                              f"{r['buffer_count']} x {_binary(r['pool_bytes'] // r['buffer_count'])}B"),
         ("state on disk", f"{r['state_bytes'] / gib:.2f} GiB ({'O_DIRECT' if r['direct'] else 'buffered'}, "
                           f"{d['backend']}, block {d['block_size'] >> 10} KiB, qd {d['queue_depth']})"),
         ("disk write / read / both", f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f} / {d['mixed_gbps']:.2f} GB/s "
-                                     "(engine, sequential; 'both' = reads and writes at once)"),
+                                     f"(engine, sequential, median of {d['probes']} probes around the steps: "
+                                     + ", ".join(f"{p['write_gbps']:.2f}/{p['read_gbps']:.2f}/{p['mixed_gbps']:.2f}"
+                                                 for p in d["reps"]) + "; 'both' = reads and writes at once)"),
         ("bytes moved / step", f"read {r['read_bytes'] / gib:.2f} GiB, write {r['write_bytes'] / gib:.2f} GiB"),
         ("I/O time at disk speed", f"{r['io_floor_s'] * 1e3:.0f} ms (serial {r['io_serial_s'] * 1e3:.0f}, "
                                    f"both at once {r['io_mixed_s'] * 1e3:.0f})"),
-        ("CPU step (offload cpu)", f"{r['cpu_step_s'] * 1e3:.0f} ms"),
+        ("CPU step (offload cpu)", f"{r['cpu_step_s'] * 1e3:.0f} ms ({r['kernels']} kernels)"),
         ("floor", f"{r['floor_s'] * 1e3:.0f} ms ({r['bound']}-bound)"),
         ("NVMe step", f"{r['nvme_step_s'] * 1e3:.0f} ms (of it blocked on I/O: {r['nvme_wait_s'] * 1e3:.0f} ms); "
                       f"achieved {r['achieved_gbps']:.2f} GB/s"),
