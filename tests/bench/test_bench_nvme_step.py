@@ -33,9 +33,9 @@ def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(t
     for read, write in zip(r["read_bytes_per_step"], r["write_bytes_per_step"]):
         assert read == write == 4 * record
     d = r["disk"]
-    assert d["probes"] == 3 and len(d["reps"]) == 3  # before, halfway, after
+    assert d["probes"] == 3 and len(d["per_probe"]) == 3  # before, halfway, after
     for key in ("write_gbps", "read_gbps", "mixed_gbps"):
-        assert sorted(p[key] for p in d["reps"])[1] == d[key] > 0
+        assert sorted(p[key] for p in d["per_probe"])[1] == d[key] > 0
     serial = r["read_bytes"] / (d["read_gbps"] * 1e9) + r["write_bytes"] / (d["write_gbps"] * 1e9)
     assert r["io_serial_s"] == pytest.approx(serial)
     assert r["io_floor_s"] == min(r["io_serial_s"], r["io_mixed_s"])

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
         disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks)
                                   for k in ("write_gbps", "read_gbps", "mixed_gbps")},
-                    probes=len(disks), reps=[{k: d[k] for k in ("write_gbps", "read_gbps", "mixed_gbps")}
+                    probes=len(disks), per_probe=[{k: d[k] for k in ("write_gbps", "read_gbps", "mixed_gbps")}
                                              for d in disks])
         result = {
             "params": args.params,
@@ -279,7 +279,7 @@ def format_table(r: dict) -> str:
         ("disk write / read / both", f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f} / {d['mixed_gbps']:.2f} GB/s "
                                      f"(engine, sequential, median of {d['probes']} probes around the steps: "
                                      + ", ".join(f"{p['write_gbps']:.2f}/{p['read_gbps']:.2f}/{p['mixed_gbps']:.2f}"
-                                                 for p in d["reps"]) + "; 'both' = reads and writes at once)"),
+                                                 for p in d["per_probe"]) + "; 'both' = reads and writes at once)"),
         ("bytes moved / step", f"read {r['read_bytes'] / gib:.2f} GiB, write {r['write_bytes'] / gib:.2f} GiB"),
         ("I/O time at disk speed", f"{r['io_floor_s'] * 1e3:.0f} ms (serial {r['io_serial_s'] * 1e3:.0f}, "
                                    f"both at once {r['io_mixed_s'] * 1e3:.0f})"),

@@ -7,7 +7,8 @@
 Time: every configuration gets its own optimizer over the same parameter shapes, with fixed
 gradients, and ``opt.step()`` is timed round-robin (one step of each per round) so that all
 of them see the same memory-bandwidth phase. Right before each step the probe re-measures
-the optimizer kernel and the gradient pass (8 Mi elements), and once per round the disk (256
+the optimizer kernel and the gradient pass (8 Mi elements, more where the last-level cache
+would hold them: :func:`tierstate.placement.probe.beyond_cache_numel`), and once per round the disk (256
 MiB each way under ``--nvme-dir``); each step's prediction uses the rates measured just before
 it. The table gives the median measured step, the median prediction, and the median of the
 per-step errors (prediction and measurement seconds apart, so in the same bandwidth phase). Forward/backward time is not part of this benchmark (the planner's
@@ -169,6 +170,7 @@ def run_time_benchmark(numel: int, tensors: int, rounds: int, nvme_dir: str | No
     torch.manual_seed(0)
     sizes = [numel // tensors] * tensors
     spec = from_param_numels(sizes, name="flat")
+    probe_numel = probe.beyond_cache_numel(8 << 20, 16)  # w, g, m, v in fp32
     runs = {}
     for i, (name, c) in enumerate(time_configs(nvme_dir).items()):
         run_dir = os.path.join(nvme_dir, f"run{i}") if nvme_dir else None  # one NVMe folder per optimizer
@@ -189,7 +191,7 @@ def run_time_benchmark(numel: int, tensors: int, rounds: int, nvme_dir: str | No
         disk = probe.measure_disk(nvme_dir, 256 << 20, 1) if nvme_dir else None
         for run in runs.values():
             # the rates right before this step: the bandwidth level can change within seconds
-            rates = probe.measure_optimizer_step(8 << 20, 2)
+            rates = probe.measure_optimizer_step(probe_numel, 2)
             hw = Hardware.from_profile({"measurements": {**rates, "nvme": [disk] if disk else []}}, source="probe")
             t0 = time.perf_counter()
             run["opt"].step()
