@@ -15,8 +15,8 @@ per-step errors (prediction and measurement seconds apart, so in the same bandwi
 compute figure is a FLOP count at the measured matmul rate, which this does not check).
 
 Memory: :func:`measure_memory` runs one configuration in a fresh Python process (so earlier
-allocations do not hide in the peak), resets the kernel's peak-RSS mark once the library is
-loaded, builds a GPT of a few tens of M params, trains 3 steps and reports ``VmHWM`` growth;
+allocations do not hide in the peak), resets the kernel's peak-RSS mark once tierstate and
+torch's kernels are loaded (a warm-up step of each), builds a GPT of a few tens of M params, trains 3 steps and reports ``VmHWM`` growth;
 the planner's host total for the same configuration is compared with it (with glibc's mmap
 threshold fixed, and with the default malloc: see the note at :data:`MMAP_THRESHOLD_ENV`).
 """
@@ -59,14 +59,23 @@ def _memory_child(cfg: dict) -> dict:
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    # Library code is loaded on the first optimizer construction (torch.optim's lazy imports,
-    # the native module, its thread pool: ~70 MB here). It is not state: load it before the baseline.
-    # The warm-up must leave glibc as it is: a CPU optimizer's default host-allocator policy
-    # ("retain", process-wide) would otherwise hold the measured NVMe run's freed gradients in
-    # the heap too (+17-37 MiB of 279 seen), which that run's own default ("system") does not.
+    # Library memory is loaded before the baseline, as it is not what the planner prices:
+    # - tierstate's, on the first optimizer construction (torch.optim's lazy imports, the native
+    #   module, its thread pool: ~70 MB here). The warm-up optimizer must leave glibc as it is:
+    #   a CPU optimizer's default host-allocator policy ("retain") is process-wide and would
+    #   otherwise apply to the NVMe run too, whose own default is "system".
+    # - torch's, on the first forward/backward (its matmul and autograd workspaces): one block of
+    #   the same width, once. Without it every configuration measured 22-35 MiB more (2-vCPU
+    #   AVX-512 VM: nvme-fp32 292-299 MiB cold, 271-272 warm, 279 predicted).
     warm = torch.nn.Parameter(torch.zeros(1))
     warm.grad = torch.zeros(1)
     ts.AdamW([warm], offload=ts.Offload(cpu=1.0, host_allocator="system")).step()
+    block = GPT(GPTConfig(n_layer=1, n_head=8, d_model=cfg["d_model"], max_seq_len=cfg["seq"]))
+    block = block.to(getattr(torch, _DTYPES[cfg["param_dtype"]]))
+    sample = torch.randint(0, block.config.vocab_size, (cfg["batch"], cfg["seq"]))
+    out = block(sample)
+    torch.nn.functional.cross_entropy(out.float().view(-1, out.size(-1)), sample.view(-1)).backward()
+    del block, sample, out
     # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -109,12 +118,13 @@ def memory_config(name: str, nvme_dir: str | None = None, d_model: int = 512, n_
 # by zero_grad and allocated again by the next backward can then sit twice in RSS. Run to run,
 # the same 25M-param job peaked at 427 or 506 MiB that way. Fixing the threshold at 1 MiB
 # (MALLOC_MMAP_THRESHOLD_) makes every tensor >= 1 MiB its own mapping, returned on free, so
-# RSS tracks live bytes (409-413 MiB over 6 runs) - which is what the planner prices. The
+# RSS tracks live bytes (409-413 MiB over 6 runs, before torch's warm-up above) - which is
+# what the planner prices. The
 # benchmark shows both; the planner's figure is the floor a default-malloc run can exceed by
 # about one gradient set. The CPU configurations' optimizers apply their default host-allocator
 # policy, "retain" (tierstate.host_allocator: every block from the heap, freed ones reused),
 # which overrides this threshold: their peak is then the heap's high-water mark, 408 MiB
-# predicted against 422-435 MiB measured for cpu-fp32 (5 runs, AVX-512 VM). The NVMe
+# predicted against 398-403 MiB measured for cpu-fp32 (3 runs, AVX-512 VM). The NVMe
 # configuration keeps glibc's allocator ("system"), so the threshold holds there.
 MMAP_THRESHOLD_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 
