@@ -8,9 +8,9 @@ Time: every configuration gets its own optimizer over the same parameter shapes,
 gradients, and ``opt.step()`` is timed round-robin (one step of each per round) so that all
 of them see the same memory-bandwidth phase. Right before each step the probe re-measures
 the optimizer kernel and the gradient pass (8 Mi elements, more where the last-level cache
-would hold them: :func:`tierstate.placement.probe.beyond_cache_numel`), and once per round the disk (256
-MiB each way under ``--nvme-dir``); each step's prediction uses the rates measured just before
-it. The table gives the median measured step, the median prediction, and the median of the
+would hold them: :func:`tierstate.placement.probe.beyond_cache_numel`), and once per round
+the disk (256 MiB each way under ``--nvme-dir``); each step's prediction uses the rates
+measured just before it. The table gives the median measured step, the median prediction, and the median of the
 per-step errors (prediction and measurement seconds apart, so in the same bandwidth phase). Forward/backward time is not part of this benchmark (the planner's
 compute figure is a FLOP count at the measured matmul rate, which this does not check).
 
