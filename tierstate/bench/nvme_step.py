@@ -34,6 +34,8 @@ from ..placement.model_spec import parse_count
 from ..telemetry.progress import progress
 
 TARGET_RATIO = 1.15
+# measure_disk's rates, in GB/s: one direction at a time, and reads and writes at once
+_DISK_RATES = ("write_gbps", "read_gbps", "mixed_gbps")
 
 
 def _count(text: str) -> int:
@@ -187,12 +189,17 @@ def run(args: argparse.Namespace) -> dict:
         # probed before, halfway through and after the timed steps; the floor takes the medians.
         pool = tier.pool_nbytes // tier.record_nbytes
         probe_bytes = max(tier.record_nbytes * max(1, len(tier.subgroups) - pool), args.probe_bytes)
-        disks = [measure_disk(work, probe_bytes, tier.record_nbytes, reps=1)]
+        disks = []
+
+        def probe_disk() -> None:
+            disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
+
+        probe_disk()
         cpu_times, nvme_times, reads, writes, waits = [], [], [], [], []
         with progress(args.steps, "cpu and nvme steps") as advance:
             for i in range(args.steps):
                 if i == args.steps // 2 and i > 0:
-                    disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
+                    probe_disk()
                 pair = [(cpu_opt, cpu_times), (nvme_opt, nvme_times)]
                 for opt, times in (pair if i % 2 == 0 else pair[::-1]):
                     wall, info = _timed_step(opt)
@@ -203,11 +210,9 @@ def run(args: argparse.Namespace) -> dict:
                         waits.append(info["nvme_wait"])
                 advance()  # between pairs of timed steps
         read_bytes, write_bytes = statistics.median(reads), statistics.median(writes)
-        disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
-        disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks)
-                                  for k in ("write_gbps", "read_gbps", "mixed_gbps")},
-                    probes=len(disks), per_probe=[{k: d[k] for k in ("write_gbps", "read_gbps", "mixed_gbps")}
-                                             for d in disks])
+        probe_disk()
+        disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks) for k in _DISK_RATES},
+                    probes=len(disks), per_probe=[{k: d[k] for k in _DISK_RATES} for d in disks])
         result = {
             "params": args.params,
             "dtype": args.dtype,
@@ -278,8 +283,8 @@ def format_table(r: dict) -> str:
                           f"{d['backend']}, block {d['block_size'] >> 10} KiB, qd {d['queue_depth']})"),
         ("disk write / read / both", f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f} / {d['mixed_gbps']:.2f} GB/s "
                                      f"(engine, sequential, median of {d['probes']} probes around the steps: "
-                                     + ", ".join(f"{p['write_gbps']:.2f}/{p['read_gbps']:.2f}/{p['mixed_gbps']:.2f}"
-                                                 for p in d["per_probe"]) + "; 'both' = reads and writes at once)"),
+                                     + ", ".join("/".join(f"{p[k]:.2f}" for k in _DISK_RATES) for p in d["per_probe"])
+                                     + "; 'both' = reads and writes at once)"),
         ("bytes moved / step", f"read {r['read_bytes'] / gib:.2f} GiB, write {r['write_bytes'] / gib:.2f} GiB"),
         ("I/O time at disk speed", f"{r['io_floor_s'] * 1e3:.0f} ms (serial {r['io_serial_s'] * 1e3:.0f}, "
                                    f"both at once {r['io_mixed_s'] * 1e3:.0f})"),

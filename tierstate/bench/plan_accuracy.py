@@ -10,15 +10,17 @@ of them see the same memory-bandwidth phase. Right before each step the probe re
 the optimizer kernel and the gradient pass (8 Mi elements, more where the last-level cache
 would hold them: :func:`tierstate.placement.probe.beyond_cache_numel`), and once per round
 the disk (256 MiB each way under ``--nvme-dir``); each step's prediction uses the rates
-measured just before it. The table gives the median measured step, the median prediction, and the median of the
-per-step errors (prediction and measurement seconds apart, so in the same bandwidth phase). Forward/backward time is not part of this benchmark (the planner's
+measured just before it. The table gives the median measured step, the median prediction,
+and the median of the per-step errors (prediction and measurement seconds apart, so in the
+same bandwidth phase). Forward/backward time is not part of this benchmark (the planner's
 compute figure is a FLOP count at the measured matmul rate, which this does not check).
 
 Memory: :func:`measure_memory` runs one configuration in a fresh Python process (so earlier
 allocations do not hide in the peak), resets the kernel's peak-RSS mark once tierstate and
-torch's kernels are loaded (a warm-up step of each), builds a GPT of a few tens of M params, trains 3 steps and reports ``VmHWM`` growth;
-the planner's host total for the same configuration is compared with it (with glibc's mmap
-threshold fixed, and with the default malloc: see the note at :data:`MMAP_THRESHOLD_ENV`).
+torch's kernels are loaded (a warm-up step of each), builds a GPT of a few tens of M params,
+trains 3 steps and reports ``VmHWM`` growth; the planner's host total for the same
+configuration is compared with it (with glibc's mmap threshold fixed, and with the default
+malloc: see the note at :data:`MMAP_THRESHOLD_ENV`).
 """
 from __future__ import annotations
 
@@ -119,9 +121,8 @@ def memory_config(name: str, nvme_dir: str | None = None, d_model: int = 512, n_
 # the same 25M-param job peaked at 427 or 506 MiB that way. Fixing the threshold at 1 MiB
 # (MALLOC_MMAP_THRESHOLD_) makes every tensor >= 1 MiB its own mapping, returned on free, so
 # RSS tracks live bytes (409-413 MiB over 6 runs, before torch's warm-up above) - which is
-# what the planner prices. The
-# benchmark shows both; the planner's figure is the floor a default-malloc run can exceed by
-# about one gradient set. The CPU configurations' optimizers apply their default host-allocator
+# what the planner prices. The benchmark shows both; the planner's figure is the floor a
+# default-malloc run can exceed by about one gradient set. The CPU configurations' optimizers apply their default host-allocator
 # policy, "retain" (tierstate.host_allocator: every block from the heap, freed ones reused),
 # which overrides this threshold: their peak is then the heap's high-water mark, 408 MiB
 # predicted against 398-403 MiB measured for cpu-fp32 (3 runs, AVX-512 VM). The NVMe
