@@ -20,7 +20,9 @@ import json, os, resource, sys
 import torch
 import tierstate as ts
 
-def faults_per_round(rounds=16, nbytes=64 << 20):
+ROUNDS_AFTER = int(os.environ["ROUNDS_AFTER"])
+
+def faults_per_round(rounds, nbytes=64 << 20):
     out = []
     for _ in range(rounds):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -34,7 +36,7 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-result = {"policy_at_start": ts.host_allocator.policy(), "system": faults_per_round()}
+result = {"policy_at_start": ts.host_allocator.policy(), "system": faults_per_round(8)}
 rss_before = rss()
 action = sys.argv[1]
 if action == "retain":
@@ -45,7 +47,7 @@ elif action.startswith("optimizer"):
     opt = ts.AdamW([p], offload=ts.Offload(**kwargs))
     result["optimizer_policy"] = opt.host_allocator
 result["policy"] = ts.host_allocator.policy()
-result["after"] = faults_per_round()
+result["after"] = faults_per_round(ROUNDS_AFTER)
 result["rss_growth"] = rss() - rss_before
 if action == "retain":
     rss_retained = rss()
@@ -56,12 +58,20 @@ print(json.dumps(result))
 """
 
 PAGES = (64 << 20) // 4096
+# Rounds after the setting. Under "retain" the first rounds still fault while the heap grows
+# until freed 64 MiB blocks sit side by side and coalesce (glibc's posix_memalign needs a block
+# of the size plus the alignment's slack): 6-9 rounds on one VM, 13 once in CI, where the heap
+# layout that imports leave differs. 48 rounds leave the last 16 to show that it stopped.
+ROUNDS_AFTER = 48
+SETTLED = 16
+GROWN_BLOCKS = 16  # the most rounds that may fault (each grows the heap by one block)
 
 
 def _run(*argv: str, env: dict | None = None) -> dict:
     import os
 
     child_env = {k: v for k, v in os.environ.items() if k != "TIERSTATE_HOST_ALLOCATOR"}
+    child_env["ROUNDS_AFTER"] = str(ROUNDS_AFTER)
     child_env.update(env or {})
     done = subprocess.run([sys.executable, "-c", _CHURN, *argv], capture_output=True, text=True, timeout=300,
                           env=child_env)
@@ -75,11 +85,11 @@ def test_retained_memory_is_reused_without_page_faults_and_release_returns_it():
     # glibc's default: every round maps fresh pages (one fault per 4 KiB page)
     assert min(r["system"]) >= PAGES * 0.9
     assert r["applied"] is True and r["policy"] == "retain"
-    # kept in the heap: once freed neighbours coalesced (glibc cannot reuse a freed block for a
-    # posix_memalign of its own size; 2-10 rounds here), the rounds reuse it and nothing faults,
-    # and the heap stops growing: bounded by a few blocks, not one per round
-    assert max(r["after"][-4:]) < PAGES * 0.01
-    assert r["rss_growth"] <= 12 * (64 << 20)
+    # kept in the heap: once freed neighbours coalesced (see ROUNDS_AFTER), the rounds reuse
+    # them and nothing faults, and the heap stops growing: bounded by a few blocks, not one a round
+    assert max(r["after"][-SETTLED:]) < PAGES * 0.01
+    assert sum(f >= PAGES * 0.5 for f in r["after"]) <= GROWN_BLOCKS
+    assert r["rss_growth"] <= GROWN_BLOCKS * (64 << 20)
     assert r["released"] is True and r["policy_after_release"] == "system"
     # malloc_trim gives the heap's free blocks back: at least what the loop's blocks took
     assert r["rss_returned"] >= (64 << 20)
@@ -88,7 +98,7 @@ def test_retained_memory_is_reused_without_page_faults_and_release_returns_it():
 def test_optimizer_on_cpu_parameters_retains_by_default():
     r = _run("optimizer", json.dumps({}))
     assert r["optimizer_policy"] == "retain" == r["policy"]
-    assert max(r["after"][-4:]) < PAGES * 0.01
+    assert max(r["after"][-SETTLED:]) < PAGES * 0.01
 
 
 def test_optimizer_with_an_nvme_tier_leaves_the_allocator_alone(tmp_path):
