@@ -1,9 +1,10 @@
 """``tierstate bench step --offload nvme`` at a tiny size: it times real NVMe steps, moves the
-bytes the write-back pool implies, and prices them against disk probes taken around the steps."""
+bytes the write-back pool implies, and prices each step against the disk probes on either side."""
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import pytest
 
@@ -20,7 +21,9 @@ def _run(tmp_path, *extra: str) -> dict:
     args = parser.parse_args(["--params", "2097152", "--param-numel", "524288", "--subgroup-numel", "262144",
                               "--buffer-count", "4", "--steps", "3", "--warmup", "1", "--probe-bytes", "8M",
                               "--nvme-dir", str(tmp_path), *extra])
-    return nvme_step.run(args)
+    results = nvme_step.run(args)
+    assert len(results) == 1
+    return results[0]
 
 
 def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(tmp_path):
@@ -33,19 +36,55 @@ def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(t
     for read, write in zip(r["read_bytes_per_step"], r["write_bytes_per_step"]):
         assert read == write == 4 * record
     d = r["disk"]
-    assert d["probes"] == 3 and len(d["per_probe"]) == 3  # before, halfway, after
+    assert d["probes"] == 4 and len(d["per_probe"]) == 4  # one before the 3 steps, one after each
     for key in ("write_gbps", "read_gbps", "mixed_gbps"):
-        assert sorted(p[key] for p in d["per_probe"])[1] == d[key] > 0
+        assert d[key] == pytest.approx(statistics.median(p[key] for p in d["per_probe"])) and d[key] > 0
+    # each step against the mean of the probes before and after it
+    assert len(r["per_step"]) == 3
+    for i, step in enumerate(r["per_step"]):
+        around = {k: (d["per_probe"][i][k] + d["per_probe"][i + 1][k]) / 2 for k in d["per_probe"][i]}
+        serial = r["read_bytes_per_step"][i] / (around["read_gbps"] * 1e9) \
+            + r["write_bytes_per_step"][i] / (around["write_gbps"] * 1e9)
+        mixed = (r["read_bytes_per_step"][i] + r["write_bytes_per_step"][i]) / (around["mixed_gbps"] * 1e9)
+        assert step["io_s"] == pytest.approx(min(serial, mixed))
+        assert step["floor_s"] == max(step["io_s"], r["cpu_steps_s"][i])
+        assert step["nvme_s"] == r["nvme_steps_s"][i]
+        assert step["ratio"] == pytest.approx(step["nvme_s"] / step["floor_s"])
+    assert r["ratio"] == pytest.approx(statistics.median(step["ratio"] for step in r["per_step"]))
+    # the same at the medians
     serial = r["read_bytes"] / (d["read_gbps"] * 1e9) + r["write_bytes"] / (d["write_gbps"] * 1e9)
     assert r["io_serial_s"] == pytest.approx(serial)
     assert r["io_floor_s"] == min(r["io_serial_s"], r["io_mixed_s"])
     assert r["floor_s"] == max(r["io_floor_s"], r["cpu_step_s"])
-    assert r["ratio"] == pytest.approx(r["nvme_step_s"] / r["floor_s"])
+    assert r["ratio_of_medians"] == pytest.approx(r["nvme_step_s"] / r["floor_s"])
     assert len(r["nvme_steps_s"]) == len(r["cpu_steps_s"]) == 3
     assert r["kernels"] not in ("reference", None)
     table = nvme_step.format_table(r)
-    assert "8 x 256 Ki elems; pool 4 x 2 MiB" in table and "median of 3 probes" in table
+    assert "8 x 256 Ki elems; pool 4 x 2 MiB" in table and "median of 4 probes" in table
+    assert "2.0x the pool" in table
     json.dumps(r)  # --json prints it
+
+
+def test_sizes_run_one_after_the_other_and_json_lists_them(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    nvme_step.add_arguments(parser)
+    args = parser.parse_args(["--params", "1M,2M", "--param-numel", "524288", "--subgroup-numel", "262144",
+                              "--buffer-count", "2", "--steps", "1", "--warmup", "1", "--probe-bytes", "4M",
+                              "--nvme-dir", str(tmp_path), "--json"])
+    assert args.params == [1_000_000, 2_000_000]
+    assert nvme_step.main(args) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["params"] for r in results] == [1_000_000, 2_000_000]
+    assert [r["subgroups"] for r in results] == [4, 8]
+
+
+def test_a_size_beyond_host_ram_is_refused_naming_params(tmp_path):
+    parser = argparse.ArgumentParser()
+    nvme_step.add_arguments(parser)
+    args = parser.parse_args(["--params", "1000T", "--nvme-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--params 1000000000M needs about .* GiB of host RAM.*smaller --params"):
+        nvme_step.run(args)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was made
 
 
 def test_bf16_parameters_keep_an_fp32_master_in_each_record(tmp_path):
@@ -68,3 +107,21 @@ def test_a_short_last_record_moves_its_own_size(tmp_path):
 
 def _align(n: int) -> int:
     return -(-n // 4096) * 4096
+
+
+def test_default_sizes_that_do_not_fit_are_skipped_and_said(tmp_path, monkeypatch, capsys):
+    """Without --params both default sizes run; one that the RAM available cannot hold is
+    skipped with a line naming it (here: as if 8 GiB were available, which fits 100M, not 400M)."""
+    import psutil
+
+    parser = argparse.ArgumentParser()
+    nvme_step.add_arguments(parser)
+    args = parser.parse_args(["--nvme-dir", str(tmp_path)])
+    assert args.params is None
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=8 << 30))
+    assert nvme_step._sizes(args) == [100_000_000]
+    assert "skipping the default size 400M: --params 400M needs about 9.9 GiB" in capsys.readouterr().err
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 30))
+    assert nvme_step.main(args) == 2
+    assert "no default size fits" in capsys.readouterr().err

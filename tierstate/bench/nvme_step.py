@@ -1,12 +1,14 @@
 """``tierstate bench step --offload nvme``: the NVMe-tier optimizer step against its floor.
 
-    python -m tierstate.bench.nvme_step --params 100M [--dtype bf16] [--json]
+    python -m tierstate.bench.nvme_step [--params 100M,400M] [--dtype bf16] [--json]
 
-One run measures, on the same folder and the same I/O engine (same block size):
+For each size in ``--params``, one run measures, on the same folder and the same I/O
+engine (same block size):
 
 - the disk's sequential write and read bandwidth (records-sized requests, O_DIRECT,
   overwriting a file first written once, as the tier's files are after the first step),
-  probed before, halfway through and after the timed steps (medians: the disk drifts);
+  probed before the first timed step and after each one: the disk drifts by 10-20 %
+  within seconds here, so each step is priced against the two probes around it;
 - the CPU step time: ``ts.AdamW(offload="cpu")`` on a copy of the same parameters and
   gradients, interleaved with the NVMe steps so both see the same memory-bandwidth
   phase of the machine;
@@ -14,8 +16,15 @@ One run measures, on the same folder and the same I/O engine (same block size):
 
 floor = max(disk time of the step's bytes, CPU step time), the disk time being the
 smaller of (read bytes / read GB/s + write bytes / write GB/s) and (all bytes / GB/s of
-reads and writes at once); the target
-is NVMe step <= 1.15 x floor. Times are medians over the timed steps.
+reads and writes at once), at the mean rates of the probes just before and just after
+the step. The ratio is the median over the timed steps of step time / its floor; the
+target is <= 1.15.
+
+The two default sizes are two regimes of the default pool (16 x 4 Mi elements): at 100M
+parameters two thirds of the state stays in the pool and each step streams 8 of its 24
+records each way, so the step's fixed costs before its first write (the gradient-norm
+pass over all gradients, ~20 ms here) weigh ~9 % of the floor; at 400M the state is six
+times the pool and 80 of 96 records stream, as they do for the models NVMe offload is for.
 """
 from __future__ import annotations
 
@@ -34,6 +43,7 @@ from ..placement.model_spec import parse_count
 from ..telemetry.progress import progress
 
 TARGET_RATIO = 1.15
+DEFAULT_SIZES = (100_000_000, 400_000_000)
 # measure_disk's rates, in GB/s: one direction at a time, and reads and writes at once
 _DISK_RATES = ("write_gbps", "read_gbps", "mixed_gbps")
 
@@ -46,11 +56,19 @@ def _count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _counts(text: str) -> list[int]:
+    """'100M,400M' -> [100_000_000, 400_000_000]: one run per size."""
+    return [_count(part) for part in text.split(",") if part.strip()] or [_count(text)]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the NVMe step benchmark."""
     from ..placement import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
 
-    parser.add_argument("--params", type=_count, default=100_000_000, help="parameters (default 100M)")
+    parser.add_argument("--params", type=_counts, default=None,
+                        help="parameters, or a comma-separated list of sizes run one after the other "
+                             "(default 100M,400M: state 1.5x and 6x the default pool; a default size that "
+                             "does not fit in the host RAM available is skipped, and says so)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="parameter dtype; bf16 keeps an fp32 master in the tier (default fp32)")
     parser.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="optimizer moments' dtype")
@@ -63,10 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-dir", default=None,
                         help="folder for the state files and the disk probe (default: a temporary folder under "
                              "TIERSTATE_NVME_DIR or the tierstate cache dir)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and size (default 5)")
     parser.add_argument("--probe-bytes", type=_count, default=256 << 20,
                         help="bytes each way per disk probe, at least the step's (default 256 MiB); the disk "
-                             "is probed before, halfway through and after the timed steps")
+                             "is probed before the first timed step and after each one")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
@@ -149,8 +167,10 @@ def _params(n: int, per: int, dtype: torch.dtype, seed: int) -> list[torch.nn.Pa
     sizes = [per] * (n // per) + ([n % per] if n % per else [])
     out = []
     for size in sizes:
-        p = torch.nn.Parameter(torch.randn(size, generator=gen).to(dtype))
-        p.grad = (torch.randn(size, generator=gen) * 1e-2).to(dtype)
+        # drawn in place: a freed temporary of the same size would stay as a hole in glibc's
+        # heap (see tierstate.host_allocator), 4 B/param more RSS at 400M (12.8 GiB, not 9.4)
+        p = torch.nn.Parameter(torch.empty(size).normal_(generator=gen).to(dtype))
+        p.grad = torch.empty(size).normal_(std=1e-2, generator=gen).to(dtype)
         out.append(p)
     return out
 
@@ -163,30 +183,85 @@ def _timed_step(opt) -> tuple[float, dict]:
     return wall, {"bytes": dict(stats.bytes), "nvme_wait": stats.phases.get("nvme_wait", 0.0)}
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark; returns the figures ``main`` prints."""
+# torch, Python, the disk probe's buffers: peak RSS less the estimate below was 0.40-0.42 GiB
+# at 100M and 400M fp32 parameters (3.15 and 9.86 GiB measured with /usr/bin/time)
+_BASE_BYTES = 512 << 20
+
+
+def _host_bytes_needed(params: int, dtype: torch.dtype, moment: torch.dtype, pool_bytes: int) -> int:
+    """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
+    optimizer's moments (and fp32 master for bf16 parameters), the NVMe tier's pool, and
+    the interpreter's own."""
+    elt, mom = torch.finfo(dtype).bits // 8, torch.finfo(moment).bits // 8
+    master = 4 if dtype != torch.float32 else 0
+    return params * (4 * elt + 2 * mom + master) + pool_bytes + _BASE_BYTES
+
+
+def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:
+    """(serial, at once) seconds for the step's bytes at ``rates`` (GB/s, as measure_disk gives)."""
+    serial = read_bytes / (rates["read_gbps"] * 1e9) + write_bytes / (rates["write_gbps"] * 1e9)
+    mixed = (read_bytes + write_bytes) / (rates["mixed_gbps"] * 1e9)
+    return serial, mixed
+
+
+def _ram_shortfall(args: argparse.Namespace, params: int) -> str | None:
+    """Why ``params`` parameters do not fit in the host RAM available now, or None if they do."""
+    import psutil
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    moment = torch.bfloat16 if args.moment_dtype == "bf16" else torch.float32
+    record = args.subgroup_numel * (2 * (torch.finfo(moment).bits // 8) + (4 if args.dtype == "bf16" else 0))
+    needed = _host_bytes_needed(params, dtype, moment, args.buffer_count * record)
+    available = psutil.virtual_memory().available
+    if needed <= 0.9 * available:
+        return None
+    return (f"--params {params / 1e6:.0f}M needs about {needed / 2**30:.1f} GiB of host RAM (parameters and "
+            f"gradients twice, the CPU optimizer's moments, the pool) and {available / 2**30:.1f} GiB is available")
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    """The sizes to run: those asked for, or the default ones that fit in RAM (saying which do not)."""
+    if args.params is not None:
+        return list(args.params)
+    sizes = []
+    for params in DEFAULT_SIZES:
+        shortfall = _ram_shortfall(args, params)
+        if shortfall:
+            print(f"tierstate bench step --offload nvme: skipping the default size {params / 1e6:.0f}M: {shortfall}",
+                  file=sys.stderr)
+        else:
+            sizes.append(params)
+    return sizes
+
+
+def run_size(args: argparse.Namespace, params: int) -> dict:
+    """Benchmark one size (``params`` parameters); returns the figures ``format_table`` prints."""
     import tierstate as ts
     from ..kernels import backend_info
     from ..placement import default_nvme_root
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     moment = torch.bfloat16 if args.moment_dtype == "bf16" else torch.float32
+    shortfall = _ram_shortfall(args, params)
+    if shortfall:
+        raise SystemExit(f"tierstate bench step --offload nvme: {shortfall}: pass a smaller --params")
     root = Path(args.nvme_dir) if args.nvme_dir else default_nvme_root()
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-step-", dir=root))
     try:
         offload = ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=work / "state", subgroup_numel=args.subgroup_numel,
                              buffer_count=args.buffer_count, moment_dtype=moment)
-        nvme_params = _params(args.params, args.param_numel, dtype, seed=0)
-        cpu_params = _params(args.params, args.param_numel, dtype, seed=0)
+        nvme_params = _params(params, args.param_numel, dtype, seed=0)
+        cpu_params = _params(params, args.param_numel, dtype, seed=0)
         nvme_opt = ts.AdamW(nvme_params, lr=1e-3, offload=offload)
         cpu_opt = ts.AdamW(cpu_params, lr=1e-3, offload=ts.Offload(cpu=1.0, moment_dtype=moment))
         tier = nvme_opt.tiers[ts.placement.TierKind.NVME]
         for _ in range(args.warmup):
             cpu_opt.step()
             nvme_opt.step()
-        # The disk's speed drifts over minutes here (reads 1.7-3.2 GB/s across runs), so it is
-        # probed before, halfway through and after the timed steps; the floor takes the medians.
+        # The disk's speed drifts by 10-20 % within seconds here (reads 1.7-3.2 GB/s across
+        # runs), so it is probed before the first timed step and after each one, and each step
+        # is priced at the mean of the probes on either side of it.
         pool = tier.pool_nbytes // tier.record_nbytes
         probe_bytes = max(tier.record_nbytes * max(1, len(tier.subgroups) - pool), args.probe_bytes)
         disks = []
@@ -196,10 +271,8 @@ def run(args: argparse.Namespace) -> dict:
 
         probe_disk()
         cpu_times, nvme_times, reads, writes, waits = [], [], [], [], []
-        with progress(args.steps, "cpu and nvme steps") as advance:
+        with progress(args.steps, f"cpu and nvme steps, {params / 1e6:.0f}M") as advance:
             for i in range(args.steps):
-                if i == args.steps // 2 and i > 0:
-                    probe_disk()
                 pair = [(cpu_opt, cpu_times), (nvme_opt, nvme_times)]
                 for opt, times in (pair if i % 2 == 0 else pair[::-1]):
                     wall, info = _timed_step(opt)
@@ -208,13 +281,13 @@ def run(args: argparse.Namespace) -> dict:
                         reads.append(info["bytes"].get("nvme/read", 0))
                         writes.append(info["bytes"].get("nvme/write", 0))
                         waits.append(info["nvme_wait"])
-                advance()  # between pairs of timed steps
+                probe_disk()
+                advance()  # after each pair of timed steps and its probe
         read_bytes, write_bytes = statistics.median(reads), statistics.median(writes)
-        probe_disk()
         disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks) for k in _DISK_RATES},
                     probes=len(disks), per_probe=[{k: d[k] for k in _DISK_RATES} for d in disks])
         result = {
-            "params": args.params,
+            "params": params,
             "dtype": args.dtype,
             "moment_dtype": args.moment_dtype,
             "subgroups": len(tier.subgroups),
@@ -241,20 +314,34 @@ def run(args: argparse.Namespace) -> dict:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    # The disk's time for the step's bytes: one direction after the other, or both at once
-    # (the tier overlaps reads and writes); the faster of the two is the floor.
-    serial_s = read_bytes / (disk["read_gbps"] * 1e9) + write_bytes / (disk["write_gbps"] * 1e9)
-    mixed_s = (read_bytes + write_bytes) / (disk["mixed_gbps"] * 1e9)
+    # Each step against the disk as the probes on either side of it found it: one direction
+    # after the other, or both at once (the tier overlaps reads and writes), whichever is
+    # faster, or the CPU step timed next to it if that is longer.
+    per_step = []
+    for i, (nvme_s, cpu_s) in enumerate(zip(nvme_times, cpu_times)):
+        around = {k: (disk["per_probe"][i][k] + disk["per_probe"][i + 1][k]) / 2 for k in _DISK_RATES}
+        io_s = min(_disk_time(reads[i], writes[i], around))
+        floor = max(io_s, cpu_s)
+        per_step.append({"nvme_s": nvme_s, "cpu_s": cpu_s, "io_s": io_s, "floor_s": floor, "ratio": nvme_s / floor})
+    result["per_step"] = per_step
+    result["ratio"] = statistics.median(p["ratio"] for p in per_step)
+    # The same at the medians (of the steps, and of all the probes): what one probe per run gives
+    serial_s, mixed_s = _disk_time(read_bytes, write_bytes, disk)
     io_s = min(serial_s, mixed_s)
     result["io_serial_s"], result["io_mixed_s"] = serial_s, mixed_s
     result["io_floor_s"] = io_s
     result["floor_s"] = max(io_s, result["cpu_step_s"])
     result["bound"] = "disk" if io_s >= result["cpu_step_s"] else "cpu"
-    result["ratio"] = result["nvme_step_s"] / result["floor_s"]
+    result["ratio_of_medians"] = result["nvme_step_s"] / result["floor_s"]
     result["achieved_gbps"] = _gbps(read_bytes + write_bytes, result["nvme_step_s"])
     result["target_ratio"] = TARGET_RATIO
     result["uptime"] = _load_average()
     return result
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Benchmark each size of ``args.params`` (default: :data:`DEFAULT_SIZES`) in turn; one result per size."""
+    return [run_size(args, params) for params in _sizes(args)]
 
 
 def _load_average() -> str:
@@ -273,26 +360,32 @@ def _binary(n: int) -> str:
 
 
 def format_table(r: dict) -> str:
+    """One size's figures as a two-column table."""
     d = r["disk"]
     gib = 2**30
     rows = [
         ("parameters", f"{r['params'] / 1e6:.0f}M {r['dtype']} (moments {r['moment_dtype']})"),
         ("sub-groups x pool", f"{r['subgroups']} x {_binary(r['subgroup_numel'])} elems; pool "
                               f"{r['buffer_count']} x {_binary(r['pool_bytes'] // r['buffer_count'])}B"),
-        ("state on disk", f"{r['state_bytes'] / gib:.2f} GiB ({'O_DIRECT' if r['direct'] else 'buffered'}, "
+        ("state on disk", f"{r['state_bytes'] / gib:.2f} GiB = {r['state_bytes'] / r['pool_bytes']:.1f}x the pool "
+                          f"({'O_DIRECT' if r['direct'] else 'buffered'}, "
                           f"{d['backend']}, block {d['block_size'] >> 10} KiB, qd {d['queue_depth']})"),
         ("disk write / read / both", f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f} / {d['mixed_gbps']:.2f} GB/s "
-                                     f"(engine, sequential, median of {d['probes']} probes around the steps: "
+                                     f"(engine, sequential, median of {d['probes']} probes, one before the steps "
+                                     "and one after each: "
                                      + ", ".join("/".join(f"{p[k]:.2f}" for k in _DISK_RATES) for p in d["per_probe"])
                                      + "; 'both' = reads and writes at once)"),
         ("bytes moved / step", f"read {r['read_bytes'] / gib:.2f} GiB, write {r['write_bytes'] / gib:.2f} GiB"),
         ("I/O time at disk speed", f"{r['io_floor_s'] * 1e3:.0f} ms (serial {r['io_serial_s'] * 1e3:.0f}, "
-                                   f"both at once {r['io_mixed_s'] * 1e3:.0f})"),
+                                   f"both at once {r['io_mixed_s'] * 1e3:.0f}; at the probes' medians)"),
         ("CPU step (offload cpu)", f"{r['cpu_step_s'] * 1e3:.0f} ms ({r['kernels']} kernels)"),
         ("floor", f"{r['floor_s'] * 1e3:.0f} ms ({r['bound']}-bound)"),
         ("NVMe step", f"{r['nvme_step_s'] * 1e3:.0f} ms (of it blocked on I/O: {r['nvme_wait_s'] * 1e3:.0f} ms); "
                       f"achieved {r['achieved_gbps']:.2f} GB/s"),
-        ("NVMe step / floor", f"{r['ratio']:.2f}x (target <= {r['target_ratio']:.2f}x)"),
+        ("each step / its floor", ", ".join(f"{p['nvme_s'] * 1e3:.0f}/{p['floor_s'] * 1e3:.0f} ms = {p['ratio']:.2f}"
+                                           for p in r["per_step"])),
+        ("NVMe step / floor", f"{r['ratio']:.2f}x, median of the steps (target <= {r['target_ratio']:.2f}x); "
+                              f"{r['ratio_of_medians']:.2f}x at the medians"),
         ("load average", r["uptime"]),
     ]
     width = max(len(k) for k, _ in rows)
@@ -300,13 +393,23 @@ def format_table(r: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run and print (table or ``--json``); returns the exit status."""
+    """Run and print (a table per size, or ``--json``: a list with one object per size); returns the exit status."""
     for name in ("steps", "buffer_count"):
         if getattr(args, name) < (1 if name == "steps" else 2):
             print(f"--{name.replace('_', '-')} must be at least {1 if name == 'steps' else 2}", file=sys.stderr)
             return 2
-    result = run(args)
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    sizes = _sizes(args)
+    if not sizes:
+        print("tierstate bench step --offload nvme: no default size fits in the host RAM available; "
+              "pass a smaller --params", file=sys.stderr)
+        return 2
+    results = []
+    for params in sizes:
+        results.append(run_size(args, params))
+        if not args.json:
+            print(("\n" if len(results) > 1 else "") + format_table(results[-1]), flush=True)
+    if args.json:
+        print(json.dumps(results, indent=2))
     return 0
 
 
