@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes each way per disk probe, at least the step's (default 256 MiB); the disk "
                              "is probed before the first timed step and after each one")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--json", action="store_true",
+                        help="print a JSON list, one object per size, instead of the tables")
 
 
 def _gbps(nbytes: float, seconds: float) -> float:
