@@ -189,13 +189,20 @@ def _timed_step(opt) -> tuple[float, dict]:
 _BASE_BYTES = 512 << 20
 
 
-def _host_bytes_needed(params: int, dtype: torch.dtype, moment: torch.dtype, pool_bytes: int) -> int:
+def _dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
+    """(parameter dtype, moment dtype) from ``--dtype`` and ``--moment-dtype``."""
+    named = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    return named[args.dtype], named[args.moment_dtype]
+
+
+def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
     """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
-    optimizer's moments (and fp32 master for bf16 parameters), the NVMe tier's pool, and
-    the interpreter's own."""
-    elt, mom = torch.finfo(dtype).bits // 8, torch.finfo(moment).bits // 8
+    optimizer's moments (and fp32 master for bf16 parameters), the NVMe tier's pool (a record:
+    both moments, and the master for bf16 parameters), and the interpreter's own."""
+    dtype, moment = _dtypes(args)
     master = 4 if dtype != torch.float32 else 0
-    return params * (4 * elt + 2 * mom + master) + pool_bytes + _BASE_BYTES
+    record = args.subgroup_numel * (2 * moment.itemsize + master)
+    return params * (4 * dtype.itemsize + 2 * moment.itemsize + master) + args.buffer_count * record + _BASE_BYTES
 
 
 def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:
@@ -209,10 +216,7 @@ def _ram_shortfall(args: argparse.Namespace, params: int) -> str | None:
     """Why ``params`` parameters do not fit in the host RAM available now, or None if they do."""
     import psutil
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    moment = torch.bfloat16 if args.moment_dtype == "bf16" else torch.float32
-    record = args.subgroup_numel * (2 * (torch.finfo(moment).bits // 8) + (4 if args.dtype == "bf16" else 0))
-    needed = _host_bytes_needed(params, dtype, moment, args.buffer_count * record)
+    needed = _host_bytes_needed(args, params)
     available = psutil.virtual_memory().available
     if needed <= 0.9 * available:
         return None
@@ -221,12 +225,13 @@ def _ram_shortfall(args: argparse.Namespace, params: int) -> str | None:
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
-    """The sizes to run: those asked for, or the default ones that fit in RAM (saying which do not)."""
-    if args.params is not None:
-        return list(args.params)
+    """The sizes to run: those asked for (refused, before any runs, if one does not fit in RAM),
+    or the default ones that fit (saying which do not)."""
     sizes = []
-    for params in DEFAULT_SIZES:
+    for params in args.params if args.params is not None else DEFAULT_SIZES:
         shortfall = _ram_shortfall(args, params)
+        if shortfall and args.params is not None:
+            raise SystemExit(f"tierstate bench step --offload nvme: {shortfall}: pass a smaller --params")
         if shortfall:
             print(f"tierstate bench step --offload nvme: skipping the default size {params / 1e6:.0f}M: {shortfall}",
                   file=sys.stderr)
@@ -236,16 +241,13 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 
 
 def run_size(args: argparse.Namespace, params: int) -> dict:
-    """Benchmark one size (``params`` parameters); returns the figures ``format_table`` prints."""
+    """Benchmark one size (``params`` parameters, checked against the RAM by :func:`_sizes`);
+    returns the figures ``format_table`` prints."""
     import tierstate as ts
     from ..kernels import backend_info
     from ..placement import default_nvme_root
 
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    moment = torch.bfloat16 if args.moment_dtype == "bf16" else torch.float32
-    shortfall = _ram_shortfall(args, params)
-    if shortfall:
-        raise SystemExit(f"tierstate bench step --offload nvme: {shortfall}: pass a smaller --params")
+    dtype, moment = _dtypes(args)
     root = Path(args.nvme_dir) if args.nvme_dir else default_nvme_root()
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-step-", dir=root))
