@@ -93,11 +93,11 @@ def test_tiny_bf16_modes_update_in_backward_to_the_same_bits(tiny_report):
     for mode, in_backward in (("cpu_bf16", False), ("nvme_bf16_bwd", True)):
         last = report["runs"][mode][0]["steps"][-1]
         phases, lanes = last["phases"], last["lanes"]  # phases: the critical path inside step()
-        # The plain step checks the gradients ("clip") and updates inside step(); in backward
+        # The plain step checks the gradients ("grad_norm") and updates inside step(); in backward
         # mode the hooks check each gradient as it lands, and on CPU parameters every update
         # runs on the thread that ran backward (no worker lane). How many of them wait for
         # step() depends on the disk, so only the split of the plain step is exact.
-        assert ("clip" in phases) != in_backward, mode
+        assert ("grad_norm" in phases) != in_backward, mode
         assert "backward-update" not in lanes, mode
         if in_backward:
             assert lanes["main"]["cpu_update"] >= phases.get("cpu_update", 0.0)
@@ -158,7 +158,7 @@ def test_fp32_precision_trains_without_bf16_anywhere(tmp_path):
     losses = {m: [s["loss"] for s in r["steps"]] for m, r in runs.items()}
     assert losses["cpu"] == losses["nvme_bwd"]  # same kernels, other tier, updated during backward
     assert losses["cpu"] == pytest.approx(losses["torch"], rel=1e-4)  # fp32 throughout: close to torch
-    assert "clip" not in runs["nvme_bwd"]["steps"][-1]["phases"]  # its updates ran in backward's hooks
+    assert "grad_norm" not in runs["nvme_bwd"]["steps"][-1]["phases"]  # its updates ran in backward's hooks
 
 
 def test_fp32_precision_refuses_bf16_parameter_modes(capsys, tmp_path):

@@ -54,7 +54,7 @@ def test_phases_add_up_to_the_step_and_trace_is_valid(tmp_path) -> None:
         opt.step()
     stats = opt.stats()
     d = stats.as_dict()
-    assert d["phases"]["cpu_update"] > 0 and d["phases"]["clip"] > 0
+    assert d["phases"]["cpu_update"] > 0 and d["phases"]["grad_norm"] > 0
     # "other" is what no phase covered, so the main lane's phases sum to the wall time
     assert sum(d["phases"].values()) == pytest.approx(d["wall_s"], rel=1e-6, abs=1e-9)
     opt.stop_trace()

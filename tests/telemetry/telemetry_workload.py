@@ -8,10 +8,10 @@ import time
 
 from tierstate.telemetry import Telemetry
 
-# Per step, on the main lane: 3 ms clip (busy), then cpu_update with 8 ms of its own
+# Per step, on the main lane: 3 ms grad_norm (busy), then cpu_update with 8 ms of its own
 # work (4 ms sleep + 4 ms busy) around a nested nvme_wait that joins the I/O threads,
 # then 6 ms of deliberately unrecorded work that must land in "other".
-CLIP_S = 0.003
+GRAD_NORM_S = 0.003
 CPU_SELF_S = 0.008
 UNRECORDED_S = 0.006
 # Two I/O lanes, each reading READ_BYTES over IO_S, concurrently with the update.
@@ -42,8 +42,8 @@ def run_step(tel: Telemetry, step: int) -> None:
                for lane in IO_LANES]
     for w in workers:
         w.start()
-    with tel.phase("clip"):
-        busy_wait(CLIP_S)
+    with tel.phase("grad_norm"):
+        busy_wait(GRAD_NORM_S)
     with tel.phase("cpu_update"):
         time.sleep(CPU_SELF_S / 2)
         with tel.phase("nvme_wait"):

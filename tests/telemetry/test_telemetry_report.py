@@ -81,7 +81,7 @@ def test_critical_path_shares_add_to_100(workload_trace, tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     block = summary.split("sum to 100%):\n")[1].split("lanes")[0]
     shares = [float(m) for m in re.findall(r"^  \w+ +([\d.]+)%", block, re.M)]
-    assert {"clip", "cpu_update", "nvme_wait", "other"} <= set(re.findall(r"^  (\w+)", block,
+    assert {"grad_norm", "cpu_update", "nvme_wait", "other"} <= set(re.findall(r"^  (\w+)", block,
                                                                            re.M))
     assert sum(shares) == pytest.approx(100.0, abs=0.5)
 
@@ -161,3 +161,31 @@ def test_module_entry_point(workload_trace, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "bottleneck:" in proc.stdout
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+def test_old_trace_with_the_clip_phase_reads_as_grad_norm(tmp_path, capsys):
+    """Traces written before the gradient-norm pass was renamed call it "clip", in the slices
+    and in each step's phase totals: the report books it as grad_norm."""
+    pid = 7
+    events = [
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "main"}},
+        {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": 1, "args": {"sort_index": 0}},
+    ]
+    for k in range(2):
+        t0 = k * 10_000.0
+        events += [
+            {"ph": "X", "cat": "step", "name": f"step {k}", "pid": pid, "tid": 1, "ts": t0, "dur": 9_000.0,
+             "args": {"step": k, "wall_s": 0.009, "skipped": False,
+                      "phases": {"clip": 0.006, "cpu_update": 0.002, "other": 0.001}}},
+            {"ph": "X", "cat": "phase", "name": "clip", "pid": pid, "tid": 1, "ts": t0, "dur": 6_000.0},
+            {"ph": "X", "cat": "phase", "name": "cpu_update", "pid": pid, "tid": 1, "ts": t0 + 6_000.0,
+             "dur": 2_000.0},
+        ]
+    trace = tmp_path / "old.json"
+    trace.write_text(json.dumps({"traceEvents": events, "otherData": {"tierstate": {"main_lane": "main"}}}))
+    assert main(_args(str(trace), "--out", str(tmp_path / "r"))) == 0
+    summary = (tmp_path / "r" / "summary.txt").read_text()
+    assert not re.search(r"\bclip\b", summary), summary
+    assert re.search(r"^  grad_norm\s+66\.7%", summary, flags=re.M), summary
+    assert re.search(r"^  main\s+grad_norm 67%", summary, flags=re.M), summary
+    assert summary.splitlines()[-2].startswith("bottleneck: grad_norm on lane 'main', 67%")

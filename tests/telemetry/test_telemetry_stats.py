@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tierstate.telemetry import PHASES, StepStats, Telemetry, load_trace, register_phase
-from telemetry_workload import (CLIP_S, CPU_SELF_S, IO_LANES, IO_S, READ_BYTES,
+from telemetry_workload import (GRAD_NORM_S, CPU_SELF_S, IO_LANES, IO_S, READ_BYTES,
                                 UNRECORDED_S, busy_wait, run_step)
 
 # Tolerance of "stats add up": the critical-path phases plus "other" equal the measured
@@ -56,7 +56,7 @@ def test_nested_phase_is_self_time(workload_stats):
     for s in workload_stats:
         # cpu_update's own work is 8 ms; the nested nvme_wait is booked separately
         assert s.phases["cpu_update"] >= CPU_SELF_S * 0.95
-        assert s.phases["clip"] >= CLIP_S * 0.95
+        assert s.phases["grad_norm"] >= GRAD_NORM_S * 0.95
         assert "nvme_wait" in s.phases
         assert s.lanes["main"]["cpu_update"] == pytest.approx(s.phases["cpu_update"])
 
@@ -271,9 +271,33 @@ def test_torch_profiler_sees_the_phases():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with tel.phase("cpu_update"):
             torch.ones(8).add_(1)
-    with tel.phase("clip"):                  # profiler off: no range, nothing breaks
+    with tel.phase("grad_norm"):                  # profiler off: no range, nothing breaks
         pass
     tel.end_step()
     names = {e.key for e in prof.key_averages()}
     assert "tierstate::cpu_update" in names
-    assert "tierstate::clip" not in names
+    assert "tierstate::grad_norm" not in names
+
+
+def test_gradient_norm_pass_is_named_for_what_it_does():
+    """The pass over every gradient that gives the global norm and the non-finite check runs
+    on every plain step, clipping asked for or not: its phase is "grad_norm", not "clip"."""
+    torch = pytest.importorskip("torch")
+    import tierstate as ts
+
+    assert "grad_norm" in PHASES and "norm" in PHASES["grad_norm"]
+    assert "clip" not in PHASES
+    tel = Telemetry(log_every=0)
+    with pytest.raises(ValueError, match="'clip' is now called 'grad_norm'"):
+        with tel.phase("clip"):
+            pass
+    net = torch.nn.Linear(64, 64)
+    opt = ts.AdamW(net.parameters(), lr=1e-3)    # no max_grad_norm, no GradScaler
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    phases = opt.stats().phases
+    assert phases["grad_norm"] > 0, phases
+    assert "clip" not in phases
+    assert opt.last_grad_norm > 0

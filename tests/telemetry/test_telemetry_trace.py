@@ -61,13 +61,13 @@ def test_workload_trace_is_valid(traced):
     by_lane = {}
     for e in xs:
         by_lane.setdefault(names[e["tid"]], set()).add(e["name"])
-    assert by_lane["main"] == {"step", "clip", "cpu_update", "nvme_wait"}
+    assert by_lane["main"] == {"step", "grad_norm", "cpu_update", "nvme_wait"}
     assert by_lane["io0"] == by_lane["io1"] == {"nvme_read"}
-    # one slice per recorded phase: 3 steps x (clip, cpu_update, nvme_wait) on main
+    # one slice per recorded phase: 3 steps x (grad_norm, cpu_update, nvme_wait) on main
     assert sum(1 for e in xs if names[e["tid"]] == "main" and e["cat"] == "phase") == 9
     # step args carry the stats the report needs
     assert steps[0]["args"]["bytes"] == {"nvme/read": 2 * (8 << 20)}
-    assert set(steps[0]["args"]["phases"]) >= {"clip", "cpu_update", "nvme_wait", "other"}
+    assert set(steps[0]["args"]["phases"]) >= {"grad_norm", "cpu_update", "nvme_wait", "other"}
 
 
 def test_counters_are_memory_tracks(traced):

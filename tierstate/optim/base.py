@@ -594,10 +594,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         device_scale, device_prior_inf = self._device_scaler_inputs(record, inv_scale) if device_grads else (1.0, False)
         device_grad_scale = device_scale
         if self._shard_groups:  # every rank takes part, with gradients or not, or the others wait forever
-            with tel.phase("clip"):  # (no device tier with sharded parameters: refused at construction)
+            with tel.phase("grad_norm"):  # (no device tier with sharded parameters: refused at construction)
                 sumsq, prior_inf = self._sumsq_over_shards(active, inv_scale, prior_inf)
         elif active:  # one read of the gradients gives both the global norm and the non-finite check
-            with tel.phase("clip"):
+            with tel.phase("grad_norm"):
                 device_sumsq = self._device_sumsq(device_grads, device_scale)  # queued first: overlaps the host part
                 sumsq = sum(kernels.grad_sumsq(g[first:], inv_scale) for g, first in host_grads.values())
                 if device_grads:
@@ -740,7 +740,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             extra = [(s, g) for s, g in active if s.trainable not in backward.prepared]
             sumsq = backward.sumsq
             if not bad and extra:  # gradients that reached step() without passing a hook (set by hand)
-                with tel.phase("clip"):
+                with tel.phase("grad_norm"):
                     for s, g in extra:
                         value = kernels.grad_sumsq(g)
                         if math.isfinite(value):

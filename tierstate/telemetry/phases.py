@@ -16,7 +16,9 @@ _PHASES: dict[str, str] = {
     "grad_transfer": "device->host copies of gradients (the copy itself, usually on a "
     "side stream or I/O thread).",
     "grad_wait": "the step waiting for outstanding gradient copies to land in host memory.",
-    "clip": "global gradient norm and the non-finite check that may skip the step.",
+    "grad_norm": "one read of every gradient for its sum of squares: the global gradient "
+    "norm (for clipping and last_grad_norm) and the non-finite check that may skip the step. "
+    "Runs on every step that is not updated during backward, clipping asked for or not.",
     "cpu_update": "the native optimizer kernels updating host-resident state.",
     "nvme_read": "reading optimizer state from NVMe files into host buffers (read-ahead).",
     "nvme_write": "writing updated optimizer state from host buffers back to NVMe "
@@ -34,6 +36,9 @@ _PHASES: dict[str, str] = {
 
 PHASES: Mapping[str, str] = MappingProxyType(_PHASES)
 """Phase name -> what it covers. Read-only; extend with :func:`register_phase`."""
+
+RENAMED_PHASES: Mapping[str, str] = MappingProxyType({"clip": "grad_norm"})
+"""Old phase name -> current one, for reading traces written before a rename."""
 
 OTHER = "other"
 

@@ -34,7 +34,7 @@ import torch.autograd.profiler as _torch_profiler
 
 from .health import HealthMonitor, HealthWarning
 from .phases import (_PHASES as _phase_table, CHANNEL_PHASES, CHANNELS, DIRECTIONS, OTHER,
-                     PCIE_DIRECTIONS, PHASES, TIERS)
+                     PCIE_DIRECTIONS, PHASES, RENAMED_PHASES, TIERS)
 from .stats import Bandwidth, StepStats, bandwidth_of, union_length
 from .trace import TraceRecorder
 
@@ -141,6 +141,8 @@ def _raise_unknown_phase(name: str) -> None:
     if name == OTHER:
         raise ValueError("phase 'other' is computed (step time in no phase) and cannot be "
                          "recorded; pick the phase that covers the work")
+    if name in RENAMED_PHASES:
+        raise ValueError(f"phase {name!r} is now called {RENAMED_PHASES[name]!r}; record that name")
     raise ValueError(f"unknown phase {name!r}; use one of "
                      f"{[p for p in PHASES if p != OTHER]} or register it with "
                      "tierstate.telemetry.register_phase(name, description)")

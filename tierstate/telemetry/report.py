@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .phases import CHANNELS, OTHER, PHASES
+from .phases import CHANNELS, OTHER, PHASES, RENAMED_PHASES
 from .trace import TraceFormatError, load_trace, validate_trace
 
 # Which channel's bandwidth explains a phase when it is the bottleneck: a wait is
@@ -79,7 +79,11 @@ def parse_trace(obj: dict[str, Any]) -> TraceData:
             order[key] = ev["args"]["sort_index"]
         elif ph == "X":
             start, end = ev["ts"], ev["ts"] + ev["dur"]
-            raw[key].append((start, end, ev["name"], ev.get("cat", ""), ev.get("args") or {}))
+            args = ev.get("args") or {}
+            if ev.get("cat") == "step" and isinstance(args.get("phases"), dict):
+                args = {**args, "phases": _current_names(args["phases"])}
+            name = RENAMED_PHASES.get(ev["name"], ev["name"])
+            raw[key].append((start, end, name, ev.get("cat", ""), args))
             lo, hi = min(lo, start), max(hi, end)
         elif ph == "C":
             for series, value in ev["args"].items():
@@ -115,6 +119,14 @@ def parse_trace(obj: dict[str, Any]) -> TraceData:
         lo = hi = 0.0
     return TraceData(lanes, steps, dict(counters), meta.get("main_lane", "main"),
                      dict(meta.get("peaks_gbps") or {}), (lo, hi))
+
+
+def _current_names(phases: dict[str, float]) -> dict[str, float]:
+    """A step's phase totals with old phase names (see RENAMED_PHASES) under the current ones."""
+    out: dict[str, float] = defaultdict(float)
+    for name, secs in phases.items():
+        out[RENAMED_PHASES.get(name, name)] += secs
+    return dict(out)
 
 
 def _close(lane: _Lane, frame: list) -> None:
@@ -221,7 +233,7 @@ def _bottleneck_line(phase: str, share: float, main_lane: str,
 # One distinct colour per phase, so nested phases stand apart from their parents; the
 # waits are the warm reds and are hatched too.
 _COLOURS = {
-    "grad_transfer": "tab:blue", "grad_wait": "tab:pink", "clip": "tab:olive",
+    "grad_transfer": "tab:blue", "grad_wait": "tab:pink", "grad_norm": "tab:olive",
     "cpu_update": "tab:orange", "nvme_read": "tab:green", "nvme_write": "tab:cyan",
     "nvme_wait": "tab:red", "weight_upload": "tab:purple", "device_update": "gold",
     "device_stall": "tab:brown",
