@@ -19,6 +19,28 @@ def _signed(g: torch.Generator, n: int, scale: float) -> torch.Tensor:
     return torch.randn(n, generator=g) * scale
 
 
+def _log_uniform(g: torch.Generator, n: int, low: float, high: float, signed: bool) -> torch.Tensor:
+    """Magnitudes 10**U(low, high), so one tensor holds tiny, ordinary and huge values;
+    random signs when ``signed``."""
+    mag = torch.pow(10.0, low + (high - low) * torch.rand(n, generator=g))
+    if signed:
+        mag = torch.where(torch.rand(n, generator=g) < 0.5, -mag, mag)
+    return mag
+
+
+def _default_weight(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=g)
+
+
+def _default_grad(g: torch.Generator, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=g) * 2
+
+
+def _wide_grad(g: torch.Generator, n: int) -> torch.Tensor:
+    # 1e-5 .. 1e2: g*g spans 1e-10 .. 1e4 (fp16 holds both ends: 1e-5 as a subnormal)
+    return _log_uniform(g, n, -5.0, 2.0, signed=True)
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -28,6 +50,8 @@ class Case:
     # for an absent optional tensor.
     states: tuple[Callable[[torch.Generator, int], torch.Tensor] | None, ...]
     hyper: dict = field(default_factory=dict)
+    weight: Callable[[torch.Generator, int], torch.Tensor] = _default_weight
+    grad: Callable[[torch.Generator, int], torch.Tensor] = _default_grad
 
     @property
     def op(self) -> str:
@@ -66,5 +90,37 @@ CASES = [
          dict(clr=0.01, weight_decay=0.0, eps=1e-10)),
     Case("adagrad-wd-maximize", K.adagrad_update, R.adagrad_update, (lambda g, n: _pos(g, n, 1.0),),
          dict(clr=0.01 / 1.5, weight_decay=0.1, eps=1e-10, maximize=True, grad_scale=2.0)),
+]
+
+# Cases in which every term of the rule moves the result by far more than the tolerance
+# (checked term by term in test_kernels_mutations.py). eps = 1e-3 sits inside the range of
+# the denominator's other term: sqrt(v / bc2) spans ~1e-5 .. 1e2 here (v drawn over 1e-12 ..
+# 1e2 with bc2 = 1 - 0.999**3 ~ 0.003, plus (1 - beta2) g*g with g over 1e-5 .. 1e2), so
+# for some elements eps dominates, for some it is negligible and for some the two are
+# comparable, where moving eps (inside the sqrt, before the bias correction) shows.
+_v_wide = lambda g, n: _log_uniform(g, n, -12.0, 2.0, signed=False)  # noqa: E731
+_m_wide = lambda g, n: _log_uniform(g, n, -6.0, 1.0, signed=True)  # noqa: E731
+_sum_wide = lambda g, n: _log_uniform(g, n, -10.0, 2.0, signed=False)  # noqa: E731
+_adam_wide = dict(_adam, lr=1e-2, eps=1e-3)
+
+CASES += [
+    Case("adam-wide-adamw-amsgrad", K.adam_update, R.adam_update, (_m_wide, _v_wide, _v_wide),
+         dict(_adam_wide, weight_decay=0.1, decoupled=True), grad=_wide_grad),
+    Case("adam-wide-l2-maximize-scaled", K.adam_update, R.adam_update, (_m_wide, _v_wide, None),
+         dict(_adam_wide, beta2=0.99, weight_decay=0.1, decoupled=False, maximize=True, grad_scale=0.5,
+              bias_correction2=1 - 0.99**3), grad=_wide_grad),
+    Case("adam-wide-no-decay", K.adam_update, R.adam_update, (_m_wide, _v_wide, None),
+         dict(_adam_wide, weight_decay=0.0, decoupled=True), grad=_wide_grad),
+    Case("adagrad-wide-wd-scaled", K.adagrad_update, R.adagrad_update, (_sum_wide,),
+         dict(clr=0.05, weight_decay=0.1, eps=1e-3, grad_scale=0.5), grad=_wide_grad),
+    Case("adagrad-wide-maximize", K.adagrad_update, R.adagrad_update, (_sum_wide,),
+         dict(clr=0.05, weight_decay=0.0, eps=1e-3, maximize=True), grad=_wide_grad),
+    # torch sets a new buffer to the gradient itself: dampening must not touch the first step.
+    Case("sgd-momentum-first-dampened", K.sgd_update, R.sgd_update, (_m,),
+         dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.01, nesterov=False, first_step=True)),
+    Case("sgd-nesterov-wd-scaled", K.sgd_update, R.sgd_update, (_m,),
+         dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.05, nesterov=True, grad_scale=0.5)),
+    Case("lion-wd-scaled-maximize", K.lion_update, R.lion_update, (_m,),
+         dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.5, maximize=True, grad_scale=0.5)),
 ]
 CASES_BY_NAME = {c.name: c for c in CASES}

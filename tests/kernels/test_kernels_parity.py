@@ -64,16 +64,19 @@ def _check_guards(buffer: torch.Tensor, offset: int, n: int, name: str) -> None:
     assert torch.isnan(outside).all(), f"{name}: a kernel wrote outside the tensor"
 
 
-def run_and_compare(case: Case, n: int, grad_dtype, moment_dtype, out_dtype, offset: int) -> None:
+def run_and_compare(case: Case, n: int, grad_dtype, moment_dtype, out_dtype, offset: int,
+                    ref=None) -> None:
+    """Runs ``case`` through the native face and through ``ref`` (default: the case's
+    reference) on the same inputs and asserts they agree within the tolerances above."""
     gen = torch.Generator().manual_seed(1000 * n + offset)
-    weight = torch.randn(n, generator=gen)
-    grad = (torch.randn(n, generator=gen) * 2).to(grad_dtype)
+    weight = case.weight(gen, n)
+    grad = case.grad(gen, n).to(grad_dtype)
     states = [None if init is None else init(gen, n).to(moment_dtype) for init in case.states]
 
     ref_weight = weight.clone()
     ref_states = [None if s is None else s.clone() for s in states]
     ref_out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
-    case.ref(ref_weight, grad.clone(), *ref_states, ref_out, **case.hyper)
+    (case.ref if ref is None else ref)(ref_weight, grad.clone(), *ref_states, ref_out, **case.hyper)
 
     # Each tensor at its own misalignment, so no two share a vector phase.
     views = {}
