@@ -16,7 +16,7 @@ from accelerate.tracking import GeneralTracker  # noqa: E402
 
 import tierstate as ts  # noqa: E402
 from tierstate.integrations.accelerate import attach, metrics  # noqa: E402
-from tiny_lm import TokenStream, assert_bit_identical, params_of, tiny_model  # noqa: E402
+from tiny_lm import TokenStream, assert_bit_identical, assert_runs_match, params_of, tiny_model  # noqa: E402
 
 MICRO_BATCHES = 8
 ACCUMULATE = 2
@@ -177,3 +177,43 @@ def test_fp16_overflow_skips_the_step_and_reports_it():
     opt.step()
     assert not opt.step_was_skipped
     assert not torch.equal(model.weight, before["weight"])
+
+
+def _fp32_run(optimizer_cls, **kw):
+    """Gradient accumulation in fp32 with ``optimizer_cls`` (AdamW, no clipping): (losses, model)."""
+    acc = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=ACCUMULATE)
+    model = tiny_model("llama")
+    opt = optimizer_cls(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+    loader = torch.utils.data.DataLoader(TokenStream(), batch_size=4, shuffle=False)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    if isinstance(opt.optimizer, ts.AdamW):
+        attach(acc, opt)
+    losses = []
+    for i, batch in enumerate(loader):
+        if i >= MICRO_BATCHES:
+            break
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return losses, model
+
+
+@pytest.mark.parametrize("isa", ["reference", "native"])
+def test_matches_the_same_loop_with_torch_adamw(isa):
+    """fp32, same seed, data, accumulation and steps: ts.AdamW and torch.optim.AdamW give the same
+    losses and final parameters (bit for bit with the reference kernels; see tiny_lm.RUN_RTOL
+    otherwise)."""
+    import tierstate.kernels as K
+
+    torch_losses, torch_model = _fp32_run(torch.optim.AdamW)
+    with K.use_isa("reference" if isa == "reference" else "auto"):
+        losses, model = _fp32_run(ts.AdamW, offload="cpu")
+    assert len(losses) == MICRO_BATCHES
+    assert_runs_match(losses, torch_losses, params_of(model), params_of(torch_model), exact=isa == "reference")

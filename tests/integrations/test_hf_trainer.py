@@ -14,7 +14,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import tierstate as ts  # noqa: E402
 from tierstate.integrations.hf import TierstateCallback, TierstateTrainer  # noqa: E402
-from tiny_lm import TokenStream, assert_bit_identical, params_of, tiny_model  # noqa: E402
+from tiny_lm import TokenStream, assert_bit_identical, assert_runs_match, params_of, tiny_model  # noqa: E402
 
 STEPS = 6
 
@@ -81,3 +81,26 @@ def test_checkpoint_streams_state_and_resumes_bit_identically(tmp_path):
     for i in sd_a:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(sd_a[i][key], sd_b[i][key]), (i, key)
+
+
+@pytest.mark.parametrize("isa", ["reference", "native"])
+def test_matches_the_same_trainer_run_with_torch_adamw(tmp_path, isa):
+    """fp32, same seed, data and steps: our AdamW and torch.optim.AdamW give the same losses and
+    final parameters (bit for bit with the reference kernels; see tiny_lm.RUN_RTOL otherwise)."""
+    import tierstate.kernels as K
+
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    torch_run = Trainer(model=tiny_model("llama"), args=_args(tmp_path / "torch", lr_scheduler_type="linear"),
+                        train_dataset=TokenStream(), optimizer_cls_and_kwargs=(torch.optim.AdamW, hyper))
+    torch_run.train()
+    with K.use_isa("reference" if isa == "reference" else "auto"):
+        ours = TierstateTrainer(model=tiny_model("llama"), args=_args(tmp_path / "ours", lr_scheduler_type="linear"),
+                                train_dataset=TokenStream(),
+                                optimizer_cls_and_kwargs=(ts.AdamW, {**hyper, "offload": "cpu"}))
+        ours.train()
+    assert isinstance(ours.optimizer.optimizer, ts.AdamW)
+    assert isinstance(torch_run.optimizer.optimizer, torch.optim.AdamW)
+    losses = [h["loss"] for h in ours.state.log_history if "loss" in h]
+    torch_losses = [h["loss"] for h in torch_run.state.log_history if "loss" in h]
+    assert len(losses) == STEPS
+    assert_runs_match(losses, torch_losses, params_of(ours.model), params_of(torch_run.model), exact=isa == "reference")

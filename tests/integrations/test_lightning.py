@@ -10,7 +10,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 import tierstate as ts  # noqa: E402
 from tierstate.integrations.lightning import TierstateMetrics  # noqa: E402
-from tiny_lm import TokenStream, assert_bit_identical, params_of, tiny_model  # noqa: E402
+from tiny_lm import TokenStream, assert_bit_identical, assert_runs_match, params_of, tiny_model  # noqa: E402
 
 # 12 sequences in batches of 4: 3 steps per epoch, so the checkpoint at step 3 ends an epoch.
 SEQUENCES, BATCH, STEPS = 12, 4, 6
@@ -81,3 +81,35 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
     trainer.fit(resumed, ckpt_path=str(ckpt))
     assert trainer.global_step == STEPS
     assert_bit_identical(params_of(resumed), expected)
+
+
+class AdamWLM(TinyLM):
+    """The module above in fp32 with a plain AdamW (no clipping), ours or torch's."""
+
+    def __init__(self, optimizer_cls, **kw) -> None:
+        super().__init__("llama")
+        self.optimizer_cls, self.kw = optimizer_cls, kw
+
+    def configure_optimizers(self):
+        opt = self.optimizer_cls(self.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **self.kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+@pytest.mark.parametrize("isa", ["reference", "native"])
+def test_matches_the_same_fit_with_torch_adamw(tmp_path, isa):
+    """fp32 (precision="32-true"), same seed, data and steps: ts.AdamW and torch.optim.AdamW give
+    the same losses and final parameters (bit for bit with the reference kernels; see
+    tiny_lm.RUN_RTOL otherwise)."""
+    import tierstate.kernels as K
+
+    torch_module = AdamWLM(torch.optim.AdamW)
+    _trainer(tmp_path / "torch", precision="32-true", callbacks=[]).fit(torch_module)
+    ours = AdamWLM(ts.AdamW, offload="cpu")
+    with K.use_isa("reference" if isa == "reference" else "auto"):
+        trainer = _trainer(tmp_path / "ours", precision="32-true")
+        trainer.fit(ours)
+    assert isinstance(trainer.optimizers[0], ts.AdamW)
+    assert len(ours.losses) == STEPS
+    assert_runs_match(ours.losses, torch_module.losses, params_of(ours), params_of(torch_module),
+                      exact=isa == "reference")
