@@ -22,9 +22,11 @@ counts toward the step that consumes it, and bytes per step add up over a run.
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import math
 import os
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -500,8 +502,11 @@ class Telemetry:
         """Start recording a Chrome/Perfetto trace to ``path`` (callable mid-run).
 
         The file is written by :meth:`stop_trace`, or at interpreter exit if the run
-        ends first (the trace keeps this object alive until then). Raises ``FileNotFoundError`` when the folder of ``path`` does not
-        exist, ``RuntimeError`` when already tracing or telemetry is disabled.
+        ends first (the trace keeps this object alive until then). Raises
+        ``FileNotFoundError`` when the folder of ``path`` does not exist,
+        ``IsADirectoryError`` when ``path`` is a folder, another ``OSError`` (with the errno
+        and the path) when no file can be created in the folder, and ``RuntimeError`` when
+        already tracing or telemetry is disabled.
         """
         if not self.enabled:
             raise RuntimeError("telemetry is disabled; create Telemetry(enabled=True) "
@@ -512,8 +517,16 @@ class Telemetry:
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
-            raise FileNotFoundError(2, "trace folder does not exist; create it first",
+            raise FileNotFoundError(errno.ENOENT, "trace folder does not exist; create it first",
                                     folder)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "trace path is a folder; give a file in it, "
+                                    f"such as {os.path.join(path, 'trace.json')}", path)
+        # The file is written only at stop_trace, possibly hours later: find out now whether
+        # the folder takes a file (os.access says yes to root on a read-only mount).
+        fd, probe = tempfile.mkstemp(prefix=".trace-", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
         trace = TraceRecorder(path, origin=_perf_counter(),
                               max_events=self.max_trace_events)
         trace.lane_tid(self._main_lane)  # the main lane is always the top lane
