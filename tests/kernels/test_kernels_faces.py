@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tierstate.kernels as K
-from kernel_helpers import NATIVE_ISAS, needs_native
+from kernel_helpers import NATIVE_ISAS, REFERENCE_ONLY_ENV, needs_native
 
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True,
             bias_correction1=0.1, bias_correction2=0.001)
@@ -129,51 +129,118 @@ def test_without_native_module_the_reference_runs():
     assert info["w"] == [0.5] * 5 and info["out"] == [0.5] * 5
 
 
+# Seven steps against torch.optim itself. The gradients span 1e-5 .. 1e2 in magnitude and eps
+# is 1e-3, so that eps, weight decay, dampening, Adagrad's lr_decay and initial accumulator all
+# move the result: each PERTURBED entry is a torch run with one of them changed, which must
+# not match (test_seven_steps_see_every_hyper_parameter).
+_N = 40_003
+_LR, _B1, _B2, _EPS, _WD = 1e-2, 0.9, 0.99, 1e-3, 0.05
+_ADAGRAD = dict(lr=_LR, lr_decay=0.1, weight_decay=_WD, eps=_EPS, initial_accumulator_value=0.05)
+TORCH_CONFIGS = {
+    "adamw": (torch.optim.AdamW, dict(lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD)),
+    "adam-amsgrad": (torch.optim.Adam, dict(lr=_LR, betas=(_B1, _B2), eps=_EPS, weight_decay=_WD, amsgrad=True)),
+    "sgd-nesterov": (torch.optim.SGD, dict(lr=_LR, momentum=0.9, nesterov=True, weight_decay=_WD)),
+    "sgd-dampened": (torch.optim.SGD, dict(lr=_LR, momentum=0.9, dampening=0.3, weight_decay=_WD)),
+    "adagrad": (torch.optim.Adagrad, _ADAGRAD),
+}
+PERTURBED = [
+    ("adamw", dict(eps=4 * _EPS)), ("adamw", dict(weight_decay=0.0)), ("adamw", dict(betas=(_B1, 0.999))),
+    ("adam-amsgrad", dict(amsgrad=False)), ("adam-amsgrad", dict(eps=_EPS / 4)),
+    ("sgd-nesterov", dict(nesterov=False)), ("sgd-dampened", dict(dampening=0.0)),
+    ("adagrad", dict(lr_decay=0.0)), ("adagrad", dict(initial_accumulator_value=0.0)),
+    ("adagrad", dict(eps=1e-10)), ("adagrad", dict(weight_decay=0.0)),
+]
+_STATE_KEY = {"adamw": "exp_avg", "adam-amsgrad": "exp_avg", "sgd-nesterov": "momentum_buffer",
+              "sgd-dampened": "momentum_buffer", "adagrad": "sum"}
+
+
+def _seven_step_inputs():
+    gen = torch.Generator().manual_seed(11)
+
+    def wide():
+        mag = torch.pow(10.0, -5.0 + 7.0 * torch.rand(_N, generator=gen))
+        return torch.where(torch.rand(_N, generator=gen) < 0.5, -mag, mag)
+    grads = [wide() for _ in range(7)]
+    return grads, torch.randn(_N, generator=gen)
+
+
+def _torch_run(name, grads, start, **changes):
+    cls, kw = TORCH_CONFIGS[name]
+    p = torch.nn.Parameter(start.clone())
+    opt = cls([p], foreach=False, **{**kw, **changes})
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach(), opt.state[p][_STATE_KEY[name]]
+
+
+def _kernel_run(name, grads, start):
+    w = start.clone()
+    init = _ADAGRAD["initial_accumulator_value"] if name == "adagrad" else 0.0
+    state = [torch.full((_N,), init), torch.zeros(_N), torch.zeros(_N)]
+    adam = dict(lr=_LR, beta1=_B1, beta2=_B2, eps=_EPS, weight_decay=_WD)
+    for step, g in enumerate(grads, start=1):
+        bc = dict(bias_correction1=1 - _B1**step, bias_correction2=1 - _B2**step)
+        if name == "adamw":
+            K.adam_update(w, g, state[0], state[1], None, None, decoupled=True, **adam, **bc)
+        elif name == "adam-amsgrad":
+            K.adam_update(w, g, state[0], state[1], state[2], None, decoupled=False, **adam, **bc)
+        elif name.startswith("sgd"):
+            kw = TORCH_CONFIGS[name][1]
+            K.sgd_update(w, g, state[0], None, lr=_LR, momentum=0.9, dampening=kw.get("dampening", 0.0),
+                         weight_decay=_WD, nesterov=kw.get("nesterov", False), first_step=step == 1)
+        else:
+            K.adagrad_update(w, g, state[0], None, clr=_LR / (1 + (step - 1) * _ADAGRAD["lr_decay"]),
+                             weight_decay=_WD, eps=_EPS)
+    return w, state[0]
+
+
+def _assert_seven_steps_match(name, mine, theirs, grads):
+    """The per-step 16-ulp bound of test_kernels_parity compounded over 7 steps: 1e-5 relative
+    to the element's magnitude or its operands' (the state: the largest gradient that entered
+    it, squared for Adagrad's sum, as a sum of +-100 terms may cancel to ~0); the weight gets
+    atol 1e-6 (1e-4 of one step's lr) for elements that cancel towards zero."""
+    g_max = torch.stack(grads).abs().amax(0)
+    operand = g_max * g_max if name == "adagrad" else g_max
+    for what, a, b, floor in (("weight", mine[0], theirs[0], torch.full_like(g_max, 1e-6 / 1e-5)),
+                              ("state", mine[1], theirs[1], operand)):
+        err = (a.double() - b.double()).abs()
+        bound = 1e-5 * torch.maximum(b.abs(), floor).double()
+        bad = ~(err <= bound)
+        worst = int((err / bound).argmax())
+        assert not bad.any(), (f"{name} {what}: {int(bad.sum())}/{a.numel()} beyond the bound; worst at {worst}: "
+                               f"{a[worst].item()!r} vs torch {b[worst].item()!r}")
+
+
 @needs_native
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 def test_seven_steps_match_torch_optimizers(isa, isa_and_threads):
-    """fp32 end to end against torch.optim itself (foreach=False) over 7 steps; the
-    tolerance is the per-step 16-ulp bound of test_kernels_parity compounded over 7
-    steps (rtol 1e-5), with atol for elements that cancel towards zero."""
+    """fp32 end to end against torch.optim itself (foreach=False) over 7 steps."""
     K.set_isa(isa)
     K.set_num_threads(2)
-    n = 40_003
-    gen = torch.Generator().manual_seed(11)
-    grads = [torch.randn(n, generator=gen) for _ in range(7)]
-    start = torch.randn(n, generator=gen)
-    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.99, 1e-8, 0.05
+    grads, start = _seven_step_inputs()
+    for name in TORCH_CONFIGS:
+        _assert_seven_steps_match(name, _kernel_run(name, grads, start), _torch_run(name, grads, start), grads)
 
-    configs = {
-        "adamw": (torch.optim.AdamW, dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)),
-        "adam-amsgrad": (torch.optim.Adam, dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
-                                                amsgrad=True)),
-        "sgd-nesterov": (torch.optim.SGD, dict(lr=lr, momentum=0.9, nesterov=True, weight_decay=wd)),
-        "adagrad": (torch.optim.Adagrad, dict(lr=lr, lr_decay=0.01, weight_decay=wd, eps=1e-10)),
-    }
-    for name, (cls, kw) in configs.items():
-        p = torch.nn.Parameter(start.clone())
-        opt = cls([p], foreach=False, **kw)
-        w = start.clone()
-        state = [torch.zeros(n), torch.zeros(n), torch.zeros(n)]
-        for step, g in enumerate(grads, start=1):
-            p.grad = g.clone()
-            opt.step()
-            if name == "adamw":
-                K.adam_update(w, g, state[0], state[1], None, None, lr=lr, beta1=b1, beta2=b2,
-                              eps=eps, weight_decay=wd, decoupled=True,
-                              bias_correction1=1 - b1**step, bias_correction2=1 - b2**step)
-            elif name == "adam-amsgrad":
-                K.adam_update(w, g, state[0], state[1], state[2], None, lr=lr, beta1=b1, beta2=b2,
-                              eps=eps, weight_decay=wd, decoupled=False,
-                              bias_correction1=1 - b1**step, bias_correction2=1 - b2**step)
-            elif name == "sgd-nesterov":
-                K.sgd_update(w, g, state[0], None, lr=lr, momentum=0.9, dampening=0.0,
-                             weight_decay=wd, nesterov=True, first_step=step == 1)
-            else:
-                K.adagrad_update(w, g, state[0], None, clr=lr / (1 + (step - 1) * 0.01),
-                                 weight_decay=wd, eps=1e-10)
-        torch.testing.assert_close(w, p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        torch_state = opt.state[p]
-        key = {"adamw": "exp_avg", "adam-amsgrad": "exp_avg", "sgd-nesterov": "momentum_buffer",
-               "adagrad": "sum"}[name]
-        torch.testing.assert_close(state[0], torch_state[key], rtol=1e-5, atol=1e-6)
+
+@needs_native
+@pytest.mark.parametrize("name, changes", PERTURBED, ids=lambda x: str(x))
+def test_seven_steps_see_every_hyper_parameter(name, changes, isa_and_threads):
+    """The comparison above rejects torch run with one hyper-parameter changed: each matters."""
+    K.set_num_threads(2)
+    grads, start = _seven_step_inputs()
+    mine = _kernel_run(name, grads, start)
+    with pytest.raises(AssertionError):
+        _assert_seven_steps_match(name, mine, _torch_run(name, grads, start, **changes), grads)
+
+
+def test_native_kernels_are_built():
+    """The kernel suite skips its native checks when the module is missing; this test keeps
+    that from passing unnoticed (set TIERSTATE_TEST_REFERENCE_ONLY=1 for a reference-only run)."""
+    if os.environ.get(REFERENCE_ONLY_ENV) == "1":
+        pytest.skip(f"{REFERENCE_ONLY_ENV}=1: checking the pure-torch reference only")
+    from tierstate._native_loader import native_status
+    loaded, error = native_status()
+    assert loaded and NATIVE_ISAS, f"the native kernels did not load ({error}); build them with " \
+        "`pip install --no-build-isolation .` and run the tests from tests/"
+    assert "scalar" in NATIVE_ISAS   # the baseline variant every build has
