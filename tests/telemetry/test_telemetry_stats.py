@@ -300,4 +300,5 @@ def test_gradient_norm_pass_is_named_for_what_it_does():
     phases = opt.stats().phases
     assert phases["grad_norm"] > 0, phases
     assert "clip" not in phases
-    assert opt.last_grad_norm > 0
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in net.parameters()]).double())
+    assert opt.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
