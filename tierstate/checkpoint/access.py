@@ -89,9 +89,8 @@ class OffloadAccess:
     def begin_load(self, param_groups: list[dict]) -> None:
         """Take the saved hyper-parameters and forget every state (torch's load semantics)."""
         opt = self.opt
+        # param_groups were validated with opt.rule.validate before anything was applied (load.py)
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
-        for g in opt.param_groups:
-            opt.rule.validate(g)
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         opt.state.clear()

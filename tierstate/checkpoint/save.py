@@ -34,6 +34,7 @@ from .format import (
     dtype_name,
     shard_header,
 )
+from .manifest import seal
 
 # Two 8 MiB buffers: 16 MiB of RAM per save/load whatever the state's size; 8 MiB
 # requests already run sequential NVMe near full speed (peers/RESULTS.md, fio).
@@ -202,6 +203,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             "torch_version": torch.__version__,
             "created": time.time(),
         }
+        manifest = seal(manifest, checksum)
         body = json.dumps(manifest, indent=1).encode()
         write_file_atomic(directory, MANIFEST_NAME, body, f"{MANIFEST_TMP_PREFIX}{save_id}.tmp")
     except BaseException as exc:
