@@ -3,6 +3,7 @@
 Run as a script it is the process the tests kill, resume or measure::
 
     python ckpt_workload.py train  MODE CKPT STEPS        # saves after every step, prints begin/end
+                                                          # (CKPT_TEST_PAUSE: stop one save at a phase)
     python ckpt_workload.py digests MODE STEPS            # JSON: digest after every step, no saves
     python ckpt_workload.py resume MODE STEPS CKPT...     # JSON per CKPT: loaded step, digests
     python ckpt_workload.py rss MODE HIDDEN BUFFER CKPT   # JSON: peak RSS growth of save and load
@@ -149,8 +150,14 @@ def main(argv: list[str]) -> None:
         ckpt, steps = argv[2], int(argv[3])
         model, opt = build(mode, nvme_dir=nvme_dir)
         handshake = os.environ.get("CKPT_TEST_HANDSHAKE") == "1"
+        # CKPT_TEST_PAUSE=<phase>:<step>:<marker>: the save of <step> stops at <phase> (save.py's testing aid)
+        pause = os.environ.get("CKPT_TEST_PAUSE")
         for step in range(steps):
             train_step(model, opt, step)
+            if pause is not None:
+                phase, at, marker = pause.split(":", 2)
+                if step + 1 == int(at):
+                    os.environ["TIERSTATE_TEST_PAUSE_AT"] = f"{phase}:{marker}"
             _say("begin", step + 1)
             if handshake:  # the killing test says when to go, so its clock starts with the save
                 sys.stdin.readline()

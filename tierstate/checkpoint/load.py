@@ -123,10 +123,12 @@ def _checked_groups(opt, manifest: dict, file: str) -> list[dict]:
                     from None
         # torch's own optimizers fill keys a group lacks in __setstate__ (a tierstate checkpoint
         # has no 'foreach' or 'capturable'); a tierstate rule reads every key of its defaults
-        missing = sorted(set(opt.defaults) - set(group)) if isinstance(opt, OffloadOptimizer) else []
+        # (the rule's, not opt.defaults, to which torch's load_state_dict adds 'differentiable')
+        needed = opt.rule.defaults() if isinstance(opt, OffloadOptimizer) else {}
+        missing = sorted(set(needed) - set(group))
         if missing:
             raise ValueError(f"{file}: param_groups[{gi}] lacks {missing[0]!r}, which {type(opt).__name__} needs "
-                             f"(its default is {opt.defaults[missing[0]]!r}); nothing was loaded. {FIX}")
+                             f"(its default is {needed[missing[0]]!r}); nothing was loaded. {FIX}")
         try:
             _validate_group(opt, {**group, "params": current["params"]})
         except (TypeError, ValueError) as exc:

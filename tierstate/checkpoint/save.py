@@ -9,6 +9,11 @@ previous save's shards and any debris of crashed saves. A crash before (3) leave
 old manifest naming the old shards, untouched; after (3) the new one naming new shards,
 all durable. So ``path`` holds either the previous checkpoint or the new one, whole, at
 every instant; nothing outside ``path`` is touched. One writer per ``path`` at a time.
+
+Testing aid: ``TIERSTATE_TEST_PAUSE_AT=<phase>:<marker file>`` stops a save at one of
+these points (``shard-written``, ``shards-renamed``, ``manifest-committed``, ``cleanup``;
+see :data:`tierstate.checkpoint.durable.PAUSE_PHASES`): the writer records its pid in the
+marker file and sleeps until killed, so a test kills it at exactly that point.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from typing import Any
 import torch
 
 from .access import ParamInfo, access_for
-from .durable import ShardSink, aligned_buffer, describe_writer, fsync_dir, remove_quietly, rename, write_file_atomic
+from .durable import (ShardSink, aligned_buffer, describe_writer, fsync_dir, pause_point, remove_quietly, rename,
+                      write_file_atomic)
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -184,6 +190,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             shards.append({"file": name, "bytes": nbytes, "data_offset": len(header),
                            "checksum": {"algorithm": checksum, "value": digest}})
         fsync_dir(directory)
+        pause_point("shards-renamed")
 
         manifest = {
             "format": FORMAT_NAME,
@@ -212,6 +219,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         if isinstance(exc, OSError):
             exc.add_note(f"save_optimizer: the checkpoint in {directory} was left as it was before this save")
         raise
+    pause_point("manifest-committed")
     _sweep(directory, {s["file"] for s in shards})
     return manifest
 
@@ -221,6 +229,8 @@ def _sweep(directory: str, keep: set) -> None:
     removed = False
     for name in os.listdir(directory):
         if _ours(name) and name not in keep:
+            if removed:
+                pause_point("cleanup")
             remove_quietly(os.path.join(directory, name))
             removed = True
     if removed:
