@@ -1064,6 +1064,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
         self._before_state_access()
+        from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint imports optim
+
+        check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
         groups = state_dict.get("param_groups")
         if groups is None:
