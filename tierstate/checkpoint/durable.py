@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from ..io.errors import FileIOError, ShortReadError, from_oserror
+from ..io.errors import FileIOError, from_oserror
 from .format import Checksum
 
 
@@ -229,8 +229,9 @@ def read_chunks(path: str, size: int, buffers: list[torch.Tensor]) -> Iterator[t
         for i, off in enumerate(offsets):
             want = min(chunk, size - off)
             got = futures.pop(i).get()
-            if got != want:
-                raise ShortReadError(path, off, want, got)
+            if got != want:  # the file shrank since its size was checked: errno EIO, with the path
+                raise CorruptCheckpointError(f"the file ends {got} bytes into the {want}-byte read at offset {off} "
+                                             f"({size} bytes expected): it was truncated while being read", path)
             yield off, buffers[i % len(buffers)][:want]
             submit(i + len(buffers))
     finally:
