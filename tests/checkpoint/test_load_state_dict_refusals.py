@@ -106,3 +106,24 @@ def test_good_state_dict_still_loads(tmp_path, source):
         for key, value in st.items():
             assert torch.equal(got["state"][i][key], value), (i, key)
     opt.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_state_dict_with_a_state_key_the_tiers_lack_loads(tmp_path, mode):
+    """amsgrad=True keeps max_exp_avg_sq, which an optimizer built with amsgrad=False has no
+    place for: load_state_dict must place the state anew (as load_optimizer does), not fail
+    with a bare KeyError after replacing param_groups and forgetting the state."""
+    src_model, src = wl.build("cpu", hidden=64, amsgrad=True)
+    for step in range(2):
+        wl.train_step(src_model, src, step)
+    model, opt = wl.build(mode, hidden=64, nvme_dir=str(tmp_path / "nv"))
+    wl.train_step(model, opt, 0)
+    opt.load_state_dict(src.state_dict())
+    model.load_state_dict(src_model.state_dict())
+    assert opt.param_groups[0]["amsgrad"] is True
+    assert wl.digest(model, opt) == wl.digest(src_model, src)
+    for step in (2, 3):
+        wl.train_step(src_model, src, step)
+        wl.train_step(model, opt, step)
+    assert wl.digest(model, opt) == wl.digest(src_model, src)
+    opt.close()

@@ -1078,6 +1078,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         self.state.clear()
+        if not {spec.name for g in self.param_groups for spec in self.rule.state_specs(g)} <= set(self._state_dtypes):
+            self._rebuild_engine()  # e.g. amsgrad=True keeps max_exp_avg_sq: place the (forgotten) state anew
         slot_list = [self._slot_of[id(p)] for p in self._all_params()]
         for saved_id, s in zip(saved_ids, slot_list):
             st = saved_state.get(saved_id)
