@@ -153,3 +153,17 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
         assert wl.digest(model3, opt3) == wl.digest(model, opt)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_torch_optimizer_with_state_not_shaped_like_its_parameter_is_refused_at_save(tmp_path):
+    """torch.optim.ASGD keeps 0-d 'eta' and 'mu' next to parameter-shaped 'ax'; the format
+    stores state shaped like the parameter, so the save must refuse before writing anything
+    (it used to write shards whose headers did not match their bytes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.ASGD(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"state 'eta' of parameter 0 has shape \(\), the parameter \(4, 8\)"):
+        save_optimizer(opt, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -164,6 +164,12 @@ class TorchAccess:
         for i, p in enumerate(self.params):
             st = self._sd["state"].get(i, {})
             keys = {k: v.dtype for k, v in st.items() if isinstance(v, Tensor) and k != "step"}
+            for k in keys:
+                if st[k].numel() != p.numel():  # e.g. torch.optim.ASGD's 0-d 'eta' and 'mu'
+                    raise ValueError(
+                        f"{type(self.opt).__name__}: state {k!r} of parameter {i} has shape {tuple(st[k].shape)}, "
+                        f"the parameter {tuple(p.shape)}; tierstate checkpoints hold state shaped like its "
+                        "parameter: save this optimizer with torch.save(opt.state_dict()) instead")
             step = st.get("step")
             step = float(step) if step is not None else None
             out.append(ParamInfo(i, self._group_of[i], tuple(p.shape), p.dtype, bool(st), step, keys))
