@@ -165,11 +165,12 @@ class TorchAccess:
             st = self._sd["state"].get(i, {})
             keys = {k: v.dtype for k, v in st.items() if isinstance(v, Tensor) and k != "step"}
             for k in keys:
-                if st[k].numel() != p.numel():  # e.g. torch.optim.ASGD's 0-d 'eta' and 'mu'
+                if st[k].numel() != p.numel() or not st[k].dtype.is_floating_point:  # e.g. ASGD's 0-d 'eta'
                     raise ValueError(
-                        f"{type(self.opt).__name__}: state {k!r} of parameter {i} has shape {tuple(st[k].shape)}, "
-                        f"the parameter {tuple(p.shape)}; tierstate checkpoints hold state shaped like its "
-                        "parameter: save this optimizer with torch.save(opt.state_dict()) instead")
+                        f"{type(self.opt).__name__}: state {k!r} of parameter {i} has shape {tuple(st[k].shape)} "
+                        f"dtype {st[k].dtype}, the parameter {tuple(p.shape)}; tierstate checkpoints hold "
+                        "floating-point state shaped like its parameter: save this optimizer with "
+                        "torch.save(opt.state_dict()) instead")
             step = st.get("step")
             step = float(step) if step is not None else None
             out.append(ParamInfo(i, self._group_of[i], tuple(p.shape), p.dtype, bool(st), step, keys))

@@ -33,13 +33,15 @@ def check_state_dict(opt, state_dict) -> None:
     """
     name = type(opt).__name__
     if not isinstance(state_dict, dict):
-        raise TypeError(f"load_state_dict: expected a dict (an optimizer state_dict()), got {type(state_dict).__name__}")
+        raise TypeError("load_state_dict: expected a dict (an optimizer state_dict()), got "
+                        f"{type(state_dict).__name__}")
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list):
         raise ValueError("load_state_dict: the state dict has no 'param_groups' list (is it an optimizer state dict?)")
     state = state_dict.get("state", {})
     if not isinstance(state, dict):
-        raise TypeError(f"load_state_dict: 'state' must be a dict of parameter index -> state, got {type(state).__name__}")
+        raise TypeError("load_state_dict: 'state' must be a dict of parameter index -> state, got "
+                        f"{type(state).__name__}")
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"load_state_dict: the state dict has {len(groups)} param group(s), this {name} has "
                          f"{len(opt.param_groups)}; load a state dict of an optimizer over the same parameter groups")
