@@ -16,10 +16,10 @@ the state: a staged copy would need the state's size again in RAM or on disk (wh
 checkpoint exists to avoid), where two reads need the same 2 x 8 MiB of buffers whatever
 the size. The price, measured on a 100 M-parameter AdamW checkpoint (1.2 GB in 4 shards,
 O_DIRECT reads, a shared 2-core VM, 4 loads): the verifying read took 2.6-3.4 s of
-loads of 8.9-12.2 s, so a load takes 1.3-1.5x as long as one reading each shard once. The second read is checksummed
-too; a shard rewritten between the two reads (nothing in tierstate rewrites a shard:
-each save writes new files) is reported as such, the only refusal that comes after
-something was applied.
+loads of 8.9-12.2 s, so a load takes 1.3-1.5x as long as one reading each shard once.
+The second read is checksummed too; a shard rewritten between the two reads (nothing in
+tierstate rewrites a shard: each save writes new files) is reported as such, the only
+refusal that comes after something was applied.
 """
 from __future__ import annotations
 
