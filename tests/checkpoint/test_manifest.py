@@ -350,3 +350,23 @@ def test_snapshot_helper_sees_every_part_change(tmp_path):
         before = wl.snapshot(opt)
         s = opt._slots[2]
     opt.close()
+
+
+def test_version_1_manifest_without_checksum_still_loads(saved, tmp_path):
+    """Checkpoints written before the manifest had its own checksum (format version 1)."""
+    ckpt, manifest, original, digest = saved
+    old = {k: v for k, v in manifest.items() if k != "manifest_checksum"}
+    old["version"] = 1
+    try:
+        _write(ckpt, old)
+        model, opt = wl.build("cpu", hidden=64)
+        load_optimizer(opt, ckpt)
+        assert wl.digest(model, opt) == digest
+        # every other check still runs on them
+        _write(ckpt, {**old, "params": old["params"][:-1]})
+        before = wl.snapshot(opt)
+        with pytest.raises(CORRUPT, match="param_groups hold"):
+            load_optimizer(opt, ckpt)
+        wl.assert_same_snapshot(before, wl.snapshot(opt))
+    finally:
+        (ckpt / "manifest.json").write_bytes(original)

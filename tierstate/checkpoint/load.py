@@ -313,8 +313,13 @@ def load_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     if not params:
         per_shard = [[e for e in entries if not e[2].startswith("param.")] for entries in per_shard]
     access.begin_load(groups)
-    for shard, entries in zip(manifest["shards"], per_shard):
-        _apply_shard(directory, shard, entries, access, buffers)
+    try:
+        for shard, entries in zip(manifest["shards"], per_shard):
+            _apply_shard(directory, shard, entries, access, buffers)
+    except OSError as exc:  # verified a moment ago: an I/O error now, or a shard removed since
+        exc.add_note(f"load_optimizer: the optimizer is partly loaded from {directory}; load a checkpoint "
+                     "again before training")
+        raise
     for rec in manifest["params"]:
         if rec["initialized"]:
             access.commit_param(rec["index"], set(rec["state"]), rec["step"])
