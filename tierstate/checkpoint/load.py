@@ -107,6 +107,10 @@ def _validate_group(opt, group: dict) -> None:
         return
     takes = inspect.signature(type(opt).__init__).parameters
     kwargs = {k: v for k, v in group.items() if k in takes and k not in ("self", "params")}
+    required = [n for n, a in takes.items() if n not in ("self", "params") and a.default is inspect.Parameter.empty
+                and a.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if any(n not in kwargs for n in required):
+        return  # a constructor that needs more than the group holds (a user's class): nothing to check it with
     type(opt)([torch.zeros(1, requires_grad=True)], **kwargs)
 
 
