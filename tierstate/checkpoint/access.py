@@ -64,9 +64,9 @@ class OffloadAccess:
                 for key in self.opt._state_keys(s):
                     if key != "master" or s.master_ready:
                         keys[key] = self.opt._state_dtypes[key]
-            step = float(s.step) if (self.opt.rule.has_step and s.initialized) else None
-            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, bool(keys) or
-                                 (s.initialized and s.trainable is not None), step, keys))
+            initialized = bool(keys) or (s.initialized and s.trainable is not None)
+            step = float(s.step) if (self.opt.rule.has_step and initialized) else None
+            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, initialized, step, keys))
         return out
 
     def read_state(self, index: int, key: str, piece_numel: int) -> Iterator[Tensor]:
