@@ -3,6 +3,7 @@
 Run as a script it is the process the tests kill, resume or measure::
 
     python ckpt_workload.py train  MODE CKPT STEPS        # saves after every step, prints begin/end
+                                                          # (CKPT_TEST_PAUSE: stop one save at a phase)
     python ckpt_workload.py digests MODE STEPS            # JSON: digest after every step, no saves
     python ckpt_workload.py resume MODE STEPS CKPT...     # JSON per CKPT: loaded step, digests
     python ckpt_workload.py rss MODE HIDDEN BUFFER CKPT   # JSON: peak RSS growth of save and load
@@ -73,6 +74,70 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, so that equality is bitwise (NaN == NaN, -0.0 != 0.0)."""
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def _plain(value):
+    """A hyper-parameter value in a comparable form (tensors by dtype and bytes)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), bytes(_bits(value).numpy()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_plain(v) for v in value))
+    return (type(value).__name__, value)
+
+
+def snapshot(opt) -> dict:
+    """Everything a load may change in a live optimizer, copied out for :func:`assert_same_snapshot`.
+
+    Parameters (bitwise), param_groups (every hyper-parameter, with its type, and which
+    parameter objects each group holds), every state key of every parameter on every tier
+    (NVMe state read through the tier, not from the published host views), the keys
+    published in ``opt.state``, per-parameter step and flags, ``skipped_steps`` and the
+    step counter. A plain ``torch.optim.Optimizer`` gives its ``state_dict()``.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    snap = {
+        "params": [(str(p.dtype), tuple(p.shape), bytes(_bits(p).numpy())) for p in params],
+        "groups": [{k: ([id(p) for p in v] if k == "params" else _plain(v)) for k, v in g.items()}
+                   for g in opt.param_groups],
+        "published": {i: sorted(opt.state[p].keys()) for i, p in enumerate(params) if p in opt.state},
+    }
+    if isinstance(opt, ts.OffloadOptimizer):
+        opt._before_state_access()
+        state = {}
+        for s in opt._slots:
+            if not s.initialized:
+                continue
+            keys = [k for k in opt._state_keys(s) if k != "master" or s.master_ready]
+            state[s.index] = {k: (str(opt._state_dtypes[k]), bytes(_bits(opt._read_flat(s, k)).numpy())) for k in keys}
+        snap["state"] = state
+        snap["slots"] = [(s.index, s.initialized, s.master_ready, s.step, s.trainable) for s in opt._slots]
+        snap["counters"] = (opt.skipped_steps, opt._steps_taken)
+        snap["state_dtypes"] = {k: str(v) for k, v in opt._state_dtypes.items()}
+    else:
+        sd = opt.state_dict()
+        snap["state"] = {i: {k: _plain(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    return snap
+
+
+def assert_same_snapshot(before: dict, after: dict) -> None:
+    """Assert two :func:`snapshot` results are identical, naming the first part that differs."""
+    assert before.keys() == after.keys()
+    for part in before:
+        if part == "params":
+            for i, (a, b) in enumerate(zip(before[part], after[part])):
+                assert a == b, f"parameter {i} changed"
+        elif part == "state":
+            assert before[part].keys() == after[part].keys(), "the set of parameters with state changed"
+            for i in before[part]:
+                assert before[part][i].keys() == after[part][i].keys(), f"state keys of parameter {i} changed"
+                for k in before[part][i]:
+                    assert before[part][i][k] == after[part][i][k], f"state {k!r} of parameter {i} changed"
+        assert before[part] == after[part], f"{part} changed"
+
+
 def _say(*words) -> None:
     print(*words, flush=True)
 
@@ -85,8 +150,14 @@ def main(argv: list[str]) -> None:
         ckpt, steps = argv[2], int(argv[3])
         model, opt = build(mode, nvme_dir=nvme_dir)
         handshake = os.environ.get("CKPT_TEST_HANDSHAKE") == "1"
+        # CKPT_TEST_PAUSE=<phase>:<step>:<marker>: the save of <step> stops at <phase> (save.py's testing aid)
+        pause = os.environ.get("CKPT_TEST_PAUSE")
         for step in range(steps):
             train_step(model, opt, step)
+            if pause is not None:
+                phase, at, marker = pause.split(":", 2)
+                if step + 1 == int(at):
+                    os.environ["TIERSTATE_TEST_PAUSE_AT"] = f"{phase}:{marker}"
             _say("begin", step + 1)
             if handshake:  # the killing test says when to go, so its clock starts with the save
                 sys.stdin.readline()

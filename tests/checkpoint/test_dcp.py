@@ -77,3 +77,35 @@ def test_mmap_state_dict_goes_through_dcp(tmp_path):
     assert wl.digest(model2, opt2) == wl.digest(model, opt)
     opt.close()
     opt3.close()
+
+
+@pytest.mark.parametrize("mode", ["cpu", "nvme"])
+def test_failed_dcp_load_into_copies_leaves_the_optimizer_as_it_was(tmp_path, mode):
+    """dcp.load writes into the tensors it is given, one after the other; a damaged file fails
+    it half way. Into mmap_state_dict(host_views=False) the live state is untouched; the
+    intact checkpoint then loads through the same dict."""
+    model, opt = wl.build("cpu", hidden=64)
+    for step in range(3):
+        wl.train_step(model, opt, step)
+    dcp.save({"optim": mmap_state_dict(opt, tmp_path / "s0")}, checkpoint_id=str(tmp_path / "dcp"))
+    data = next(p for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp")
+    intact = data.read_bytes()
+    data.write_bytes(intact[: len(intact) // 2])
+
+    model2, opt2 = wl.build(mode, hidden=64, nvme_dir=str(tmp_path / "nv"))
+    wl.train_step(model2, opt2, 0)
+    before = wl.snapshot(opt2)
+    target = {"optim": mmap_state_dict(opt2, tmp_path / "s1", host_views=False)}
+    with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+        dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    assert "corrupted" in str(info.value) or "CheckpointException" in type(info.value).__name__
+    wl.assert_same_snapshot(before, wl.snapshot(opt2))
+
+    data.write_bytes(intact)
+    target = {"optim": mmap_state_dict(opt2, tmp_path / "s2", host_views=False)}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    wl.assert_same_snapshot(before, wl.snapshot(opt2))  # still untouched: only the copies were filled
+    opt2.load_state_dict(target["optim"])
+    model2.load_state_dict(model.state_dict())
+    assert wl.digest(model2, opt2) == wl.digest(model, opt)
+    opt2.close()

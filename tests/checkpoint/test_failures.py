@@ -34,7 +34,7 @@ def saved(tmp_path):
 def test_flipped_byte_in_any_shard_is_named_and_nothing_loads(tmp_path, saved, mode):
     ckpt, man = saved
     model, opt = _trained(mode, tmp_path, "dst", steps=1)
-    before = wl.digest(model, opt)
+    before = wl.snapshot(opt)
     for shard in man["shards"]:
         path = ckpt / shard["file"]
         original = path.read_bytes()
@@ -48,17 +48,18 @@ def test_flipped_byte_in_any_shard_is_named_and_nothing_loads(tmp_path, saved, m
             msg = str(info.value)
             assert shard["file"] in msg and shard["checksum"]["value"] in msg and "crc32" in msg
             assert info.value.filename == str(path) and info.value.errno == errno.EIO
-            assert wl.digest(model, opt) == before
+            wl.assert_same_snapshot(before, wl.snapshot(opt))
         path.write_bytes(original)
     load_optimizer(opt, ckpt)  # undamaged again: loads
-    assert wl.digest(model, opt) != before
+    with pytest.raises(AssertionError):
+        wl.assert_same_snapshot(before, wl.snapshot(opt))
     opt.close()
 
 
 def test_truncated_or_missing_shard_is_named(tmp_path, saved):
     ckpt, man = saved
     model, opt = _trained("cpu", tmp_path, "dst", steps=1)
-    before = wl.digest(model, opt)
+    before = wl.snapshot(opt)
     shard = man["shards"][-1]
     path = ckpt / shard["file"]
     original = path.read_bytes()
@@ -76,7 +77,7 @@ def test_truncated_or_missing_shard_is_named(tmp_path, saved):
     (ckpt / "manifest.json").write_text('{"format": "tierstate-optimizer-checkpoint", "vers')
     with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
         load_optimizer(opt, ckpt)
-    assert wl.digest(model, opt) == before
+    wl.assert_same_snapshot(before, wl.snapshot(opt))
 
 
 def test_mismatching_model_or_optimizer_names_the_first_difference(tmp_path, saved):
@@ -86,18 +87,29 @@ def test_mismatching_model_or_optimizer_names_the_first_difference(tmp_path, sav
     other = torch.nn.Sequential(torch.nn.Linear(wl.IN, 64), torch.nn.GELU(), torch.nn.Linear(64, 65),
                                 torch.nn.GELU(), torch.nn.Linear(65, 8))
     opt = ts.AdamW(other.parameters())
+    before = wl.snapshot(opt)
     with pytest.raises(ValueError, match=r"parameter 2 \(group 0\) has shape \(64, 64\) dtype float32 in the "
                                          r"checkpoint, shape \(65, 64\) dtype float32 here"):
         load_optimizer(opt, ckpt)
-    assert not opt.state
+    wl.assert_same_snapshot(before, wl.snapshot(opt))
 
     model = wl.build("cpu", hidden=64)[0].to(torch.bfloat16)
+    bf16 = ts.AdamW(model.parameters())
+    x, y = wl.batch(0)
+    torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+    bf16.step()  # with state (and masters) to keep
+    before = wl.snapshot(bf16)
     with pytest.raises(ValueError, match=r"parameter 0 .* dtype float32 in the checkpoint, .* dtype bfloat16 here"):
-        load_optimizer(ts.AdamW(model.parameters()), ckpt)
+        load_optimizer(bf16, ckpt)
+    wl.assert_same_snapshot(before, wl.snapshot(bf16))
 
     model = wl.build("cpu", hidden=64)[0]
+    sgd = ts.SGD(model.parameters(), momentum=0.9)
+    wl.train_step(model, sgd, 0)
+    before = wl.snapshot(sgd)
     with pytest.raises(ValueError, match="holds the state of a AdamW optimizer; this one is a SGD"):
-        load_optimizer(ts.SGD(model.parameters(), momentum=0.9), ckpt)
+        load_optimizer(sgd, ckpt)
+    wl.assert_same_snapshot(before, wl.snapshot(sgd))
 
     # AdamW with amsgrad keeps max_exp_avg_sq: a checkpoint of one must say so
     model, opt = _trained("cpu", tmp_path, "ams", amsgrad=True)
@@ -153,3 +165,18 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
         assert wl.digest(model3, opt3) == wl.digest(model, opt)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_torch_optimizer_with_state_not_shaped_like_its_parameter_is_refused_at_save(tmp_path):
+    """torch.optim.ASGD keeps 0-d 'eta' and 'mu' next to parameter-shaped 'ax'; the format
+    stores state shaped like the parameter, so the save must refuse before writing anything
+    (it used to write shards whose headers did not match their bytes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.ASGD(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"state 'eta' of parameter 0 has shape \(\) dtype torch.float32, "
+                                         r"the parameter \(4, 8\)"):
+        save_optimizer(opt, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()

@@ -64,9 +64,9 @@ class OffloadAccess:
                 for key in self.opt._state_keys(s):
                     if key != "master" or s.master_ready:
                         keys[key] = self.opt._state_dtypes[key]
-            step = float(s.step) if (self.opt.rule.has_step and s.initialized) else None
-            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, bool(keys) or
-                                 (s.initialized and s.trainable is not None), step, keys))
+            initialized = bool(keys) or (s.initialized and s.trainable is not None)
+            step = float(s.step) if (self.opt.rule.has_step and initialized) else None
+            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, initialized, step, keys))
         return out
 
     def read_state(self, index: int, key: str, piece_numel: int) -> Iterator[Tensor]:
@@ -89,9 +89,8 @@ class OffloadAccess:
     def begin_load(self, param_groups: list[dict]) -> None:
         """Take the saved hyper-parameters and forget every state (torch's load semantics)."""
         opt = self.opt
+        # param_groups were validated with opt.rule.validate before anything was applied (load.py)
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
-        for g in opt.param_groups:
-            opt.rule.validate(g)
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         opt.state.clear()
@@ -165,6 +164,13 @@ class TorchAccess:
         for i, p in enumerate(self.params):
             st = self._sd["state"].get(i, {})
             keys = {k: v.dtype for k, v in st.items() if isinstance(v, Tensor) and k != "step"}
+            for k in keys:
+                if st[k].numel() != p.numel() or not st[k].dtype.is_floating_point:  # e.g. ASGD's 0-d 'eta'
+                    raise ValueError(
+                        f"{type(self.opt).__name__}: state {k!r} of parameter {i} has shape {tuple(st[k].shape)} "
+                        f"dtype {st[k].dtype}, the parameter {tuple(p.shape)}; tierstate checkpoints hold "
+                        "floating-point state shaped like its parameter: save this optimizer with "
+                        "torch.save(opt.state_dict()) instead")
             step = st.get("step")
             step = float(step) if step is not None else None
             out.append(ParamInfo(i, self._group_of[i], tuple(p.shape), p.dtype, bool(st), step, keys))

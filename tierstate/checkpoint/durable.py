@@ -10,12 +10,42 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from typing import Iterator
 
 import torch
 
-from ..io.errors import FileIOError, ShortReadError, from_oserror
+from ..io.errors import FileIOError, from_oserror
 from .format import Checksum
+
+
+# Testing aid: TIERSTATE_TEST_PAUSE_AT=<phase>:<marker file> makes a save stop at <phase>:
+# it writes its pid into <marker file> and sleeps until killed, so that a test can kill -9
+# the writer at exactly that point (tests/checkpoint/test_kill.py). Unset, it costs one
+# environment lookup per phase.
+PAUSE_ENV = "TIERSTATE_TEST_PAUSE_AT"
+PAUSE_PHASES = (
+    "shard-written",       # the first shard's data written, before its fsync and rename
+    "shards-renamed",      # every shard fsynced and renamed, before the manifest is written
+    "manifest-committed",  # the new manifest renamed into place, before any old shard is deleted
+    "cleanup",             # one old file deleted, others still there
+)
+
+
+def pause_point(phase: str) -> None:
+    """Stop here, forever, if ``TIERSTATE_TEST_PAUSE_AT`` names ``phase`` (a testing aid)."""
+    wanted = os.environ.get(PAUSE_ENV)
+    if not wanted:
+        return
+    name, _, marker = wanted.partition(":")
+    if name not in PAUSE_PHASES or not marker:
+        raise ValueError(f"{PAUSE_ENV}={wanted!r}: expected '<phase>:<marker file>' with a phase among {PAUSE_PHASES}")
+    if name != phase:
+        return
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(3600)
 
 
 def engine_available() -> bool:
@@ -161,6 +191,7 @@ class ShardSink:
             if fut is not None:
                 fut.get()
                 self._pending[i] = None
+        pause_point("shard-written")
         self._file.sync()
         self._file.close()
         return self._offset, self._sum.hexdigest()
@@ -198,8 +229,9 @@ def read_chunks(path: str, size: int, buffers: list[torch.Tensor]) -> Iterator[t
         for i, off in enumerate(offsets):
             want = min(chunk, size - off)
             got = futures.pop(i).get()
-            if got != want:
-                raise ShortReadError(path, off, want, got)
+            if got != want:  # the file shrank since its size was checked: errno EIO, with the path
+                raise CorruptCheckpointError(f"the file ends {got} bytes into the {want}-byte read at offset {off} "
+                                             f"({size} bytes expected): it was truncated while being read", path)
             yield off, buffers[i % len(buffers)][:want]
             submit(i + len(buffers))
     finally:

@@ -19,7 +19,8 @@ Tensor names: ``state.<i>.<key>`` (optimizer state of the i-th parameter, number
 ``optimizer.state_dict()``) and ``param.<i>`` (the parameter's value). The manifest keeps
 what safetensors cannot: format version, optimizer class, param_groups, per-parameter
 shape/dtype/step, placement, the shard list with a checksum and size per shard, the
-tensor -> shard map and the caller's ``extra`` JSON.
+tensor -> shard map, the caller's ``extra`` JSON and a checksum of the manifest itself
+(``manifest_checksum``, see :mod:`tierstate.checkpoint.manifest`).
 """
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ from dataclasses import dataclass
 import torch
 
 FORMAT_NAME = "tierstate-optimizer-checkpoint"
-FORMAT_VERSION = 1
+# Version 2 added ``manifest_checksum`` (see checkpoint/manifest.py); version 1
+# manifests, which have none, are still read, with every other check.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 SHARD_PREFIX = "shard-"
 SHARD_SUFFIX = ".safetensors"

@@ -48,7 +48,7 @@ def _file_backed(scratch_dir: str, numel: int, dtype: torch.dtype, pieces) -> Te
         os.unlink(path)  # the mapping keeps the blocks; nothing is left on disk after it
 
 
-def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike) -> dict:
+def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike, *, host_views: bool = True) -> dict:
     """``opt.state_dict()`` whose off-host tensors are file mappings under ``scratch_dir``.
 
     Host-tier state is returned as views, as ``state_dict()`` does; state in other tiers
@@ -57,7 +57,15 @@ def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike) -> di
     ``scratch_dir`` on a filesystem with room for the off-host state (not a tmpfs).
     The result is an ordinary state dict: ``torch.save`` it, hand it to
     ``torch.distributed.checkpoint``, or ``load_state_dict`` it into another optimizer.
+
+    ``host_views=False`` copies host-tier state into mapped files too, so that the dict
+    shares no memory with ``opt``: the target to give ``dcp.load``, which writes into the
+    tensors it is given, one after the other. With views a ``dcp.load`` that fails half way
+    (a damaged file) leaves the live state half overwritten; with copies it stays as it
+    was, and ``opt.load_state_dict(sd)`` applies a completed load, checking all of it first.
     """
+    if not isinstance(host_views, bool):
+        raise TypeError(f"host_views must be True or False, got {host_views!r}")
     if not isinstance(opt, OffloadOptimizer):
         raise TypeError(f"opt is a {type(opt).__name__}; mmap_state_dict takes a tierstate optimizer "
                         "(other optimizers hold their state in RAM already: use opt.state_dict())")
@@ -72,7 +80,7 @@ def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike) -> di
         s = access._slots[info.index]
         entry = {}
         for key, dtype in info.keys.items():
-            view = opt._host_view(s, key)
+            view = opt._host_view(s, key) if host_views else None
             if view is not None:
                 entry[key] = view
             else:

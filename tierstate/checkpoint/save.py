@@ -9,6 +9,11 @@ previous save's shards and any debris of crashed saves. A crash before (3) leave
 old manifest naming the old shards, untouched; after (3) the new one naming new shards,
 all durable. So ``path`` holds either the previous checkpoint or the new one, whole, at
 every instant; nothing outside ``path`` is touched. One writer per ``path`` at a time.
+
+Testing aid: ``TIERSTATE_TEST_PAUSE_AT=<phase>:<marker file>`` stops a save at one of
+these points (``shard-written``, ``shards-renamed``, ``manifest-committed``, ``cleanup``;
+see :data:`tierstate.checkpoint.durable.PAUSE_PHASES`): the writer records its pid in the
+marker file and sleeps until killed, so a test kills it at exactly that point.
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ from typing import Any
 import torch
 
 from .access import ParamInfo, access_for
-from .durable import ShardSink, aligned_buffer, describe_writer, fsync_dir, remove_quietly, rename, write_file_atomic
+from .durable import (ShardSink, aligned_buffer, describe_writer, fsync_dir, pause_point, remove_quietly, rename,
+                      write_file_atomic)
 from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -34,6 +40,7 @@ from .format import (
     dtype_name,
     shard_header,
 )
+from .manifest import seal
 
 # Two 8 MiB buffers: 16 MiB of RAM per save/load whatever the state's size; 8 MiB
 # requests already run sequential NVMe near full speed (peers/RESULTS.md, fio).
@@ -183,6 +190,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             shards.append({"file": name, "bytes": nbytes, "data_offset": len(header),
                            "checksum": {"algorithm": checksum, "value": digest}})
         fsync_dir(directory)
+        pause_point("shards-renamed")
 
         manifest = {
             "format": FORMAT_NAME,
@@ -202,6 +210,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             "torch_version": torch.__version__,
             "created": time.time(),
         }
+        manifest = seal(manifest, checksum)
         body = json.dumps(manifest, indent=1).encode()
         write_file_atomic(directory, MANIFEST_NAME, body, f"{MANIFEST_TMP_PREFIX}{save_id}.tmp")
     except BaseException as exc:
@@ -210,6 +219,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         if isinstance(exc, OSError):
             exc.add_note(f"save_optimizer: the checkpoint in {directory} was left as it was before this save")
         raise
+    pause_point("manifest-committed")
     _sweep(directory, {s["file"] for s in shards})
     return manifest
 
@@ -219,6 +229,8 @@ def _sweep(directory: str, keep: set) -> None:
     removed = False
     for name in os.listdir(directory):
         if _ours(name) and name not in keep:
+            if removed:
+                pause_point("cleanup")
             remove_quietly(os.path.join(directory, name))
             removed = True
     if removed:

@@ -1064,6 +1064,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
         self._before_state_access()
+        from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint imports optim
+
+        check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
         groups = state_dict.get("param_groups")
         if groups is None:
@@ -1075,6 +1078,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         self.state.clear()
+        if not {spec.name for g in self.param_groups for spec in self.rule.state_specs(g)} <= set(self._state_dtypes):
+            self._rebuild_engine()  # e.g. amsgrad=True keeps max_exp_avg_sq: place the (forgotten) state anew
         slot_list = [self._slot_of[id(p)] for p in self._all_params()]
         for saved_id, s in zip(saved_ids, slot_list):
             st = saved_state.get(saved_id)
