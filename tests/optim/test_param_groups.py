@@ -162,7 +162,7 @@ def test_refused_load_state_dict_with_a_bad_state_tensor_applies_nothing() -> No
 
 def test_meta_device_parameters_are_refused_at_construction(tmp_path) -> None:
     p = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
-    with pytest.raises(ValueError, match=r"params\[0\] is on the meta device.*to_empty"):
+    with pytest.raises(ValueError, match=r"params\[0\] \(shape \(3, 3\)\) is on the meta device.*to_empty"):
         ts.AdamW([p])
     nv = tmp_path / "nv"
     with pytest.raises(ValueError, match=r"meta device"):

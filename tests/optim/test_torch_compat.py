@@ -35,8 +35,15 @@ def nvme(tmp_path, **kw) -> ts.Offload:
     return ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024, buffer_count=2, **kw)
 
 
+def same_groups(ours: list, ref: list) -> bool:
+    """Equal param groups; the torch side runs foreach=False (its single-tensor path, the one
+    the tolerance is measured against), which is only how torch computes, so that value is not compared."""
+    strip = lambda groups: [{k: v for k, v in g.items() if k != "foreach"} for g in groups]  # noqa: E731
+    return [set(g) for g in ours] == [set(g) for g in ref] and strip(ours) == strip(ref)
+
+
 def assert_state_dicts_equal(ours: dict, ref: dict, exact: bool = False) -> None:
-    assert ours["param_groups"] == ref["param_groups"]
+    assert same_groups(ours["param_groups"], ref["param_groups"]), (ours["param_groups"], ref["param_groups"])
     assert ours["state"].keys() == ref["state"].keys()
     for i, st in ref["state"].items():
         assert set(ours["state"][i]) - {"master"} == set(st), i
@@ -69,7 +76,7 @@ def test_whole_state_dict_equals_torchs(tmp_path, ts_cls, torch_cls, kw, placeme
     run(m_ours, ours)
     run(m_ref, ref)
     assert_state_dicts_equal(ours.state_dict(), ref.state_dict())
-    assert dict(ours.state).keys() == dict(ref.state).keys()
+    assert [p in ours.state for p in m_ours.parameters()] == [p in ref.state for p in m_ref.parameters()]
     ours.close()
 
 
