@@ -198,3 +198,44 @@ def test_offload_nvme_shorthand_builds_files(tmp_path) -> None:
     assert any(tmp_path.rglob("*.bin"))
     opt.close()
     assert os.path.isdir(tmp_path)
+
+
+def test_tierstate_checkpoint_of_groups_without_torch_keys_loads_with_them(tmp_path) -> None:
+    """A checkpoint whose groups lack torch's implementation switches (written before they were
+    carried, or by hand) loads with this optimizer's values, so a later DCP save still matches
+    torch's keys; a bad hyper-parameter in it is refused before the optimizer changes."""
+    import json
+
+    from tierstate.checkpoint import load_optimizer, save_optimizer
+
+    m = mlp()
+    opt = ts.AdamW(m.parameters(), lr=1e-2)
+    run(m, opt, 2)
+    save_optimizer(opt, tmp_path / "ckpt")
+    manifests = [p for p in (tmp_path / "ckpt").rglob("*.json") if "param_groups" in p.read_text()]
+    assert len(manifests) == 1
+    man = json.loads(manifests[0].read_text())
+
+    def groups_of(node):  # the manifest's param_groups list, wherever it sits
+        if isinstance(node, dict):
+            if "param_groups" in node:
+                return node["param_groups"]
+            return next((g for v in node.values() if (g := groups_of(v)) is not None), None)
+        return None
+
+    for g in groups_of(man):
+        for key in ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"):
+            g.pop(key, None)
+    manifests[0].write_text(json.dumps(man))
+    m2 = mlp()
+    opt2 = ts.AdamW(m2.parameters(), lr=1e-2)
+    load_optimizer(opt2, tmp_path / "ckpt")
+    assert opt2.state_dict()["param_groups"] == torch.optim.AdamW(mlp().parameters(), lr=1e-2).state_dict()[
+        "param_groups"]
+    g = groups_of(man)[0]
+    g["lr"] = float("inf")
+    manifests[0].write_text(json.dumps(man).replace("Infinity", "1e999"))
+    before = opt2.param_groups[0]["lr"]
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*Invalid lr"):
+        load_optimizer(opt2, tmp_path / "ckpt")
+    assert opt2.param_groups[0]["lr"] == before

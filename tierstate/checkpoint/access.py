@@ -89,9 +89,10 @@ class OffloadAccess:
     def begin_load(self, param_groups: list[dict]) -> None:
         """Take the saved hyper-parameters and forget every state (torch's load semantics)."""
         opt = self.opt
+        merged = [opt._loaded_group(g, i) for i, g in enumerate(param_groups)]  # validated before applied
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
-        for g in opt.param_groups:
-            opt.rule.validate(g)
+        for g, m in zip(opt.param_groups, merged):
+            g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         opt.state.clear()
