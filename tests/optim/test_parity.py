@@ -121,11 +121,13 @@ def assert_same(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer, net_our
                 check(a, b, f"{name}: state {key}")
 
 
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_parity_with_torch(case: str) -> None:
+def test_parity_with_torch(case: str, placement: str, tmp_path) -> None:
     ts_cls, torch_cls, kw, second = CASES[case]
     net_ours, net_ref = make_net(), make_net()
-    ours = ts_cls(groups(net_ours, **second), **kw)
+    offload = "cpu" if placement == "cpu" else ts.Offload(nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024)
+    ours = ts_cls(groups(net_ours, **second), offload=offload, **kw)
     ref = torch_cls(groups(net_ref, **second), **torch_kwargs(torch_cls, kw))
     sched_ours = torch.optim.lr_scheduler.StepLR(ours, step_size=3, gamma=0.5)
     sched_ref = torch.optim.lr_scheduler.StepLR(ref, step_size=3, gamma=0.5)
