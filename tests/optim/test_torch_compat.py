@@ -117,14 +117,17 @@ def test_dcp_checkpoint_moves_between_tierstate_and_torch(tmp_path, ts_cls, torc
     assert_state_dicts_equal(loaded.state_dict(), ref.state_dict())
 
 
-@pytest.mark.parametrize("placement", ["nvme-fp32", "nvme-bf16", "split-fp32", "cpu-bf16"])
-def test_optimizer_state_serves_every_key_on_every_tier(tmp_path, placement) -> None:
+@pytest.mark.parametrize("placement", ["nvme-fp32", "nvme-bf16", "split-fp32", "cpu-bf16", "device-fp32"])
+def test_optimizer_state_serves_every_key_on_every_tier(tmp_path, placement, monkeypatch) -> None:
     """opt.state[p]["exp_avg"] reads state held outside the host tier on demand (a CPU copy);
     iterating opt.state never reads it (frameworks iterate it to move tensors)."""
     tier, dtype = placement.split("-")
     moment = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if tier == "device":  # the device tier's own code, run on CPU parameters (see tierstate.Offload)
+        monkeypatch.setenv("TIERSTATE_DEVICE_TIER_ON_CPU", "1")
     offload = {"nvme": nvme(tmp_path, moment_dtype=moment),
                "split": ts.Offload(cpu=0.5, nvme=0.5, nvme_dir=tmp_path, subgroup_numel=1024, moment_dtype=moment),
+               "device": ts.Offload(gpu=0.5, subgroup_numel=1024),
                "cpu": ts.Offload(moment_dtype=moment)}[tier]
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.Linear(40, 3))  # 1640 + 123: straddles 1024

@@ -12,7 +12,9 @@ copy is memory the user did not ask for). ``optimizer.state[p]`` therefore holds
 ``step`` tensor (CPU, float32, as torch) and, for parameters whose state lives wholly in
 the host tier, views into the host arenas under torch's key names (plus ``master`` for
 low-precision or accelerator parameters). State held elsewhere (the device tier, NVMe,
-or a parameter straddling tiers) is read on demand by ``state_dict()``, as CPU tensors.
+or a parameter straddling tiers) is read on demand, as new CPU tensors, by ``state_dict()``
+and by a lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``, ``in``: see
+:class:`ParamState`), never by iterating the dict.
 
 [Note: the device tier in a step]
 With ``Offload(gpu=f)`` the first ``f`` of the flat index space lives in a

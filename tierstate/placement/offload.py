@@ -45,7 +45,7 @@ class Offload:
             own kernels (``torch._fused_adamw_``/``_fused_adam_`` for AdamW/Adam, elementwise
             torch ops for the others), queued before the host part so that on CUDA both run
             at once. Needs the parameters on an accelerator. Their gradients stay in
-            ``param.grad`` (not streamed); ``optimizer.state`` shows only ``step`` for them and
+            ``param.grad`` (not streamed); ``optimizer.state`` lists only ``step`` for them (``state[p][key]`` reads a CPU copy) and
             ``state_dict()`` reads their state as CPU tensors. Testing aid: with the
             environment variable ``TIERSTATE_DEVICE_TIER_ON_CPU=1`` (read when the optimizer
             is built) the device tier also runs on CPU parameters, keeping its "device" state
