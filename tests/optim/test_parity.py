@@ -111,7 +111,7 @@ def assert_same(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer, net_our
         s_ours, s_ref = ours.state.get(p_ours, {}), ref.state.get(p_ref, {})
         ref_keys = {k for k, v in s_ref.items() if v is not None} - {"master"}
         # state held outside the host tier is not listed in optimizer.state but read on demand
-        ours_keys = {k for k in set(s_ours) | set(s_ref) | STATE_KEYS if k in s_ours} - {"master"}
+        ours_keys = {k for k in set(s_ours) | set(s_ref) | STATE_KEYS if s_ours.get(k) is not None} - {"master"}
         assert ours_keys == ref_keys, f"{name}: state keys {sorted(ours_keys)} vs torch {sorted(ref_keys)}"
         for key in ref_keys:
             a, b = s_ours[key], s_ref[key]

@@ -13,7 +13,7 @@ copy is memory the user did not ask for). ``optimizer.state[p]`` therefore holds
 the host tier, views into the host arenas under torch's key names (plus ``master`` for
 low-precision or accelerator parameters). State held elsewhere (the device tier, NVMe,
 or a parameter straddling tiers) is read on demand, as new CPU tensors, by ``state_dict()``
-and by a lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``, ``in``: see
+and by a lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``: see
 :class:`ParamState`), never by iterating the dict.
 
 [Note: the device tier in a step]
@@ -125,9 +125,10 @@ class ParamState(dict):
     A dict of what is held without a copy: ``step`` and views of host-tier state. A state key
     held elsewhere (NVMe, the device tier, a parameter straddling tiers) is not an entry, so
     iterating the dict (``items()``, ``values()``: what frameworks do to move tensors) never
-    reads it; ``state[key]``, ``state.get(key)`` and ``key in state`` read it on demand into a
-    new CPU tensor, a copy whose changes do not reach the state. A key the parameter's state
-    does not have raises ``KeyError``, as torch's dict does.
+    reads it, and ``key in state`` answers for the held entries only, like ``keys()``;
+    ``state[key]`` and ``state.get(key)`` read it on demand into a new CPU tensor, a copy whose
+    changes do not reach the state. A key the parameter's state does not have raises
+    ``KeyError``, as torch's dict does.
     """
 
     def __init__(self, optimizer: "OffloadOptimizer", param: Tensor, items=()) -> None:
@@ -140,15 +141,6 @@ class ParamState(dict):
         if opt is None:
             raise KeyError(key)
         return opt._read_on_demand(self._param, key)
-
-    def __contains__(self, key) -> bool:
-        if dict.__contains__(self, key):
-            return True
-        opt = self._optimizer()
-        try:
-            return opt is not None and opt._read_on_demand(self._param, key, read=False) is None
-        except KeyError:
-            return False
 
     def get(self, key, default=None):
         try:
@@ -505,15 +497,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if view is not None:
                 st[key] = view
 
-    def _read_on_demand(self, param: Tensor, key: str, *, read: bool = True):
+    def _read_on_demand(self, param: Tensor, key: str) -> Tensor:
         """``optimizer.state[param][key]`` for a key not held in the dict: a CPU copy read from the
-        tiers (None without ``read``: only whether it exists). KeyError where torch has no such state."""
+        tiers. KeyError where the parameter has no such state (as torch's dict)."""
         s = self._slot_of.get(id(param))
         if s is None or s.param is not param or s.trainable is None or not s.initialized \
                 or key not in self._state_keys(s) or (key == "master" and not s.master_ready):
             raise KeyError(key)
-        if not read:
-            return None
         self._before_state_access()
         return self._read_state(self._slot_of[id(param)], key)
 

@@ -46,8 +46,8 @@ _ENGINE_ARGS = """
     parameter whose state lives wholly in host RAM, views of that state under torch's keys:
     writing into them changes the state. State held elsewhere (NVMe, the device tier, or a
     parameter straddling tiers) is not listed when the dict is iterated (frameworks iterate it
-    to move tensors, which must not read the NVMe tier), but ``optimizer.state[p]["exp_avg"]``,
-    ``.get`` and ``in`` read it on demand into a new CPU tensor: a copy, whose changes do not
+    to move tensors, which must not read the NVMe tier; ``in`` answers for the listed keys), but
+    ``optimizer.state[p]["exp_avg"]`` and ``.get`` read it on demand into a new CPU tensor: a copy, whose changes do not
     reach the state (use ``load_state_dict`` to change it).
 """
 
