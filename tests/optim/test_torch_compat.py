@@ -243,3 +243,23 @@ def test_tierstate_checkpoint_of_groups_without_torch_keys_loads_with_them(tmp_p
     with pytest.raises(ValueError, match=r"param_groups\[0\].*Invalid lr"):
         load_optimizer(opt2, tmp_path / "ckpt")
     assert opt2.param_groups[0]["lr"] == before
+
+
+def test_master_of_a_loaded_torch_state_is_published_as_a_host_view() -> None:
+    """bf16 parameters loaded from a torch state dict (no master): the first step makes the
+    master, which optimizer.state then lists as a view of the host arena, like every host key."""
+    m_ref = mlp()
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2)
+    run(m_ref, ref, 1)
+    m = mlp().to(torch.bfloat16)
+    opt = ts.AdamW(m.parameters(), lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    assert all("master" not in st for st in opt.state.values())
+    gen = torch.Generator().manual_seed(3)
+    m(torch.randn(6, 4, generator=gen).to(torch.bfloat16)).float().pow(2).mean().backward()
+    opt.step()
+    arena = opt.tiers[ts.placement.TierKind.HOST].arenas["master"]
+    for p in m.parameters():
+        master = dict(opt.state[p])["master"]
+        assert master.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+        assert torch.equal(master.to(torch.bfloat16), p.detach())
