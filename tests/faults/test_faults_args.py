@@ -192,3 +192,16 @@ def test_offload_fraction_of_wrong_type() -> None:
         ts.Offload(gpu=True)
     with pytest.raises(ValueError, match=r"Offload\(nvme=nan\)"):
         ts.Offload(nvme=math.nan)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(pin_memory="no"), r"Offload\(pin_memory='no'\): must be True or False"),
+    (dict(keep_device_grads=1), r"Offload\(keep_device_grads=1\)"),
+    (dict(grad_streaming="auto"), r"Offload\(grad_streaming='auto'\).*or None"),
+    (dict(nvme_dir=5), r"Offload\(nvme_dir=5\): give a folder path"),
+    (dict(nvme_dir=["/tmp/a", None]), r"None is not a folder path"),
+])
+def test_offload_switch_of_wrong_type(kwargs, pattern) -> None:
+    """A truthy string would have switched pinning on, an int folder failed deep in the I/O layer."""
+    with pytest.raises(TypeError, match=pattern):
+        ts.Offload(**kwargs)

@@ -125,6 +125,10 @@ class Offload:
             raise ValueError(
                 f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32 or torch.bfloat16"
             )
+        for name in ("pin_memory", "keep_device_grads") + (("grad_streaming",) if self.grad_streaming is not None else ()):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Offload({name}={getattr(self, name)!r}): must be True or False"
+                                + (" (or None for the default)" if name == "grad_streaming" else ""))
         if self.host_allocator is not None and self.host_allocator not in HOST_ALLOCATOR_POLICIES:
             raise ValueError(f"Offload(host_allocator={self.host_allocator!r}): must be one of "
                              f"{HOST_ALLOCATOR_POLICIES}, or None for the default (retain on CPU parameters)")
@@ -134,7 +138,14 @@ class Offload:
         elif isinstance(self.nvme_dir, (str, os.PathLike)):
             dirs = [self.nvme_dir]
         else:
-            dirs = list(self.nvme_dir)
+            try:
+                dirs = list(self.nvme_dir)
+            except TypeError:
+                raise TypeError(f"Offload(nvme_dir={self.nvme_dir!r}): give a folder path or a list of them "
+                                "(one per drive)") from None
+            bad = [d for d in dirs if not isinstance(d, (str, os.PathLike))]
+            if bad:
+                raise TypeError(f"Offload(nvme_dir={self.nvme_dir!r}): {bad[0]!r} is not a folder path")
             if not dirs:
                 raise ValueError("Offload(nvme_dir=[]): give at least one folder, or None for the default")
         object.__setattr__(self, "nvme_dirs", tuple(Path(d) for d in dirs))
