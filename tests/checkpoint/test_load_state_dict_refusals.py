@@ -49,7 +49,7 @@ MUTATIONS = [
      r"exp_avg.*parameter 0"),
     ("state-wrong-shape-last-param", _state(5, "exp_avg_sq", lambda t: torch.zeros(3)), ValueError,
      r"exp_avg_sq.*parameter 5"),
-    ("state-int-dtype", _state(1, "exp_avg", lambda t: t.to(torch.int64)), ValueError, r"exp_avg.*int64"),
+    ("state-int-dtype", _state(1, "exp_avg", lambda t: t.to(torch.int64)), TypeError, r"exp_avg.*int64"),
     ("state-not-a-tensor", _state(2, "exp_avg", [0.0] * 4096), ValueError, r"exp_avg.*parameter 2"),
     ("state-missing-key", _drop(3, "exp_avg_sq"), ValueError, r"exp_avg_sq.*parameter 3"),
     ("state-missing-step", _drop(4, "step"), ValueError, r"step.*parameter 4"),

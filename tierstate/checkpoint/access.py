@@ -89,8 +89,12 @@ class OffloadAccess:
     def begin_load(self, param_groups: list[dict]) -> None:
         """Take the saved hyper-parameters and forget every state (torch's load semantics)."""
         opt = self.opt
-        # param_groups were validated with opt.rule.validate before anything was applied (load.py)
+        # param_groups were validated with opt.rule.validate before anything was applied (load.py);
+        # torch's implementation switches in them become this optimizer's, missing keys its defaults
+        merged = [opt._loaded_group(g, i) for i, g in enumerate(param_groups)]
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
+        for g, m in zip(opt.param_groups, merged):
+            g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         opt.state.clear()

@@ -130,7 +130,7 @@ def _checked_groups(opt, manifest: dict, file: str) -> list[dict]:
         # torch's own optimizers fill keys a group lacks in __setstate__ (a tierstate checkpoint
         # has no 'foreach' or 'capturable'); a tierstate rule reads every key of its defaults
         # (the rule's, not opt.defaults, to which torch's load_state_dict adds 'differentiable')
-        needed = opt.rule.defaults() if isinstance(opt, OffloadOptimizer) else {}
+        needed = opt.rule.required_keys() if isinstance(opt, OffloadOptimizer) else {}
         missing = sorted(set(needed) - set(group))
         if missing:
             raise ValueError(f"{file}: param_groups[{gi}] lacks {missing[0]!r}, which {type(opt).__name__} needs "

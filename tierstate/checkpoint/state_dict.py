@@ -45,7 +45,7 @@ def check_state_dict(opt, state_dict) -> None:
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"load_state_dict: the state dict has {len(groups)} param group(s), this {name} has "
                          f"{len(opt.param_groups)}; load a state dict of an optimizer over the same parameter groups")
-    needed = opt.rule.defaults()
+    needed = opt.rule.required_keys()
     merged = []
     for gi, (saved, current) in enumerate(zip(groups, opt.param_groups)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
@@ -58,6 +58,9 @@ def check_state_dict(opt, state_dict) -> None:
             raise ValueError(f"load_state_dict: param_groups[{gi}] lacks {missing[0]!r}, which {name} needs "
                              f"(its default is {needed[missing[0]]!r}); add it to the state dict")
         group = {**saved, "params": current["params"]}
+        for key in opt.rule.flags:  # torch's implementation switches (fused=True) become this optimizer's
+            if key in group and key in opt.defaults:
+                group[key] = opt.defaults[key]
         try:
             opt.rule.validate(group)
         except (TypeError, ValueError) as exc:
@@ -86,7 +89,7 @@ def check_state_dict(opt, state_dict) -> None:
                 raise ValueError(f"load_state_dict: state {key!r} of parameter {saved_id} has shape {got}, "
                                  f"the parameter has shape {shape}")
             if not value.dtype.is_floating_point:
-                raise ValueError(f"load_state_dict: state {key!r} of parameter {saved_id} has dtype {value.dtype}; "
+                raise TypeError(f"load_state_dict: state {key!r} of parameter {saved_id} has dtype {value.dtype}; "
                                  "optimizer state is floating point (e.g. torch.float32)")
         if opt.rule.has_step:
             step = _step_value(st.get("step"))

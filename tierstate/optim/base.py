@@ -12,7 +12,9 @@ copy is memory the user did not ask for). ``optimizer.state[p]`` therefore holds
 ``step`` tensor (CPU, float32, as torch) and, for parameters whose state lives wholly in
 the host tier, views into the host arenas under torch's key names (plus ``master`` for
 low-precision or accelerator parameters). State held elsewhere (the device tier, NVMe,
-or a parameter straddling tiers) is read on demand by ``state_dict()``, as CPU tensors.
+or a parameter straddling tiers) is read on demand, as new CPU tensors, by ``state_dict()``
+and by a lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``: see
+:class:`ParamState`), never by iterating the dict.
 
 [Note: the device tier in a step]
 With ``Offload(gpu=f)`` the first ``f`` of the flat index space lives in a
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -116,6 +119,39 @@ class _Slot:
         return local_tensor(self.param)
 
 
+class ParamState(dict):
+    """``optimizer.state[p]`` of a tierstate optimizer (see [Note: what optimizer.state holds]).
+
+    A dict of what is held without a copy: ``step`` and views of host-tier state. A state key
+    held elsewhere (NVMe, the device tier, a parameter straddling tiers) is not an entry, so
+    iterating the dict (``items()``, ``values()``: what frameworks do to move tensors) never
+    reads it, and ``key in state`` answers for the held entries only, like ``keys()``;
+    ``state[key]`` and ``state.get(key)`` read it on demand into a new CPU tensor, a copy whose
+    changes do not reach the state. A key the parameter's state does not have raises
+    ``KeyError``, as torch's dict does.
+    """
+
+    def __init__(self, optimizer: "OffloadOptimizer", param: Tensor, items=()) -> None:
+        super().__init__(items)
+        self._optimizer = weakref.ref(optimizer)  # no cycle, and deepcopy shares it (weakrefs are atomic)
+        self._param = param
+
+    def __missing__(self, key):
+        opt = self._optimizer()
+        if opt is None:
+            raise KeyError(key)
+        return opt._read_on_demand(self._param, key)
+
+    def get(self, key, default=None):
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __reduce__(self):  # pickled and deep-copied as the plain dict it holds
+        return dict, (dict(self),)
+
+
 class OffloadOptimizer(torch.optim.Optimizer):
     """Base class of tierstate's optimizers; see :class:`tierstate.AdamW` for the arguments."""
 
@@ -124,11 +160,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, defaults: dict, *, offload: "str | Offload" = "cpu",
                  max_grad_norm: float | None = None, on_nonfinite: str = "skip", telemetry: bool = True,
-                 step_in_backward: bool = False) -> None:
+                 step_in_backward: bool = False, nvme_dir=None) -> None:
         if not isinstance(offload, (str, Offload)):
             raise TypeError(f"offload must be 'cpu', 'nvme', 'auto' or a tierstate.Offload, got {type(offload).__name__}")
+        if nvme_dir is not None:
+            offload = Offload.with_nvme_dir(offload, nvme_dir)
+        if isinstance(params, set):
+            raise TypeError(
+                "params is a set: its ordering changes between runs, and a state_dict maps state to parameters "
+                "by position; pass a list (e.g. list(model.parameters()))")
+        if isinstance(params, Tensor):
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                            f"a {torch.typename(params)}; pass [tensor]")
+        params = list(params)  # once: a generator read twice (offload='auto', then torch) would be empty
+        if not params:
+            raise ValueError(f"{type(self).__name__} got no trainable parameter: the parameter list is empty (was a "
+                             "generator such as model.parameters() used up before?); pass the parameters to train")
         if isinstance(offload, str) and offload == "auto":
-            params = list(params)
             offload = self._choose_auto(params, allow_device_tier=not step_in_backward)
         self.offload = Offload.from_mode(offload)
         if max_grad_norm is not None:
@@ -163,6 +211,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._steps_taken = 0  # step() calls, for telemetry's step index
         self.last_grad_norm: float | None = None
         super().__init__(params, defaults)
+        self._refuse_nothing_to_train()
         self._build_engine()
         # CPU training: keep freed host memory for reuse (see tierstate.host_allocator), the
         # policy actually in effect ("system" where the C library has no such knob).
@@ -173,9 +222,33 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # -- construction ----------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``, checked before anything changes: a refused group leaves the
+        optimizer as it was. ``params`` may be any iterable of tensors or of ``(name, tensor)``
+        pairs (turned into a list, as torch does), not a set; a tensor may appear once in the
+        whole optimizer; hyper-parameters are validated as at construction."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict with a 'params' entry, got {type(param_group).__name__}")
+        where = f"param_groups[{len(self.param_groups)}]['params']"
+        if "params" not in param_group:
+            raise ValueError(f"param_groups[{len(self.param_groups)}] has no 'params' entry: give the tensors to "
+                             "optimize as {'params': [...], ...}")
         params = param_group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        for i, p in enumerate(params):
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError(f"{where} is a set: its ordering changes between runs, and a state_dict maps state to "
+                            "parameters by position; pass a list (e.g. list(module.parameters()))")
+        else:
+            try:
+                params = list(params)
+            except TypeError:
+                raise TypeError(f"{where} is a {type(params).__name__}; give a tensor or an iterable of tensors "
+                                "(module.parameters())") from None
+        param_group["params"] = params  # the list, not the generator it came from (read once, here)
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+        seen = {id(p): f"param_groups[{gi}]['params'][{i}]"
+                for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])}
+        for i, p in enumerate(tensors):
             if not isinstance(p, Tensor):
                 raise TypeError(f"params[{i}] is a {type(p).__name__}; an optimizer takes torch Tensors (model.parameters())")
             if not p.is_leaf:
@@ -185,19 +258,43 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
             if p.dtype not in _SUPPORTED_DTYPES:
                 raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16")
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+            # torch warns on a duplicate in one group and refuses one in two; tierstate refuses both:
+            # one tensor updated twice per step with one state differs from torch's result (3e-3 after
+            # 3 Adam steps), and a parameter must have one slot of state
+            if id(p) in seen:
+                raise ValueError(
+                    f"{where}[{i}] is the same tensor as {seen[id(p)]}: a parameter may appear once in an "
+                    "optimizer; remove the duplicate (e.g. tied weights: pass the shared tensor once)")
+            seen[id(p)] = f"{where}[{i}]"
+        merged = dict(param_group)
         for key, value in self.defaults.items():
-            group.setdefault(key, value)
-        self.rule.validate(group)
-        devices = {p.device for g in self.param_groups for p in g["params"]}
+            merged.setdefault(key, value)
+        self.rule.validate(merged)
+        devices = {p.device for g in self.param_groups for p in g["params"]} | {p.device for p in tensors}
         if len(devices) > 1:
             raise ValueError(
                 f"params are on {len(devices)} devices ({', '.join(sorted(str(d) for d in devices))}); "
                 "one optimizer takes parameters of one device (use one optimizer per device)"
             )
+        for i, p in enumerate(tensors):
+            if local_tensor(p).is_meta:
+                raise ValueError(
+                    f"params[{i}] (shape {tuple(p.shape)}) is on the meta device: it has no values to optimize, and "
+                    "its state would be allocated for nothing; materialize the model first (module.to_empty("
+                    "device=...) and initialize it, or load its weights) and build the optimizer after")
+        super().add_param_group(param_group)
         if self._engine_ready:  # a group added after construction: re-place the state
             self._rebuild_engine()
+
+    def _refuse_nothing_to_train(self) -> None:
+        """An optimizer over no trainable parameter would step nothing, silently."""
+        params = self._all_params()
+        if not any(p.requires_grad for p in params):
+            what = (f"all {len(params)} parameters have requires_grad=False" if params
+                    else "its parameter groups are empty (was a generator passed twice, or a filter left nothing?)")
+            raise ValueError(
+                f"{type(self).__name__} got no trainable parameter: {what}; pass the parameters to train "
+                "(e.g. [p for p in model.parameters() if p.requires_grad]) and unfreeze them first")
 
     def _configure_health(self) -> None:
         """Peaks from a saved `tierstate probe` profile (for achieved-vs-peak and the slow-tier
@@ -256,6 +353,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._slot_of = {id(s.param): s for s in slots}  # parameters are hashed by identity, as in torch
         self._slot_by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
         fractions = {TierKind.DEVICE: self.offload.gpu, TierKind.HOST: self.offload.cpu, TierKind.NVME: self.offload.nvme}
+        stateless = not any(spec for g in self.param_groups for spec in self.rule.state_specs(g)) and not any(
+            s.needs_master for s in slots if s.trainable is not None)
+        if stateless and fractions[TierKind.NVME] > 0:
+            # SGD without momentum on fp32 host parameters stores nothing per element: an NVMe tier
+            # would hold no file, so its share is placed in the (empty) host tier instead
+            fractions[TierKind.HOST] += fractions[TierKind.NVME]
+            fractions[TierKind.NVME] = 0.0
         self.layout: Layout = plan_layout([local_tensor(p).numel() for p in trainable], fractions,
                                           self.offload.subgroup_numel)
         if self.offload.gpu > 0 and self._shard_groups:
@@ -379,7 +483,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         The views stay valid as long as the tiers do, so a step only refreshes ``step``
         (:meth:`_publish_step`); this runs when state starts existing or is loaded.
         """
-        st = self.state[s.param]
+        if not self.rule.has_step and not self._state_keys(s):
+            return  # torch keeps no entry for a parameter without state (SGD without momentum)
+        st = self.state.get(s.param)
+        if not isinstance(st, ParamState):
+            st = self.state[s.param] = ParamState(self, s.param, st or {})
         if self.rule.has_step:
             st["step"] = torch.tensor(float(s.step), dtype=torch.float32)
         for key in self._state_keys(s):
@@ -388,6 +496,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
             view = self._host_view(s, key)
             if view is not None:
                 st[key] = view
+
+    def _read_on_demand(self, param: Tensor, key: str) -> Tensor:
+        """``optimizer.state[param][key]`` for a key not held in the dict: a CPU copy read from the
+        tiers. KeyError where the parameter has no such state (as torch's dict)."""
+        s = self._slot_of.get(id(param))
+        if s is None or s.param is not param or s.trainable is None or not s.initialized \
+                or key not in self._state_keys(s) or (key == "master" and not s.master_ready):
+            raise KeyError(key)
+        self._before_state_access()
+        return self._read_state(self._slot_of[id(param)], key)
 
     def _publish_step(self, s: _Slot) -> None:
         if self.rule.has_step:
@@ -1051,7 +1169,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for g_saved, g in zip(sd["param_groups"], self.param_groups):
             for idx, p in zip(g_saved["params"], g["params"]):
                 index_of[id(p)] = idx
-        sd["state"] = {index_of[id(s.param)]: self._export_state(s) for s in self._slots if s.initialized}
+        sd["state"] = {index_of[id(s.param)]: st for s in self._slots if s.initialized and (st := self._export_state(s))}
         return sd
 
     def _state_dict_in_files(self, nvme) -> bool:
@@ -1062,29 +1180,94 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return nvme.nbytes > psutil.virtual_memory().available // 2
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers."""
+        """Load a state dict of this optimizer or of its torch namesake; state stays in its tiers.
+
+        Everything is checked before anything is applied: hyper-parameters as at construction,
+        every state tensor's size; a refused state dict leaves the optimizer as it was. torch's
+        implementation switches in the saved groups (``fused=True`` of a torch run) describe
+        how torch computed, not what: they are replaced by this optimizer's (tierstate always
+        runs its own fused kernels).
+        """
         self._before_state_access()
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint imports optim
 
         check_state_dict(self, state_dict)  # all of it, before anything is replaced
-        saved_state = state_dict.get("state", {})
         groups = state_dict.get("param_groups")
         if groups is None:
             raise ValueError("load_state_dict: the state dict has no 'param_groups' (is it an optimizer state dict?)")
-        super().load_state_dict({**state_dict, "state": {}})
-        for g in self.param_groups:
-            self.rule.validate(g)
+        saved_state = state_dict.get("state", {})
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(groups)}) than "
+                             f"this optimizer ({len(self.param_groups)})")
+        for i, (g, ng) in enumerate(zip(self.param_groups, groups)):
+            if len(ng["params"]) != len(g["params"]):
+                raise ValueError(f"loaded state dict's param_groups[{i}] has {len(ng['params'])} parameters, this "
+                                 f"optimizer's has {len(g['params'])}")
+        merged = [self._loaded_group(ng, i) for i, ng in enumerate(groups)]
         saved_ids = [i for g in groups for i in g["params"]]
-        for s in self._slots:
-            s.initialized, s.master_ready, s.step = False, False, 0
-        self.state.clear()
-        if not {spec.name for g in self.param_groups for spec in self.rule.state_specs(g)} <= set(self._state_dtypes):
-            self._rebuild_engine()  # e.g. amsgrad=True keeps max_exp_avg_sq: place the (forgotten) state anew
         slot_list = [self._slot_of[id(p)] for p in self._all_params()]
         for saved_id, s in zip(saved_ids, slot_list):
             st = saved_state.get(saved_id)
             if st and s.trainable is not None:
+                self._check_import(s, st, merged[s.group])
+        # -- checked: apply
+        super().load_state_dict({**state_dict, "state": {}})
+        for g, m in zip(self.param_groups, merged):
+            g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
+        for s in self._slots:
+            s.initialized, s.master_ready, s.step = False, False, 0
+        self.state.clear()
+        keys = {spec.name for g in self.param_groups for spec in self.rule.state_specs(g)}
+        if keys != set(self._specs):
+            # the loaded hyper-parameters keep other state keys (amsgrad=True adds max_exp_avg_sq,
+            # momentum > 0 a momentum_buffer): place the state anew; every state was just forgotten
+            self._rebuild_engine()
+            slot_list = [self._slot_of[id(p)] for p in self._all_params()]
+        for saved_id, s in zip(saved_ids, slot_list):
+            st = saved_state.get(saved_id)
+            if st and s.trainable is not None:
                 self._import_state(s, st)
+
+    def _loaded_group(self, saved: dict, index: int) -> dict:
+        """A saved param group as this optimizer will hold it (defaults for keys it lacks, this
+        optimizer's implementation switches), validated."""
+        group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        for key in self.rule.flags:
+            if key in group and key in self.defaults:
+                group[key] = self.defaults[key]
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        try:
+            self.rule.validate(group)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"load_state_dict: param_groups[{index}]: {exc}") from None
+        return group
+
+    def _check_import(self, s: _Slot, state: dict, group: dict) -> None:
+        """Raise what :meth:`_import_state` would meet half-way, before anything is written."""
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict: state of parameter {s.index} is a {type(state).__name__}, not a dict")
+        keys = [spec.name for spec in self.rule.state_specs(group)] + (["master"] if s.needs_master else [])
+        for key in keys:
+            value = state.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, Tensor) or value.numel() != s.local.numel():
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, "
+                                 f"the parameter has shape {tuple(s.local.shape)}")
+            if value.is_complex() or not value.is_floating_point():
+                raise TypeError(f"load_state_dict: state {key!r} of parameter {s.index} has dtype {value.dtype}; "
+                                "optimizer state is floating point")
+        if "step" in state:
+            step = state["step"]
+            try:
+                value = float(step)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"load_state_dict: 'step' of parameter {s.index} is {step!r}, not a number") from None
+            if not math.isfinite(value) or value < 0 or value != int(value):
+                raise ValueError(f"load_state_dict: 'step' of parameter {s.index} is {value!r}; "
+                                 "it must be a whole number >= 0")
 
     def stats(self):
         """Telemetry of the last step (a :class:`tierstate.telemetry.StepStats`; ``.as_dict()``)."""

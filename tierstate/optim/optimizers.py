@@ -24,37 +24,63 @@ _ENGINE_ARGS = """
             untouched, a warning logged and ``skipped_steps`` counted) or ``"raise"``
             (``FloatingPointError``). With a ``torch.amp.GradScaler`` the scaler decides.
         telemetry: record per-step stats (``opt.stats()``); cheap, on by default.
+        nvme_dir: shorthand for ``Offload(nvme_dir=...)``: the folder (or list of folders, one per
+            drive) of the NVMe tier, with ``offload="nvme"`` or an ``Offload`` that has an NVMe part
+            and no ``nvme_dir`` of its own (refused where no state would go there, or with
+            ``"auto"``, whose disk budget is measured at :func:`tierstate.placement.default_nvme_root`).
         step_in_backward: update each sub-group during backward as soon as every gradient in
             it is final (on CPU parameters on the backward thread itself, on accelerators on a
             worker thread), so the NVMe I/O overlaps forward and backward (default False). Exact whenever it applies; it needs every ``backward()`` to be
             followed by ``step()`` (no gradient accumulation), no ``max_grad_norm`` and no
             GradScaler, and a non-finite gradient raises instead of skipping the step. See
             :mod:`tierstate.optim.backward_update`.
+
+    torch's implementation switches (``foreach``, ``fused``, ``capturable``, ``differentiable``,
+    where the torch namesake has them) are accepted at their defaults (None/False) and carried
+    in ``param_groups`` under torch's keys, so torch code and ``torch.distributed.checkpoint``
+    move state between this optimizer and its torch namesake. ``True`` is refused with what
+    tierstate does instead (it always runs its own fused kernels).
+
+    What ``optimizer.state[p]`` holds (see [Note: what optimizer.state holds] in
+    :mod:`tierstate.optim.base`): ``step`` (a CPU float32 tensor, as torch's) and, for a
+    parameter whose state lives wholly in host RAM, views of that state under torch's keys:
+    writing into them changes the state. State held elsewhere (NVMe, the device tier, or a
+    parameter straddling tiers) is not listed when the dict is iterated (frameworks iterate it
+    to move tensors, which must not read the NVMe tier; ``in`` answers for the listed keys), but
+    ``optimizer.state[p]["exp_avg"]`` and ``.get`` read it on demand into a new CPU tensor: a copy, whose changes do not
+    reach the state (use ``load_state_dict`` to change it).
 """
 
 
-def _engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry, step_in_backward) -> dict:
+def _engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry, step_in_backward, nvme_dir) -> dict:
     return dict(offload=offload, max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite, telemetry=telemetry,
-                step_in_backward=step_in_backward)
+                step_in_backward=step_in_backward, nvme_dir=nvme_dir)
 
 
 class Adam(OffloadOptimizer):
     __doc__ = """Adam with offloaded state; the math of ``torch.optim.Adam`` (L2 weight decay).
 
     Args:
-        params, lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.Adam``.
+        params, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay: as
+            ``torch.optim.Adam`` (``decoupled_weight_decay=True`` is AdamW's math).
+        foreach, fused, capturable, differentiable: torch's implementation switches; only their
+            defaults are accepted (see below).
 """ + _ENGINE_ARGS
 
     rule = AdamRule(decoupled=False)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, foreach: bool | None = None,
+                 maximize: bool = False, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay: bool = False,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
                  on_nonfinite: str = "skip", telemetry: bool = True,
-                 step_in_backward: bool = False) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+                 step_in_backward: bool = False, nvme_dir=None) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
-                                                          step_in_backward))
+                                                          step_in_backward, nvme_dir))
 
 
 class AdamW(OffloadOptimizer):
@@ -68,18 +94,24 @@ class AdamW(OffloadOptimizer):
 
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        foreach, fused, capturable, differentiable: torch's implementation switches; only their
+            defaults are accepted (see below).
 """ + _ENGINE_ARGS
 
     rule = AdamRule(decoupled=True)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
                  on_nonfinite: str = "skip", telemetry: bool = True,
-                 step_in_backward: bool = False) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize)
+                 step_in_backward: bool = False, nvme_dir=None) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=True)
         super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
-                                                          step_in_backward))
+                                                          step_in_backward, nvme_dir))
 
 
 class SGD(OffloadOptimizer):
@@ -87,19 +119,23 @@ class SGD(OffloadOptimizer):
 
     Args:
         params, lr, momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
+        foreach, fused, differentiable: torch's implementation switches; only their defaults are
+            accepted (see below).
 """ + _ENGINE_ARGS
 
     rule = SGDRule()
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, differentiable: bool = False, fused: bool | None = None,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
                  on_nonfinite: str = "skip", telemetry: bool = True,
-                 step_in_backward: bool = False) -> None:
+                 step_in_backward: bool = False, nvme_dir=None) -> None:
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, maximize=maximize)
+                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                        fused=fused)
         super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
-                                                          step_in_backward))
+                                                          step_in_backward, nvme_dir))
 
 
 class Lion(OffloadOptimizer):
@@ -117,10 +153,10 @@ class Lion(OffloadOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
                  maximize: bool = False, offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
                  on_nonfinite: str = "skip", telemetry: bool = True,
-                 step_in_backward: bool = False) -> None:
+                 step_in_backward: bool = False, nvme_dir=None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
-                                                          step_in_backward))
+                                                          step_in_backward, nvme_dir))
 
 
 class Adagrad(OffloadOptimizer):
@@ -129,16 +165,20 @@ class Adagrad(OffloadOptimizer):
     Args:
         params, lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as
         ``torch.optim.Adagrad``.
+        foreach, fused, differentiable: torch's implementation switches; only their defaults are
+            accepted (see below).
 """ + _ENGINE_ARGS
 
     rule = AdagradRule()
 
     def __init__(self, params: Iterable, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, foreach: bool | None = None, *,
+                 maximize: bool = False, differentiable: bool = False, fused: bool | None = None,
                  offload: "str | Offload" = "cpu", max_grad_norm: float | None = None,
                  on_nonfinite: str = "skip", telemetry: bool = True,
-                 step_in_backward: bool = False) -> None:
+                 step_in_backward: bool = False, nvme_dir=None) -> None:
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
-                        initial_accumulator_value=initial_accumulator_value, eps=eps, maximize=maximize)
+                        initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach,
+                        maximize=maximize, differentiable=differentiable, fused=fused)
         super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
-                                                          step_in_backward))
+                                                          step_in_backward, nvme_dir))

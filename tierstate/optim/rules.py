@@ -55,14 +55,16 @@ def _as_float(value: Any) -> float:
 
 def _check_number(name: str, value: Any, *, low: float | None = None, low_open: bool = False,
                   high: float | None = None, high_open: bool = False, hint: str = "") -> None:
+    """A finite real number (or one-element tensor) in the given range; inf and nan never are."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"Invalid {name}: a tensor {name} must have one element (as torch's 'Tensor lr must be "
+                             f"1-element'), got a tensor of shape {tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     v = float(value)
-    bad = math.isnan(v)
+    bad = not math.isfinite(v)
     if low is not None:
         bad |= v <= low if low_open else v < low
     if high is not None:
@@ -71,7 +73,44 @@ def _check_number(name: str, value: Any, *, low: float | None = None, low_open: 
         lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
         hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
         rng = f"{lo}, {hi}" if lo and hi else (f">{'' if low_open else '='} {low:g}" if lo else f"<{'' if high_open else '='} {high:g}")
-        raise ValueError(f"Invalid {name}: {value!r}; it must be {rng if not (lo and hi) else 'in ' + rng}{hint}")
+        raise ValueError(f"Invalid {name}: {value!r}; it must be a finite number {rng if not (lo and hi) else 'in ' + rng}{hint}")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+# torch's implementation switches. tierstate runs one implementation whatever they say, so
+# their defaults (None/False) are accepted and carried in param_groups (torch code and
+# torch.distributed.checkpoint expect the keys); a value asking for another implementation is
+# refused with what tierstate does instead.
+IMPLEMENTATION_FLAGS = {
+    "foreach": (None, "tierstate always runs its own fused kernel, one pass over each element of the state "
+                      "(native on the host tiers, torch's fused/elementwise kernels on the device tier); there "
+                      "is no foreach path to choose: leave foreach unset (None) or False"),
+    "fused": (None, "tierstate always runs its own fused kernel, one pass over each element of the state "
+                    "(native on the host tiers, torch's fused/elementwise kernels on the device tier): leave "
+                    "fused unset (None) or False"),
+    "capturable": (False, "the step count lives on the host, as with capturable=False, and the state streams "
+                          "through host memory, so step() cannot be captured in a CUDA graph: leave capturable "
+                          "False"),
+    "differentiable": (False, "tierstate updates the parameters in place under torch.no_grad() from offloaded "
+                              "state, so autograd cannot differentiate through step(): leave differentiable False"),
+}
+
+
+def check_implementation_flags(owner: str, group: Mapping[str, Any], keys: Sequence[str]) -> None:
+    """Refuse a torch implementation switch that asks for what tierstate does not do."""
+    for key in keys:
+        if key not in group:
+            continue
+        value = group[key]
+        if value is None or value is False:
+            continue
+        if value is True:
+            raise ValueError(f"{owner}({key}=True): {IMPLEMENTATION_FLAGS[key][1]}")
+        raise TypeError(f"{owner}({key}={value!r}): must be None, False or True (and tierstate takes None or False)")
 
 
 def _scaled_fp32(grad: Tensor, grad_scale: float) -> Tensor:
@@ -85,6 +124,9 @@ def _scaled_fp32(grad: Tensor, grad_scale: float) -> Tensor:
 def _check_betas(betas: Any, n: int = 2) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != n:
         raise ValueError(f"Invalid betas: {betas!r}; give a tuple of {n} numbers in [0, 1), e.g. (0.9, 0.999)")
+    if len({isinstance(b, Tensor) for b in betas}) > 1:
+        raise ValueError(f"Invalid betas: {betas!r}; betas must be either all numbers or all one-element tensors "
+                         "(as torch requires)")
     for i, b in enumerate(betas):
         _check_number(f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
 
@@ -93,14 +135,27 @@ class UpdateRule:
     """Base of the rules; a rule is stateless and shared by all parameters."""
 
     name = "rule"
+    torch_name = "Optimizer"  # the torch.optim class whose param-group keys the groups carry
+    flags: tuple[str, ...] = ()  # its implementation switches (see IMPLEMENTATION_FLAGS)
     has_step = True  # keeps a per-parameter 'step' in optimizer.state (torch does, except SGD/Lion)
     eager_state = False  # torch creates the state at construction (Adagrad), not at the first step
 
     def defaults(self) -> dict:
         raise NotImplementedError
 
+    def required_keys(self) -> dict:
+        """The hyper-parameters (with their defaults) a saved param group must carry to be loaded.
+
+        torch's implementation switches and ``decoupled_weight_decay`` are not among them: older
+        torch releases did not save them, and a group that lacks them takes this optimizer's values.
+        """
+        return {k: v for k, v in self.defaults().items() if k not in self.flags and k != "decoupled_weight_decay"}
+
     def validate(self, group: Mapping[str, Any]) -> None:
+        """Raise ValueError/TypeError naming the first bad hyper-parameter of ``group``."""
         _check_number("lr", group["lr"], low=0.0, hint=" (a learning rate is a step size)")
+        _check_flag("maximize", group["maximize"])
+        check_implementation_flags(self.torch_name, group, self.flags)
 
     def state_specs(self, group: Mapping[str, Any]) -> tuple[StateSpec, ...]:
         raise NotImplementedError
@@ -132,22 +187,32 @@ class UpdateRule:
 class AdamRule(UpdateRule):
     """Adam and AdamW (torch.optim.Adam / AdamW), incl. amsgrad and maximize."""
 
+    flags = ("foreach", "fused", "capturable", "differentiable")
+
     def __init__(self, decoupled: bool) -> None:
-        self.decoupled = decoupled
+        self.decoupled = decoupled  # the default; a group's ``decoupled_weight_decay`` decides (as torch's Adam)
         self.name = "adamw" if decoupled else "adam"
+        self.torch_name = "AdamW" if decoupled else "Adam"
 
     def defaults(self) -> dict:
         return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2 if self.decoupled else 0.0,
-                    amsgrad=False, maximize=False)
+                    amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
+                    fused=None, decoupled_weight_decay=self.decoupled)
+
+    def is_decoupled(self, group: Mapping[str, Any]) -> bool:
+        return bool(group.get("decoupled_weight_decay", self.decoupled))
 
     def validate(self, group):
         super().validate(group)
         _check_betas(group["betas"])
         _check_number("eps", group["eps"], low=0.0, low_open=True, hint=" (e.g. 1e-8)")
         _check_number("weight_decay", group["weight_decay"], low=0.0)
+        _check_flag("amsgrad", group["amsgrad"])
+        if "decoupled_weight_decay" in group:
+            _check_flag("decoupled_weight_decay", group["decoupled_weight_decay"])
 
     def zero_step_is_noop(self, group):
-        return self.decoupled or super().zero_step_is_noop(group)
+        return self.is_decoupled(group) or super().zero_step_is_noop(group)
 
     def state_specs(self, group):
         specs = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
@@ -158,7 +223,7 @@ class AdamRule(UpdateRule):
         ops.adam_update(
             weight, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), weight_out,
             lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=_as_float(group["eps"]),
-            weight_decay=_as_float(group["weight_decay"]), decoupled=self.decoupled,
+            weight_decay=_as_float(group["weight_decay"]), decoupled=self.is_decoupled(group),
             # float64 bias corrections, as torch's single-tensor and fused paths compute them
             bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
             maximize=bool(group["maximize"]), grad_scale=grad_scale,
@@ -183,7 +248,7 @@ class AdamRule(UpdateRule):
         # torch keeps each step in a float32 tensor on the parameter's device for its fused path;
         # the kernel computes the bias corrections from it (one copy for all pieces).
         steps = torch.tensor([float(t.step) for t in tasks], dtype=torch.float32).to(device).unbind(0)
-        fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        fused = torch._fused_adamw_ if self.is_decoupled(group) else torch._fused_adam_
         amsgrad = bool(group["amsgrad"])
         fused([t.weight for t in tasks], [_scaled_fp32(t.grad, grad_scale) for t in tasks],
               [t.state["exp_avg"] for t in tasks], [t.state["exp_avg_sq"] for t in tasks],
@@ -198,6 +263,7 @@ class LionRule(UpdateRule):
     """Lion (Chen et al. 2023); no torch namesake, parity is against the published algorithm."""
 
     name = "lion"
+    torch_name = "Lion"
     has_step = False
 
     def defaults(self):
@@ -224,16 +290,20 @@ class SGDRule(UpdateRule):
     """SGD with momentum, dampening and Nesterov (torch.optim.SGD)."""
 
     name = "sgd"
+    torch_name = "SGD"
+    flags = ("foreach", "fused", "differentiable")
     has_step = False
 
     def defaults(self):
-        return dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False)
+        return dict(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                    foreach=None, differentiable=False, fused=None)
 
     def validate(self, group):
         super().validate(group)
         _check_number("momentum", group["momentum"], low=0.0)
         _check_number("dampening", group["dampening"], low=0.0, high=1.0)
         _check_number("weight_decay", group["weight_decay"], low=0.0)
+        _check_flag("nesterov", group["nesterov"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
                 f"nesterov=True needs momentum > 0 and dampening == 0 (got momentum={group['momentum']}, "
@@ -253,11 +323,13 @@ class AdagradRule(UpdateRule):
     """Adagrad (torch.optim.Adagrad), incl. lr_decay and initial_accumulator_value."""
 
     name = "adagrad"
+    torch_name = "Adagrad"
+    flags = ("foreach", "fused", "differentiable")
     eager_state = True
 
     def defaults(self):
         return dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
-                    maximize=False)
+                    foreach=None, maximize=False, differentiable=False, fused=None)
 
     def validate(self, group):
         super().validate(group)

@@ -1,6 +1,7 @@
 """The offload policy: which fraction of the optimizer state lives in which tier."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,9 @@ def default_nvme_root() -> Path:
 class Offload:
     """Where the optimizer state lives, as fractions of it per tier.
 
-    ``gpu + cpu + nvme`` must be 1. The state is cut into sub-groups of
+    ``gpu + cpu + nvme`` must be 1; a fraction not given is 0, except ``cpu``, which takes
+    what the others leave (``Offload(nvme=1.0)`` is all on NVMe, ``Offload(nvme=0.4)`` puts
+    0.6 in host RAM, ``Offload()`` all of it). The state is cut into sub-groups of
     ``subgroup_numel`` elements and each sub-group is assigned one tier so that the
     tiers hold the requested fractions (rounded to whole sub-groups).
 
@@ -42,13 +45,13 @@ class Offload:
             own kernels (``torch._fused_adamw_``/``_fused_adam_`` for AdamW/Adam, elementwise
             torch ops for the others), queued before the host part so that on CUDA both run
             at once. Needs the parameters on an accelerator. Their gradients stay in
-            ``param.grad`` (not streamed); ``optimizer.state`` shows only ``step`` for them and
+            ``param.grad`` (not streamed); ``optimizer.state`` lists only ``step`` for them (``state[p][key]`` reads a CPU copy) and
             ``state_dict()`` reads their state as CPU tensors. Testing aid: with the
             environment variable ``TIERSTATE_DEVICE_TIER_ON_CPU=1`` (read when the optimizer
             is built) the device tier also runs on CPU parameters, keeping its "device" state
             in host memory and running the very code a GPU runs, so it is tested on machines
             without one; it is slower than ``cpu=`` there and not meant for training.
-        cpu: fraction kept in host RAM and updated by the native kernels.
+        cpu: fraction kept in host RAM and updated by the native kernels (default: ``1 - gpu - nvme``).
         nvme: fraction kept in files under ``nvme_dir``, streamed through a bounded pool.
         nvme_dir: a folder or a list of folders (one per drive; sub-groups are striped
             across them). Default: :func:`default_nvme_root`.
@@ -77,7 +80,7 @@ class Offload:
     """
 
     gpu: float = 0.0
-    cpu: float = 1.0
+    cpu: float | None = None  # None: the remainder, 1 - gpu - nvme
     nvme: float = 0.0
     nvme_dir: PathLike | Sequence[PathLike] | None = None
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
@@ -90,6 +93,17 @@ class Offload:
     nvme_dirs: tuple[Path, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.cpu is None:
+            for name in ("gpu", "nvme"):
+                value = getattr(self, name)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
+                    raise ValueError(f"Offload({name}={value!r}): a tier's fraction must be a number in [0, 1]")
+            rest = 1.0 - self.gpu - self.nvme
+            if rest < -1e-6:
+                raise ValueError(
+                    f"Offload(gpu={self.gpu}, nvme={self.nvme}): the fractions sum to {self.gpu + self.nvme:g}; "
+                    "they must sum to 1 (e.g. Offload(gpu=0.3, nvme=0.7)); what they leave goes to cpu")
+            object.__setattr__(self, "cpu", max(0.0, rest) if rest > 1e-9 else 0.0)
         for name in ("gpu", "cpu", "nvme"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 1.0:
@@ -111,6 +125,10 @@ class Offload:
             raise ValueError(
                 f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32 or torch.bfloat16"
             )
+        for name in ("pin_memory", "keep_device_grads") + (("grad_streaming",) if self.grad_streaming is not None else ()):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Offload({name}={getattr(self, name)!r}): must be True or False"
+                                + (" (or None for the default)" if name == "grad_streaming" else ""))
         if self.host_allocator is not None and self.host_allocator not in HOST_ALLOCATOR_POLICIES:
             raise ValueError(f"Offload(host_allocator={self.host_allocator!r}): must be one of "
                              f"{HOST_ALLOCATOR_POLICIES}, or None for the default (retain on CPU parameters)")
@@ -120,7 +138,14 @@ class Offload:
         elif isinstance(self.nvme_dir, (str, os.PathLike)):
             dirs = [self.nvme_dir]
         else:
-            dirs = list(self.nvme_dir)
+            try:
+                dirs = list(self.nvme_dir)
+            except TypeError:
+                raise TypeError(f"Offload(nvme_dir={self.nvme_dir!r}): give a folder path or a list of them "
+                                "(one per drive)") from None
+            bad = [d for d in dirs if not isinstance(d, (str, os.PathLike))]
+            if bad:
+                raise TypeError(f"Offload(nvme_dir={self.nvme_dir!r}): {bad[0]!r} is not a folder path")
             if not dirs:
                 raise ValueError("Offload(nvme_dir=[]): give at least one folder, or None for the default")
         object.__setattr__(self, "nvme_dirs", tuple(Path(d) for d in dirs))
@@ -137,6 +162,31 @@ class Offload:
         raise ValueError(
             f"offload={mode!r} is not a known mode: use one of {OFFLOAD_MODES} or a tierstate.Offload(...)"
         )
+
+    @classmethod
+    def with_nvme_dir(cls, mode: "str | Offload", nvme_dir) -> "Offload":
+        """The policy of an optimizer's ``offload=mode, nvme_dir=nvme_dir`` (the shorthand of
+        ``Offload(nvme_dir=...)``). Refused where the folder would go unused or is given twice."""
+        if isinstance(mode, Offload):
+            if mode.nvme_dir is not None:
+                raise ValueError(
+                    f"nvme_dir={str(nvme_dir)!r} given both to the optimizer and as Offload(nvme_dir="
+                    f"{mode.nvme_dir!r}); give it in one place")
+            if mode.nvme == 0:
+                raise ValueError(f"nvme_dir={str(nvme_dir)!r} with {mode!r}: that policy keeps no state on NVMe; "
+                                 "give it an nvme fraction, e.g. Offload(cpu=0.6, nvme=0.4)")
+            return dataclasses.replace(mode, nvme_dir=nvme_dir)
+        if mode == "nvme":
+            return cls.from_mode(mode, nvme_dir=nvme_dir)
+        if mode == "cpu":
+            raise ValueError(f"nvme_dir={str(nvme_dir)!r} with offload='cpu': that mode keeps no state on NVMe; "
+                             "use offload='nvme' or an Offload(...) with an nvme fraction")
+        if mode == "auto":
+            raise ValueError(
+                f"nvme_dir={str(nvme_dir)!r} with offload='auto': the planner measures its disk budget at "
+                "the default NVMe root; set TIERSTATE_NVME_DIR to the folder instead, or pick the placement "
+                "yourself with offload=Offload(..., nvme_dir=...)")
+        return cls.from_mode(mode)
 
     def host_allocator_for(self, device: torch.device) -> str:
         """The host-allocator policy for parameters on ``device`` (see ``host_allocator``)."""

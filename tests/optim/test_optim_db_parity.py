@@ -1,0 +1,110 @@
+"""torch's own optimizer test inputs, run against tierstate.
+
+``torch.testing._internal.common_optimizers.optim_db`` lists, per torch optimizer, the
+keyword arguments torch's test suite exercises it with (``optim_inputs_func``) and the
+inputs it must refuse (``optim_error_inputs_func``). For Adam, AdamW, SGD and Adagrad:
+
+- every input tierstate supports trains 8 steps on the two-group model of
+  ``test_parity.py`` (a frozen parameter, a zero-size one, a step where half the
+  parameters get no gradient, a second group with its own lr) and must match
+  ``torch.optim`` (single-tensor path) in every parameter and every state key, at that
+  file's tolerance, with the state in RAM and on NVMe, and end with the same param groups;
+- every input it does not support (torch's implementation switches such as
+  ``capturable=True``, listed for CUDA) is refused with a ValueError naming the argument;
+- every input torch refuses at construction is refused by tierstate with the same
+  exception type.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tierstate as ts
+from test_parity import assert_same, groups, make_net, train
+from test_torch_compat import same_groups
+
+pytest.importorskip("expecttest", reason="torch's optim_db imports it: pip install 'tierstate[test]'")
+from torch.testing._internal.common_optimizers import OptimizerErrorEnum, optim_db  # noqa: E402
+
+PAIRS = {"Adam": ts.Adam, "AdamW": ts.AdamW, "SGD": ts.SGD, "Adagrad": ts.Adagrad}
+UNSUPPORTED = {"capturable": True, "foreach": True, "fused": True, "differentiable": True}
+
+
+def _infos():
+    return [info for info in optim_db if info.optim_cls.__name__ in PAIRS]
+
+
+def _inputs():
+    out = []
+    for info in _infos():
+        name = info.optim_cls.__name__
+        seen = set()
+        # the CUDA list is the CPU one plus the inputs of torch's CUDA-only switches (capturable)
+        for device in ("cpu", "cuda"):
+            for oi in info.optim_inputs_func(device=device, dtype=torch.float32):
+                key = (oi.desc, repr(sorted(oi.kwargs.items())))
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append(pytest.param(info.optim_cls, oi.kwargs, id=f"{name}-{oi.desc.replace(' ', '_')}"))
+    return out
+
+
+def _unsupported(kwargs: dict) -> list[str]:
+    return [k for k, v in kwargs.items() if k in UNSUPPORTED and v is UNSUPPORTED[k]]
+
+
+def test_optim_db_lists_the_inputs_this_file_expects() -> None:
+    """The comparison below must not pass by running nothing."""
+    assert {info.optim_cls.__name__ for info in _infos()} == set(PAIRS)
+    assert len(_inputs()) >= 30
+
+
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+@pytest.mark.parametrize("torch_cls, kwargs", _inputs())
+def test_torch_optim_input_matches_torch(tmp_path, torch_cls, kwargs, placement) -> None:
+    ts_cls = PAIRS[torch_cls.__name__]
+    offload = "cpu" if placement == "cpu" else ts.Offload(nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024,
+                                                           buffer_count=2)
+    bad = _unsupported(kwargs)
+    if bad:
+        with pytest.raises(ValueError, match=rf"{ts_cls.__name__}\({bad[0]}=True\): "):
+            ts_cls(groups(make_net()), offload=offload, **kwargs)
+        return
+    second = dict(lr=2e-2)
+    net_ours, net_ref = make_net(), make_net()
+    ours = ts_cls(groups(net_ours, **second), offload=offload, **kwargs)
+    ref = torch_cls(groups(net_ref, **second), **{**kwargs, "foreach": False})
+    train(net_ours, ours, steps=8)
+    train(net_ref, ref, steps=8)
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+    assert same_groups(ours.state_dict()["param_groups"], ref.state_dict()["param_groups"])
+    ours.close()
+
+
+def _error_inputs():
+    out = []
+    for info in _infos():
+        for i, e in enumerate(info.optim_error_inputs_func(device="cpu", dtype=torch.float32)):
+            if e.error_on is OptimizerErrorEnum.CONSTRUCTION_ERROR:
+                out.append(pytest.param(info.optim_cls, e, id=f"{info.optim_cls.__name__}-{i}"))
+    return out
+
+
+@pytest.mark.parametrize("torch_cls, error_input", _error_inputs())
+def test_torch_refused_input_is_refused(torch_cls, error_input) -> None:
+    inp = error_input.optimizer_error_input
+    params = inp.params if inp.params is not None else [torch.nn.Parameter(torch.randn(2, 3))]
+    if issubclass(error_input.error_type, Warning):
+        # torch only warns about a duplicate parameter in a group ("in future, this will cause
+        # an error") and then updates it twice per step; tierstate refuses it by index
+        assert "duplicate" in error_input.error_regex
+        with pytest.warns(error_input.error_type, match=error_input.error_regex):
+            torch_cls(params, **inp.kwargs)
+        with pytest.raises(ValueError, match=r"is the same tensor as"):
+            PAIRS[torch_cls.__name__](params, **inp.kwargs)
+        return
+    with pytest.raises(error_input.error_type, match=error_input.error_regex):
+        torch_cls(params, **inp.kwargs)
+    with pytest.raises(error_input.error_type):
+        PAIRS[torch_cls.__name__](params, **inp.kwargs)

@@ -1,0 +1,209 @@
+"""Parameters and parameter groups in: what torch accepts trains the same, the rest is refused
+by name, and a refused call leaves the optimizer as it was."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import tierstate as ts
+
+INF, NAN = math.inf, math.nan
+
+
+def mlp(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+
+
+def run(model, opt, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(6, 4, generator=gen)).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("ts_cls, torch_cls", [(ts.AdamW, torch.optim.AdamW), (ts.SGD, torch.optim.SGD),
+                                               (ts.Adam, torch.optim.Adam), (ts.Adagrad, torch.optim.Adagrad)])
+def test_param_groups_given_as_generators_train_like_torch(ts_cls, torch_cls) -> None:
+    m_ours, m_ref = mlp(), mlp()
+    ours = ts_cls([{"params": m_ours[0].parameters(), "weight_decay": 0.0}, {"params": m_ours[2].parameters()}],
+                  lr=1e-2)
+    ref = torch_cls([{"params": m_ref[0].parameters(), "weight_decay": 0.0}, {"params": m_ref[2].parameters()}],
+                    lr=1e-2, foreach=False)
+    assert [len(g["params"]) for g in ours.param_groups] == [2, 2]
+    assert all(isinstance(g["params"], list) for g in ours.param_groups)
+    run(m_ours, ours)
+    run(m_ref, ref)
+    for a, b in zip(m_ours.parameters(), m_ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(m_ours[0].weight, mlp()[0].weight)  # it did train
+
+
+def test_params_as_generator_and_tuple_and_named() -> None:
+    m = mlp()
+    assert len(ts.AdamW(p for p in m.parameters()).param_groups[0]["params"]) == 4
+    assert len(ts.AdamW(tuple(m.parameters())).param_groups[0]["params"]) == 4
+    opt = ts.AdamW(m.named_parameters())  # torch 2.6+: (name, tensor) pairs; names kept in the group
+    assert opt.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    run(m, opt, 1)
+
+
+def test_a_set_of_params_is_refused() -> None:
+    m = mlp()
+    with pytest.raises(TypeError, match=r"params is a set.*ordering.*list"):
+        ts.AdamW(set(m.parameters()))
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\] is a set.*list"):
+        ts.AdamW([{"params": set(m.parameters())}])
+
+
+@pytest.mark.parametrize("params", [
+    pytest.param(lambda m: [], id="empty-list"),
+    pytest.param(lambda m: iter([]), id="empty-generator"),
+    pytest.param(lambda m: [{"params": []}], id="one-empty-group"),
+    pytest.param(lambda m: [{"params": iter(())}, {"params": []}], id="two-empty-groups"),
+    pytest.param(lambda m: [p.requires_grad_(False) for p in m.parameters()], id="all-frozen"),
+])
+def test_no_trainable_parameter_is_refused(params) -> None:
+    with pytest.raises(ValueError, match=r"no trainable parameter"):
+        ts.AdamW(params(mlp()))
+
+
+def test_all_frozen_at_construction_is_refused_but_frozen_among_trainable_is_not() -> None:
+    m = mlp()
+    m[0].weight.requires_grad_(False)
+    ts.AdamW(m.parameters())  # some trainable: fine (the frozen one may be unfrozen later)
+
+
+def test_same_tensor_twice_in_a_group_is_refused_by_index() -> None:
+    m = mlp()
+    w = m[0].weight
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is the same tensor as "
+                                         r"param_groups\[0\]\['params'\]\[0\]"):
+        ts.AdamW([w, m[0].bias, w])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is the same tensor as "
+                                         r"param_groups\[0\]\['params'\]\[0\]"):
+        ts.AdamW([{"params": [w]}, {"params": [w]}])
+    opt = ts.AdamW([w])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] is the same tensor as "
+                                         r"param_groups\[0\]\['params'\]\[0\]"):
+        opt.add_param_group({"params": [m[0].bias, w]})
+    assert len(opt.param_groups) == 1
+
+
+BAD_HYPER = [
+    (ts.AdamW, "lr", INF), (ts.AdamW, "lr", NAN), (ts.AdamW, "lr", -1e-3), (ts.AdamW, "lr", "1e-3"),
+    (ts.AdamW, "lr", torch.tensor([1e-3, 1e-3])), (ts.AdamW, "lr", True),
+    (ts.AdamW, "weight_decay", INF), (ts.AdamW, "weight_decay", NAN), (ts.AdamW, "weight_decay", -0.1),
+    (ts.AdamW, "eps", INF), (ts.AdamW, "eps", NAN), (ts.AdamW, "eps", -1e-8), (ts.AdamW, "eps", None),
+    (ts.AdamW, "betas", (INF, 0.9)), (ts.AdamW, "betas", (0.9, NAN)), (ts.AdamW, "betas", (0.9,)),
+    (ts.AdamW, "betas", (0.9, torch.tensor(0.99))), (ts.AdamW, "amsgrad", "yes"), (ts.AdamW, "maximize", 1),
+    (ts.Adam, "lr", INF), (ts.Adam, "weight_decay", INF), (ts.Adam, "eps", 0.0),
+    (ts.SGD, "lr", INF), (ts.SGD, "lr", NAN), (ts.SGD, "momentum", INF), (ts.SGD, "momentum", NAN),
+    (ts.SGD, "momentum", -0.1), (ts.SGD, "dampening", INF), (ts.SGD, "dampening", -0.5),
+    (ts.SGD, "dampening", NAN), (ts.SGD, "weight_decay", INF), (ts.SGD, "nesterov", "no"),
+    (ts.Adagrad, "lr", INF), (ts.Adagrad, "lr_decay", INF), (ts.Adagrad, "lr_decay", NAN),
+    (ts.Adagrad, "weight_decay", INF), (ts.Adagrad, "initial_accumulator_value", INF),
+    (ts.Adagrad, "initial_accumulator_value", NAN), (ts.Adagrad, "eps", INF), (ts.Adagrad, "eps", -1.0),
+    (ts.Lion, "lr", INF), (ts.Lion, "weight_decay", INF), (ts.Lion, "betas", (0.9, INF)),
+]
+
+
+@pytest.mark.parametrize("cls, name, value", BAD_HYPER, ids=[f"{c.__name__}-{n}-{v!r}" for c, n, v in BAD_HYPER])
+def test_bad_hyper_parameter_is_refused_everywhere(cls, name, value) -> None:
+    """At construction, in add_param_group and in load_state_dict, naming the argument; a
+    refused add_param_group or load_state_dict leaves the optimizer bit-identical."""
+    with pytest.raises((ValueError, TypeError), match=rf"{name.split('_')[0]}"):
+        cls(mlp().parameters(), **{name: value})
+    m = mlp()
+    opt = cls([{"params": [m[0].weight, m[0].bias]}], lr=1e-2)
+    run_first = [p for p in m.parameters() if p.requires_grad]
+    m[2].requires_grad_(False)
+    run(m, opt, 2)
+    before_sd = copy.deepcopy(opt.state_dict())
+    before_params = [p.detach().clone() for p in run_first]
+    with pytest.raises((ValueError, TypeError), match=rf"{name.split('_')[0]}"):
+        opt.add_param_group({"params": list(m[2].parameters()), name: value})
+    assert len(opt.param_groups) == 1
+    bad = copy.deepcopy(before_sd)
+    bad["param_groups"][0][name] = value
+    with pytest.raises((ValueError, TypeError), match=rf"{name.split('_')[0]}"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == before_sd["param_groups"]
+    assert after["state"].keys() == before_sd["state"].keys()
+    for i, st in before_sd["state"].items():
+        assert after["state"][i].keys() == st.keys()
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    assert all(torch.equal(a, b) for a, b in zip(run_first, before_params))
+
+
+def test_refused_load_state_dict_with_a_bad_state_tensor_applies_nothing() -> None:
+    m = mlp()
+    opt = ts.AdamW(m.parameters(), lr=1e-2)
+    run(m, opt, 2)
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0]["lr"] = 0.5  # valid, but must not be applied: the state below is refused
+    bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"] * 3  # valid, must not be applied either
+    bad["state"][3]["exp_avg_sq"] = torch.zeros(7)
+    with pytest.raises(ValueError, match=r"exp_avg_sq.*parameter 3"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"][0]["lr"] == 1e-2
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+
+
+def test_meta_device_parameters_are_refused_at_construction(tmp_path) -> None:
+    p = torch.nn.Parameter(torch.empty(3, 3, device="meta"))
+    with pytest.raises(ValueError, match=r"params\[0\] \(shape \(3, 3\)\) is on the meta device.*to_empty"):
+        ts.AdamW([p])
+    nv = tmp_path / "nv"
+    with pytest.raises(ValueError, match=r"meta device"):
+        ts.AdamW([torch.nn.Parameter(torch.empty(4, device="meta"))],
+                 offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=nv))
+    assert not nv.exists() or not any(nv.rglob("*.bin"))  # no file was allocated for it
+
+
+FLAGS = [("fused", True, r"fused=True.*own fused kernel"), ("foreach", True, r"foreach=True.*own fused kernel"),
+         ("capturable", True, r"capturable=True.*CUDA graph"), ("differentiable", True, r"differentiable=True.*no_grad")]
+# torch's SGD and Adagrad have no capturable argument
+FLAG_CASES = [(cls, *flag) for cls in (ts.AdamW, ts.Adam, ts.SGD, ts.Adagrad) for flag in FLAGS
+              if not (flag[0] == "capturable" and cls in (ts.SGD, ts.Adagrad))]
+
+
+@pytest.mark.parametrize("cls, kwarg, value, pattern", FLAG_CASES,
+                         ids=[f"{c.__name__}-{k}" for c, k, _, _ in FLAG_CASES])
+def test_torch_only_implementation_flags_are_refused_with_what_tierstate_does(cls, kwarg, value, pattern) -> None:
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\({pattern}"):
+        cls(mlp().parameters(), **{kwarg: value})
+    opt = cls(mlp().parameters())
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group({"params": list(mlp(1).parameters()), kwarg: value})
+
+
+@pytest.mark.parametrize("cls", [ts.AdamW, ts.Adam, ts.SGD, ts.Adagrad])
+def test_torch_default_implementation_flags_are_accepted(cls) -> None:
+    kw = dict(foreach=None, fused=None, differentiable=False)
+    if cls in (ts.Adam, ts.AdamW):
+        kw["capturable"] = False
+    cls(mlp().parameters(), **kw)
+    cls(mlp().parameters(), foreach=False, fused=False)
+
+
+def test_adam_decoupled_weight_decay_is_adamw() -> None:
+    """torch.optim.Adam(decoupled_weight_decay=True) is AdamW's math; so is tierstate's."""
+    m_ours, m_ref = mlp(), mlp()
+    ours = ts.Adam(m_ours.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    ref = torch.optim.AdamW(m_ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    run(m_ours, ours, 4)
+    run(m_ref, ref, 4)
+    for a, b in zip(m_ours.parameters(), m_ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert ours.param_groups[0]["decoupled_weight_decay"] is True
