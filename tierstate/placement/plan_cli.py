@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin-memory", action="store_true")
     parser.add_argument("--grad-streaming", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--device-mem", help="device memory budget, e.g. 80GiB (default: free memory in the profile)")
-    parser.add_argument("--host-mem", help=f"host RAM budget (default: {HOST_FRACTION:.0%} of the available RAM now)")
+    parser.add_argument("--host-mem", help=f"host RAM budget (default: {HOST_FRACTION * 100:.0f}%% of the available RAM now)")
     parser.add_argument("--pinned-mem", help="page-locked RAM budget (default: unchecked)")
     parser.add_argument("--disk", help="disk budget for NVMe state (default: free space under --nvme-dir)")
     parser.add_argument("--nvme-dir", help="where NVMe state would go (for its free space and the messages)")
