@@ -143,16 +143,19 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
         available = psutil.virtual_memory().available
         host = int(available * HOST_FRACTION)
         sources.append(f"host budget: {HOST_FRACTION:.0%} of {gib(available)} available now (--host-mem to set)")
-    disk_dir = args.nvme_dir or "the NVMe directory"
+    if args.nvme_dir:
+        disk_dir = args.nvme_dir
+    else:  # where offload="nvme" would put its files: priced by the disk it would land on
+        from .offload import default_nvme_root
+
+        disk_dir = str(default_nvme_root())
     if args.disk:
         disk = parse_size(args.disk, "--disk")
-    elif args.nvme_dir:
-        st = os.statvfs(_existing_ancestor(args.nvme_dir))
-        disk = st.f_bavail * st.f_frsize
-        sources.append(f"disk budget: free space under {args.nvme_dir}")
     else:
-        disk = 0
-        sources.append("disk budget: none (give --nvme-dir or --disk to allow NVMe offload)")
+        st = os.statvfs(_existing_ancestor(disk_dir))
+        disk = st.f_bavail * st.f_frsize
+        where = "" if args.nvme_dir else " (the default NVMe folder; --nvme-dir or --disk to set)"
+        sources.append(f"disk budget: free space under {disk_dir}{where}")
     if args.device_mem:
         device_mem = parse_size(args.device_mem, "--device-mem")
     elif device == "cuda" and hw.device_free:

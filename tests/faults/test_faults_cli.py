@@ -1,0 +1,88 @@
+"""Faults and bad inputs at the command line, the planner's messages and the disk health rule:
+each gives a named error or an accurate message, never a traceback or a false statement."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tierstate
+from tierstate.placement import plan_cli
+from tierstate.telemetry.health import HealthMonitor
+
+IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 16 MiB filesystem (tmpfs), mounted for the test and unmounted after it."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"tmpfs mount refused here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_small_disk_with_most_of_it_free_is_not_called_nearly_full(small_tmpfs):
+    (small_tmpfs / "used").write_bytes(b"x" * (3 << 20))  # 3 of 16 MiB used: 81 % free
+    monitor = HealthMonitor()
+    monitor.watch_disk(small_tmpfs)
+    (finding,) = monitor.findings()      # under the 2 GiB margin: still worth a line, but a true one
+    assert "nearly full" not in finding.message
+    assert re.search(r"\b81 % of a 16(\.0)? MiB filesystem", finding.message), finding.message
+    assert "0.0 GiB" not in finding.message and "13" in finding.message and "MiB free" in finding.message
+
+
+def test_a_nearly_full_small_disk_is_called_nearly_full(small_tmpfs):
+    (small_tmpfs / "used").write_bytes(b"x" * (int(15.6 * 2**20)))  # ~2 % free
+    monitor = HealthMonitor()
+    monitor.watch_disk(small_tmpfs)
+    (finding,) = monitor.findings()
+    assert "nearly full" in finding.message and "KiB free" in finding.message, finding.message
+    assert "of 16.0 MiB" in finding.message and "0.0 GiB" not in finding.message
+
+
+def _plan(argv, monkeypatch, tmp_path):
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "absent.json"))
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    return plan_cli.main(parser.parse_args(argv))
+
+
+def test_plan_prices_the_default_nvme_folder_by_the_disk_it_would_land_on(monkeypatch, tmp_path, capsys):
+    # the default NVMe folder does not exist yet; its disk is the one its nearest existing parent is on
+    folder = tmp_path / "not" / "yet"
+    monkeypatch.setenv("TIERSTATE_NVME_DIR", str(folder))
+    free = shutil.disk_usage(tmp_path).free
+    assert _plan(["--params", "10M", "--device", "cpu", "--host-mem", "1GiB", "--json"], monkeypatch, tmp_path) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["budgets"]["disk"] - free) < (256 << 20), (out["budgets"], free)
+    assert out["budgets"]["disk_dir"] == str(folder)
+    assert any(str(folder) in s for s in out["sources"]), out["sources"]
+    # and a model that does not fit names that folder and its real free space
+    assert _plan(["70B", "--device", "cpu", "--host-mem", "4GiB"], monkeypatch, tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "0 MiB free" not in err and f"under {folder}" in err, err
+
+
+def test_plan_does_not_suggest_the_moment_dtype_already_given(monkeypatch, tmp_path, capsys):
+    rc = _plan(["70B", "--device", "cpu", "--host-mem", "4GiB", "--disk", "10GiB", "--moment-dtype", "bf16"],
+               monkeypatch, tmp_path)
+    err = capsys.readouterr().err
+    assert rc == 2 and "no placement" in err
+    assert "--moment-dtype bf16" not in err, err
+    rc = _plan(["70B", "--device", "cpu", "--host-mem", "4GiB", "--disk", "10GiB"], monkeypatch, tmp_path)
+    assert rc == 2 and "--moment-dtype bf16" in capsys.readouterr().err
