@@ -86,3 +86,47 @@ def test_plan_does_not_suggest_the_moment_dtype_already_given(monkeypatch, tmp_p
     assert "--moment-dtype bf16" not in err, err
     rc = _plan(["70B", "--device", "cpu", "--host-mem", "4GiB", "--disk", "10GiB"], monkeypatch, tmp_path)
     assert rc == 2 and "--moment-dtype bf16" in capsys.readouterr().err
+
+
+# -- the native module: where the install built it, the suite must fail without it ----------------
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _suite_with(tmp_path, damage):
+    """Copy the installed package (and its dist-info) to ``tmp_path/site``, apply ``damage`` to the
+    copy's native module, and run a one-test suite under the project's tests/conftest.py there."""
+    import importlib.metadata as md
+
+    site = tmp_path / "site"
+    pkg = Path(tierstate.__file__).resolve().parent
+    shutil.copytree(pkg, site / "tierstate", ignore=shutil.ignore_patterns("__pycache__"))
+    dist = md.distribution("tierstate")
+    if Path(dist.locate_file("tierstate/__init__.py")).resolve().parent == pkg:
+        info = Path(dist._path)  # the dist-info folder of exactly this install
+        shutil.copytree(info, site / info.name)
+    suite = tmp_path / "tests"
+    suite.mkdir()
+    shutil.copy(TESTS / "conftest.py", suite / "conftest.py")
+    (suite / "test_one.py").write_text("def test_one():\n    assert True\n")
+    natives = sorted((site / "tierstate").glob("_native*"))
+    assert natives, "the installed tierstate has no native module to damage"
+    damage(natives[0])
+    env = {k: v for k, v in os.environ.items() if k != "TIERSTATE_NATIVE_PATH"} | {"PYTHONPATH": str(site)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
+                          cwd=suite, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_suite_passes_with_the_native_module_intact(tmp_path):
+    r = _suite_with(tmp_path, lambda so: None)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(lambda so: so.write_bytes(b"\x7fELF not really"), id="corrupt"),
+    pytest.param(lambda so: so.unlink(), id="deleted"),
+])
+def test_a_broken_native_module_fails_the_suite_instead_of_skipping(tmp_path, damage):
+    r = _suite_with(tmp_path, damage)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "native module" in out and "tierstate._native" in out, out
