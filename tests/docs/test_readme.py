@@ -158,6 +158,7 @@ SYNOPSES = {
         for m in ("tiny", "small", "medium", "large") for o in ("cpu", "nvme", "auto")],
     "tierstate probe [--nvme-dir D ...]": ["tierstate probe --nvme-dir /tmp/a --nvme-dir /tmp/b"],
     "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB [--json] [--compare ...]": [
+        "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB",
         "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB --json --compare h100,mem=80GiB,price=3.5/h"],
     "tierstate bench step [--offload nvme]": ["tierstate bench step", "tierstate bench step --offload nvme"],
     "tierstate report TRACE": ["tierstate report trace.json"],
