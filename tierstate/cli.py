@@ -16,6 +16,8 @@ from typing import Sequence
 
 # Exit status for usage errors, as argparse uses.
 USAGE_ERROR = 2
+# Exit status when a command fails on a file or folder (its OSError names the path and errno).
+IO_ERROR = 1
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Unavailable as exc:
         print(f"tierstate: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except OSError as exc:  # a path the user gave (or a full disk): one line naming it, not a traceback
+        print(f"tierstate {' '.join(_chosen_command(argv).words)}: error: {exc}", file=sys.stderr)
+        return IO_ERROR
 
 
 class _Unavailable(Exception):

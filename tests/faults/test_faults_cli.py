@@ -159,3 +159,30 @@ def test_two_installs_from_one_checkout_at_once_both_build(tmp_path):
         r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                            env={**env, "PYTHONPATH": str(tmp_path / f"target{i}")}, timeout=120)
         assert r.returncode == 0 and f"target{i}" in r.stdout, r.stdout + r.stderr
+
+
+# -- nonsense arguments at the command line: a one-line named error, never a traceback ------------
+def _tierstate(*args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(IMPORT_ROOT), "TIERSTATE_PROFILE": str(tmp_path / "profile.json"),
+           "TIERSTATE_NVME_DIR": str(tmp_path / "nvme")}
+    return subprocess.run([sys.executable, "-m", "tierstate", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("args, names", [
+    (["probe", "--quick", "--out", "/proc/no/such/profile.json"], ["/proc/no/such/profile.json", "--out"]),
+    (["bench", "step", "--sizes", "1M", "--reps", "1", "--warmup", "0", "--variants", "native",
+      "--json", "/nonexistent-dir/step.json"], ["/nonexistent-dir/step.json", "Errno"]),
+    (["bench", "step", "--offload", "nvme", "--params", "1M", "--steps", "1", "--nvme-dir", "/proc/no/such"],
+     ["/proc/no", "Errno"]),
+    (["plan", "gpt2", "--compare", "x,mem=80GiB,speed=fast"], ["--compare", "speed='fast'"]),
+    (["plan", "gpt2", "--compare", "x,mem=80GiB,speed=0"], ["--compare", "speed='0'"]),
+])
+def test_bad_paths_and_values_are_named_errors_not_tracebacks(args, names, tmp_path):
+    r = _tierstate(*args, tmp_path=tmp_path)
+    assert r.returncode in (1, 2), r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("tierstate"), r.stderr[-2000:]
+    for name in names:
+        assert name in r.stderr, (name, r.stderr[-2000:])

@@ -8,7 +8,8 @@
 
 Rates come from the saved hardware profile (``tierstate probe``), else conservative defaults
 (the output says which). Budgets not given are read from this machine now: 80% of the
-available RAM, the free space under ``--nvme-dir``, the free device memory from the profile.
+available RAM, the free space under ``--nvme-dir`` (else under the default NVMe folder, on
+the filesystem of its nearest existing parent), the free device memory from the profile.
 Exit status 2 with a message naming what is missing when no placement fits.
 """
 from __future__ import annotations
@@ -57,7 +58,13 @@ def parse_compare(text: str) -> dict:
         elif key == "price":
             option["price"] = parse_price(value)
         elif key == "speed":
-            option["speed"] = float(value)
+            try:
+                option["speed"] = float(value)
+            except ValueError:
+                raise ValueError(f"--compare {text!r}: speed={value!r} is not a number; give the GPU's compute "
+                                 "relative to this machine's, e.g. speed=2") from None
+            if not option["speed"] > 0:
+                raise ValueError(f"--compare {text!r}: speed={value!r} must be > 0, e.g. speed=2")
         else:
             raise ValueError(f"--compare {text!r}: unknown field {key!r}; use NAME,mem=80GiB,price=3.5/h,speed=1.5")
     if not name or "mem" not in option:
@@ -86,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-mem", help="device memory budget, e.g. 80GiB (default: free memory in the profile)")
     parser.add_argument("--host-mem", help=f"host RAM budget (default: {HOST_FRACTION * 100:.0f}%% of the available RAM now)")
     parser.add_argument("--pinned-mem", help="page-locked RAM budget (default: unchecked)")
-    parser.add_argument("--disk", help="disk budget for NVMe state (default: free space under --nvme-dir)")
+    parser.add_argument("--disk", help="disk budget for NVMe state (default: free space under --nvme-dir, or under "
+                                         "the default NVMe folder, $TIERSTATE_NVME_DIR or ~/.cache/tierstate/nvme)")
     parser.add_argument("--nvme-dir", help="where NVMe state would go (for its free space and the messages)")
     parser.add_argument("--placement", metavar="GPU,CPU,NVME", help="price this placement instead of choosing one")
     parser.add_argument("--gpu-tier", action="store_true", help="let the planner put part of the state on the device")

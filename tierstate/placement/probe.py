@@ -99,10 +99,18 @@ def peaks_from_profile(profile: dict) -> dict[str, float]:
 def save_profile(profile: dict, path: str | os.PathLike | None = None) -> Path:
     """Write ``profile`` atomically (temp file + rename) and return where it went."""
     path = Path(path) if path is not None else default_profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(profile, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass  # never written (the folder is missing or read-only)
+        raise type(exc)(exc.errno, f"cannot save the hardware profile ({exc.strerror}); "
+                                   "give --out a writable path", str(path)) from exc
     return path
 
 
@@ -555,7 +563,11 @@ def main(args: argparse.Namespace) -> int:
         for note in profile["notes"]:
             print(f"note: {note}")
     if not args.no_save:
-        path = save_profile(profile, args.out)
+        try:
+            path = save_profile(profile, args.out)
+        except OSError as exc:
+            print(f"tierstate probe: {exc}", file=sys.stderr)
+            return 1
         print(f"profile saved to {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
