@@ -1,4 +1,4 @@
-"""The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``bench {step,io,e2e}``, ``report``.
+"""The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``bench {step,io,e2e,overhead}``, ``report``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``. Only the module of the subcommand being run is imported, so
