@@ -177,6 +177,8 @@ def _tierstate(*args, tmp_path):
      ["/proc/no", "Errno"]),
     (["plan", "gpt2", "--compare", "x,mem=80GiB,speed=fast"], ["--compare", "speed='fast'"]),
     (["plan", "gpt2", "--compare", "x,mem=80GiB,speed=0"], ["--compare", "speed='0'"]),
+    (["plan", "gpt2", "--profile", "/"], ["--profile", "Is a directory", "'/'"]),
+    (["plan", "gpt2", "--nvme-dir", "/etc/hostname"], ["--nvme-dir", "/etc/hostname", "is a file"]),
 ])
 def test_bad_paths_and_values_are_named_errors_not_tracebacks(args, names, tmp_path):
     r = _tierstate(*args, tmp_path=tmp_path)

@@ -109,7 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load_hardware(path: str | None) -> tuple[Hardware, dict | None]:
     from . import probe
 
-    profile = probe.load_profile(path)  # ValueError when the file is not a profile
+    try:
+        profile = probe.load_profile(path)  # ValueError when the file is not a profile
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"--profile: cannot read the hardware profile ({exc.strerror})",
+                        exc.filename) from exc
     if profile is None:
         if path is not None:
             raise ValueError(f"--profile {path}: no such file; run `tierstate probe --out {path}`")
@@ -153,6 +157,8 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
         sources.append(f"host budget: {HOST_FRACTION:.0%} of {gib(available)} available now (--host-mem to set)")
     if args.nvme_dir:
         disk_dir = args.nvme_dir
+        if os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
+            raise ValueError(f"--nvme-dir {disk_dir!r} is a file, not a folder; give the folder NVMe state would go in")
     else:  # where offload="nvme" would put its files: priced by the disk it would land on
         from .offload import default_nvme_root
 
