@@ -114,3 +114,38 @@ def test_bench_step_offload_nvme_selects_the_nvme_step_benchmark() -> None:
     assert chosen.module == "tierstate.bench.nvme_step" and argv == ["bench", "step", "--params", "1M"]
     chosen, argv = cli._step_bench_for_tier(cli.COMMANDS[3], ["bench", "step", "--offload=cpu"])
     assert chosen.module == "tierstate.bench.step" and argv == ["bench", "step"]
+
+
+def _leaf_commands(parser=None, prefix=()):
+    """Every runnable command path, discovered by walking the parser's sub-parsers (not a hand list)."""
+    import argparse
+
+    parser = parser or cli._build_parser(None, None)
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [prefix]
+    out = []
+    for action in subs:
+        for word, sub in action.choices.items():
+            out += _leaf_commands(sub, prefix + (word,))
+    return out
+
+
+def test_the_parser_walk_finds_every_registered_command():
+    # the walk is what the --help test below iterates over: it must see every command
+    assert sorted(_leaf_commands()) == sorted(c.words for c in cli.COMMANDS)
+
+
+# `bench step --offload nvme` swaps in another module with its own options: a variant to check too
+_HELP_CASES = [list(words) for words in _leaf_commands()] + [["bench", "step", "--offload", "nvme"], []]
+
+
+@pytest.mark.parametrize("words", _HELP_CASES, ids=lambda w: " ".join(w) or "(top)")
+def test_every_command_help_prints_its_options(words, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*words, "--help"])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 0, err
+    assert out.startswith("usage: tierstate"), out[:200]
+    assert "options:" in out or "optional arguments:" in out
+    assert err == ""

@@ -1,4 +1,4 @@
-"""The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``bench {step,io,e2e}``, ``report``.
+"""The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``bench {step,io,e2e,overhead}``, ``report``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``. Only the module of the subcommand being run is imported, so
@@ -16,6 +16,8 @@ from typing import Sequence
 
 # Exit status for usage errors, as argparse uses.
 USAGE_ERROR = 2
+# Exit status when a command fails on a file or folder (its OSError names the path and errno).
+IO_ERROR = 1
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,26 @@ _GROUP_SUMMARIES = {"bench": "benchmarks: step, io, e2e, overhead"}
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``tierstate`` command line with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        module, args = parse(argv)
+    except _Unavailable as exc:
+        print(f"tierstate: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        return int(module.main(args) or 0)
+    except OSError as exc:  # a path the user gave (or a full disk): one line naming it, not a traceback
+        print(f"tierstate {' '.join(_chosen_command(argv).words)}: error: {exc}", file=sys.stderr)
+        return IO_ERROR
+
+
+class _Unavailable(Exception):
+    """The chosen subcommand's module cannot be imported."""
+
+
+def parse(argv: Sequence[str]) -> tuple[ModuleType, argparse.Namespace]:
+    """Parse ``argv`` as :func:`main` does, without running anything: the chosen command's module
+    and its arguments. Bad arguments exit with status 2 and argparse's message (``SystemExit``)."""
+    argv = list(argv)
     chosen = _chosen_command(argv)
     if chosen is not None and chosen.words == ("bench", "step"):
         chosen, argv = _step_bench_for_tier(chosen, argv)
@@ -52,12 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             module = _load(chosen)
         except Exception as exc:  # an area mid-edit may raise anything at import; it fails alone
-            print(f"tierstate: error: `tierstate {' '.join(chosen.words)}` is unavailable: cannot import "
-                  f"{chosen.module} ({type(exc).__name__}: {exc})", file=sys.stderr)
-            return USAGE_ERROR
+            raise _Unavailable(f"`tierstate {' '.join(chosen.words)}` is unavailable: cannot import "
+                               f"{chosen.module} ({type(exc).__name__}: {exc})") from None
     parser = _build_parser(chosen, module)
     args = parser.parse_args(argv)
-    return int(module.main(args) or 0)
+    return module, args
 
 
 def _chosen_command(argv: list[str]) -> Command | None:

@@ -8,7 +8,8 @@
 
 Rates come from the saved hardware profile (``tierstate probe``), else conservative defaults
 (the output says which). Budgets not given are read from this machine now: 80% of the
-available RAM, the free space under ``--nvme-dir``, the free device memory from the profile.
+available RAM, the free space under ``--nvme-dir`` (else under the default NVMe folder, on
+the filesystem of its nearest existing parent), the free device memory from the profile.
 Exit status 2 with a message naming what is missing when no placement fits.
 """
 from __future__ import annotations
@@ -57,7 +58,13 @@ def parse_compare(text: str) -> dict:
         elif key == "price":
             option["price"] = parse_price(value)
         elif key == "speed":
-            option["speed"] = float(value)
+            try:
+                option["speed"] = float(value)
+            except ValueError:
+                raise ValueError(f"--compare {text!r}: speed={value!r} is not a number; give the GPU's compute "
+                                 "relative to this machine's, e.g. speed=2") from None
+            if not option["speed"] > 0:
+                raise ValueError(f"--compare {text!r}: speed={value!r} must be > 0, e.g. speed=2")
         else:
             raise ValueError(f"--compare {text!r}: unknown field {key!r}; use NAME,mem=80GiB,price=3.5/h,speed=1.5")
     if not name or "mem" not in option:
@@ -84,9 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin-memory", action="store_true")
     parser.add_argument("--grad-streaming", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--device-mem", help="device memory budget, e.g. 80GiB (default: free memory in the profile)")
-    parser.add_argument("--host-mem", help=f"host RAM budget (default: {HOST_FRACTION:.0%} of the available RAM now)")
+    parser.add_argument("--host-mem", help=f"host RAM budget (default: {HOST_FRACTION * 100:.0f}%% of the available RAM now)")
     parser.add_argument("--pinned-mem", help="page-locked RAM budget (default: unchecked)")
-    parser.add_argument("--disk", help="disk budget for NVMe state (default: free space under --nvme-dir)")
+    parser.add_argument("--disk", help="disk budget for NVMe state (default: free space under --nvme-dir, or under "
+                                         "the default NVMe folder, $TIERSTATE_NVME_DIR or ~/.cache/tierstate/nvme)")
     parser.add_argument("--nvme-dir", help="where NVMe state would go (for its free space and the messages)")
     parser.add_argument("--placement", metavar="GPU,CPU,NVME", help="price this placement instead of choosing one")
     parser.add_argument("--gpu-tier", action="store_true", help="let the planner put part of the state on the device")
@@ -101,7 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _load_hardware(path: str | None) -> tuple[Hardware, dict | None]:
     from . import probe
 
-    profile = probe.load_profile(path)  # ValueError when the file is not a profile
+    try:
+        profile = probe.load_profile(path)  # ValueError when the file is not a profile
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"--profile: cannot read the hardware profile ({exc.strerror})",
+                        exc.filename) from exc
     if profile is None:
         if path is not None:
             raise ValueError(f"--profile {path}: no such file; run `tierstate probe --out {path}`")
@@ -143,16 +155,21 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
         available = psutil.virtual_memory().available
         host = int(available * HOST_FRACTION)
         sources.append(f"host budget: {HOST_FRACTION:.0%} of {gib(available)} available now (--host-mem to set)")
-    disk_dir = args.nvme_dir or "the NVMe directory"
+    if args.nvme_dir:
+        disk_dir = args.nvme_dir
+        if os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
+            raise ValueError(f"--nvme-dir {disk_dir!r} is a file, not a folder; give the folder NVMe state would go in")
+    else:  # where offload="nvme" would put its files: priced by the disk it would land on
+        from .offload import default_nvme_root
+
+        disk_dir = str(default_nvme_root())
     if args.disk:
         disk = parse_size(args.disk, "--disk")
-    elif args.nvme_dir:
-        st = os.statvfs(_existing_ancestor(args.nvme_dir))
-        disk = st.f_bavail * st.f_frsize
-        sources.append(f"disk budget: free space under {args.nvme_dir}")
     else:
-        disk = 0
-        sources.append("disk budget: none (give --nvme-dir or --disk to allow NVMe offload)")
+        st = os.statvfs(_existing_ancestor(disk_dir))
+        disk = st.f_bavail * st.f_frsize
+        where = "" if args.nvme_dir else " (the default NVMe folder; --nvme-dir or --disk to set)"
+        sources.append(f"disk budget: free space under {disk_dir}{where}")
     if args.device_mem:
         device_mem = parse_size(args.device_mem, "--device-mem")
     elif device == "cuda" and hw.device_free:

@@ -563,8 +563,11 @@ def _explain_infeasible(req: PlanRequest, budgets: Budgets, allow_device_tier: b
             split = Placement(0.0, cpu, 1.0 - cpu)
             missing = shortfalls(req, memory_breakdown(req, split), budgets)
             lines.append(f"  host RAM full ({cpu:.1%} of the state), the rest on NVMe: " + "; ".join(missing))
-    lines.append("Raise the budget named above (--host-mem, --disk or a larger --nvme-dir, --device-mem), use "
-                 "bf16 moments (--moment-dtype bf16), or a smaller --buffer-count.")
+    fixes = ["raise the budget named above (--host-mem, --disk or a larger --nvme-dir, --device-mem)"]
+    if req.moment_dtype != "bf16":
+        fixes.append("use bf16 moments (--moment-dtype bf16)")
+    fixes.append("use a smaller --buffer-count")
+    lines.append("Fixes: " + "; or ".join(fixes) + ".")
     return "\n".join(lines)
 
 

@@ -146,11 +146,28 @@ class HealthMonitor:
                     f"(errno {e.errno})"))
                 continue
             free_fraction = usage.free / usage.total if usage.total else 0.0
-            if usage.free < DISK_FREE_BYTES or free_fraction < DISK_FREE_FRACTION:
+            if free_fraction < DISK_FREE_FRACTION:
                 found.append(HealthWarning(
                     "disk", path,
-                    f"disk under {path} is nearly full: {usage.free / 2**30:.2f} GiB free "
-                    f"({free_fraction:.1%} of {usage.total / 2**30:.1f} GiB); free space or "
-                    "move nvme_dir, or NVMe-tier writes will fail with ENOSPC"))
+                    f"disk under {path} is nearly full: {_size(usage.free)} free "
+                    f"({free_fraction:.1%} of {_size(usage.total)}); free space or move "
+                    "nvme_dir, or NVMe-tier writes will fail with ENOSPC"))
+            elif usage.free < DISK_FREE_BYTES:
+                # mostly free but small (a tmpfs, a small partition): say so, not "full"
+                found.append(HealthWarning(
+                    "disk", path,
+                    f"little free space under {path}: {_size(usage.free)} free "
+                    f"({free_fraction * 100:.0f} % of a {_size(usage.total)} filesystem), under the "
+                    f"{_size(DISK_FREE_BYTES)} that NVMe-tier write-behind and checkpoints can need; "
+                    "a state larger than that will fail with ENOSPC there"))
         self._disk_findings = found
         return list(found)
+
+
+def _size(nbytes: float) -> str:
+    """``1.25 GiB`` / ``13.0 MiB`` / ``512 KiB``: a small filesystem must not read as 0.0 GiB."""
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.0f} KiB"

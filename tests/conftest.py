@@ -1,0 +1,44 @@
+"""Session checks for the whole suite.
+
+The native module: tests of the tiers, kernels and pipeline skip when ``tierstate._native``
+cannot load, which is right for a source checkout nobody built, and wrong for an install
+that built it (the README's ``pip install``): there a missing or broken module would let the
+suite pass with no native code at all. So when the tierstate under test was installed with
+the module (its file sits in the package, or the install's file list names one), a failure
+to load it ends the run with an error before any test.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+
+def _native_expected() -> str | None:
+    """Why the native module must load here, or None when this tierstate was never built."""
+    import tierstate
+
+    pkg = Path(tierstate.__file__).resolve().parent
+    present = sorted(p.name for p in pkg.glob("_native*") if p.suffix in (".so", ".pyd"))
+    if present:
+        return f"{pkg / present[0]} is installed"
+    try:
+        dist = importlib.metadata.distribution("tierstate")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if Path(dist.locate_file("tierstate/__init__.py")).resolve().parent != pkg:
+        return None  # the tierstate imported is not this install's (a checkout on sys.path)
+    listed = [str(f) for f in dist.files or () if str(f).startswith("tierstate/_native") and
+              str(f).endswith((".so", ".pyd"))]
+    return f"the install of {pkg} lists {listed[0]}" if listed else None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from tierstate._native_loader import native_status
+
+    why = _native_expected()
+    loaded, error = native_status()
+    if why is not None and not loaded:
+        pytest.exit(f"the native module tierstate._native did not load although {why}: {error}. "
+                    "Rebuild it (pip install .) rather than letting its tests skip.", returncode=3)
