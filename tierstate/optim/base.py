@@ -549,6 +549,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Args:
             closure: re-evaluates the model and returns the loss (torch semantics).
             grad_scaler: passed by ``torch.amp.GradScaler.step``; do not pass it yourself.
+
+        What an I/O failure of the NVMe tier leaves (see [Note: what a failed I/O leaves] in
+        :mod:`tierstate.tiers.nvme`):
+
+        - a failed *write* (``DiskFullError`` on a full or thinly provisioned disk, EIO): the
+          step completes in memory, parameters and state exactly as after it; the error
+          (path, errno) is raised at the end of ``step()``. The records that could not be
+          written stay in RAM, ``state_dict()`` and ``save_optimizer`` read them there, and the
+          next ``step()`` writes them first: while they still cannot be written it raises
+          before changing anything (parameters and state exactly as before it), and once
+          the cause is fixed it proceeds. Nothing is sticky.
+        - a failed *read* (EIO, a short read, a state file truncated or changed by another
+          process, a CRC-32C mismatch): raises :class:`tierstate.io.StateLostError`. That
+          record's state is lost, and parameters updated earlier in the same step stay
+          updated; every later ``step()`` and read of it raise the same until a checkpoint is
+          loaded (``tierstate.load_optimizer`` or ``load_state_dict``).
+        - with ``step_in_backward=True`` the updates run during backward, so a step cannot
+          refuse to start: a failed write is raised at the end of ``step()`` as above, and the
+          record is written again when it is next evicted (each step updates it).
         """
         loss = None
         if closure is not None:
@@ -561,6 +580,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kernels.record_worker_spans(True)
         try:
             self._step(tel, grad_scaler)
+            nvme = self.tiers.get(TierKind.NVME)
+            failed = nvme.take_write_errors() if nvme is not None else None
+            if failed is not None:  # the step is complete in memory; the records wait in RAM
+                raise failed
         finally:
             if workers:
                 for thread, start, end in kernels.drain_worker_spans():
@@ -570,6 +593,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, tel, grad_scaler) -> None:
+        nvme = self.tiers.get(TierKind.NVME)
+        backward_open = self._backward is not None and self._backward.open
+        if nvme is not None and not backward_open:
+            nvme.settle()  # earlier failed writes retried, or raise with nothing changed yet
         self._steps_taken += 1
         if self._upload_done is not None:  # the staging buffers are about to be rewritten
             with tel.phase("device_stall"):
@@ -1069,6 +1096,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if groups is None:
             raise ValueError("load_state_dict: the state dict has no 'param_groups' (is it an optimizer state dict?)")
         super().load_state_dict({**state_dict, "state": {}})
+        if TierKind.NVME in self.tiers:  # every state is replaced: records found lost start anew
+            self.tiers[TierKind.NVME].forget_lost()
         for g in self.param_groups:
             self.rule.validate(g)
         saved_ids = [i for g in groups for i in g["params"]]
