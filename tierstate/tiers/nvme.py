@@ -682,6 +682,11 @@ class NvmeTier:
             _log.warning("tierstate: %d NVMe write-back(s) failed (first: %s) and succeeded when retried",
                          len(reported), reported[0][1])
 
+    def lost_error(self) -> BaseException | None:
+        """The :class:`~tierstate.io.StateLostError` of a record found lost, or ``None``."""
+        with self._ledger.lock:
+            return next(iter(self._ledger.lost.values()), None)
+
     def take_write_errors(self) -> BaseException | None:
         """The first write-back failure since the last call (``None`` if none), ready to raise.
 
