@@ -38,7 +38,7 @@ def _isas():
     return tio.crc32c_isas()
 
 
-@pytest.fixture(params=["auto", "sse4.2", "armv8-crc", "table"])
+@pytest.fixture(params=["auto", "avx512-vpclmul", "sse4.2", "armv8-crc", "table"])
 def isa(request):
     if request.param != "auto" and request.param not in _isas():
         pytest.skip(f"crc32c variant {request.param} does not run on this CPU/build")
