@@ -1048,7 +1048,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # the gradients now would leave the state half stepped, so the step is completed.
             _log.warning("tierstate: zero_grad() after a backward whose updates already ran (step_in_backward=True)"
                          " without step(); completing the step first")
-            self.step()
+            try:
+                self.step()
+            finally:  # a write error raised at the end of that step must not leave its gradients to accumulate
+                self._zero_grad(set_to_none)
+            return
+        self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if self._grads is not None:
             self._grads.reset(set_to_none)

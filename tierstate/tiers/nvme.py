@@ -61,9 +61,16 @@ record; the initial values included) and checks every read against it, after che
 that the file is still as long as the records it holds (``fstat``): a record truncated
 away, overwritten by another process (even with bytes that look valid), torn, or hit by
 a bit flip raises :class:`~tierstate.io.StateLostError` at the read, and never reaches
-an update. The CRC runs on the buffer's I/O thread without the GIL (the x86 ``crc32`` or
-AArch64 CRC32C instruction, chosen at run time): 6.2 GB/s per core on the reference VM,
-measured against the step in ``tierstate bench step --offload nvme`` (benchmarks/README.md).
+an update. The CRC runs on the buffer's I/O thread without the GIL, in the variant chosen
+at run time (:func:`tierstate.io.crc32c_isas`): on the reference VM (2 Zen 4 cores)
+AVX-512 VPCLMULQDQ folding does 16-18 GB/s per core, the ``crc32`` instruction 11.
+It reads every record moved once more from memory, which competes with the update
+kernels: at 100M parameters a step moves 8 of 24 records each way, 530 MB to check,
+~31 ms of one core with the wide variant. ``tierstate bench step --offload nvme
+--params 100M`` (CPU-bound there) in interleaved runs on a VM shared with other jobs,
+where the CPU-step floor itself varied from 0.24 to 0.52 s: median step/floor 0.95,
+1.13, 1.82 with checksums against 0.92, 1.02, 1.04 without; 1.22-1.84 in four runs with
+the ``crc32`` instruction variant, which is why the wider one exists.
 
 [Note: what a failed I/O leaves]
 A failed *write* loses nothing: the I/O thread copies the record's bytes out of the
