@@ -233,3 +233,45 @@ def test_failed_read_raises_state_lost_and_a_checkpoint_recovers(tmp_path):
     _step(params, opt, 3)
     _assert_equal(_snapshot(params, opt), ref[3], "after loading the checkpoint")
     opt.close()
+
+
+def test_load_optimizer_from_the_last_checkpoint_recovers_a_lost_record(tmp_path):
+    """What StateLostError's message says to do, done: the run continues bit for bit."""
+    import tierstate.io as tio
+
+    ref = _reference(tmp_path, 3)
+    params, opt = _make(tmp_path / "faulty")
+    _step(params, opt, 1)
+    ckpt = tmp_path / "ckpt"
+    ts.save_optimizer(opt, ckpt)
+    tier = opt.tiers[TierKind.NVME]
+    for sg in tier.subgroups:  # zero every record behind the tier's back
+        file_index, offset, rec = tier._where(sg)
+        with open(tier.files[file_index], "r+b") as fh:
+            fh.seek(offset)
+            fh.write(bytes(rec.nbytes))
+    with pytest.raises(tio.StateLostError, match="load_optimizer"):
+        _step(params, opt, 2)
+    ts.load_optimizer(opt, ckpt)  # parameters too: they were saved with the state
+    _step(params, opt, 2)
+    _step(params, opt, 3)
+    _assert_equal(_snapshot(params, opt), ref[3], "after load_optimizer")
+    opt.close()
+
+
+def test_zero_grad_completing_a_backward_step_clears_gradients_when_its_write_fails(tmp_path):
+    from tierstate.io.faults import fail_nth
+
+    ref = _reference(tmp_path, 3, backward=True)
+    nvme_dir = tmp_path / "faulty"
+    params, opt = _make(nvme_dir, step_in_backward=True)
+    _step(params, opt, 1, backward=True)
+    grads = _grads(2)
+    sum((p * g).sum() for p, g in zip(params, grads)).backward()
+    with fail_nth("write", 1, errno.EIO, path_contains=str(nvme_dir)):
+        with pytest.raises(OSError, match="kept in RAM"):
+            opt.zero_grad()  # completes the step (with a warning), whose write fails
+    assert all(p.grad is None for p in params)
+    _step(params, opt, 3, backward=True)
+    _assert_equal(_snapshot(params, opt), ref[3], "the step after")
+    opt.close()

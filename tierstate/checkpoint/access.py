@@ -93,9 +93,9 @@ class OffloadAccess:
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
         for g in opt.param_groups:
             opt.rule.validate(g)
-        forget_lost = getattr(opt.tiers.get(TierKind.NVME), "forget_lost", None)
-        if forget_lost is not None:  # every state is replaced: records found lost start anew
-            forget_lost()
+        forget_state = getattr(opt.tiers.get(TierKind.NVME), "forget_state", None)
+        if forget_state is not None:  # every state is replaced: no record need be read back
+            forget_state()
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         opt.state.clear()

@@ -1103,8 +1103,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if groups is None:
             raise ValueError("load_state_dict: the state dict has no 'param_groups' (is it an optimizer state dict?)")
         super().load_state_dict({**state_dict, "state": {}})
-        if TierKind.NVME in self.tiers:  # every state is replaced: records found lost start anew
-            self.tiers[TierKind.NVME].forget_lost()
+        if TierKind.NVME in self.tiers:  # every state is replaced: no record need be read back
+            self.tiers[TierKind.NVME].forget_state()
         for g in self.param_groups:
             self.rule.validate(g)
         saved_ids = [i for g in groups for i in g["params"]]

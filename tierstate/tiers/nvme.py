@@ -89,8 +89,8 @@ have updated other sub-groups when the read-ahead's failure surfaces (a step str
 state larger than RAM, so it cannot verify every record first). The record is marked
 lost; its acquire, every later step (at :meth:`NvmeTier.settle`) and every read of it
 raise :class:`~tierstate.io.StateLostError` until a checkpoint is loaded
-(:meth:`NvmeTier.forget_lost` re-initializes the lost records, which the load then
-overwrites). No error is sticky beyond its cause: an I/O thread keeps no failure state.
+(:meth:`NvmeTier.forget_state`: a load replaces every state, so every record then
+starts from its initial values, built in RAM without reading the files). No error is sticky beyond its cause: an I/O thread keeps no failure state.
 """
 from __future__ import annotations
 
@@ -137,6 +137,24 @@ class RecordLayout:
             self.regions[key] = (cursor, nbytes)
             cursor = _align_up(cursor + nbytes)
         self.nbytes = cursor
+
+
+class _InitialImage:
+    """Builds the bytes a fresh record holds (what :meth:`NvmeTier._write_initial_values` leaves
+    in the file): zeros, and each key whose start value is not all-zero bytes filled with it
+    over its region and the region's padding. Shared with the I/O threads."""
+
+    def __init__(self, keys: list[str], dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float]) -> None:
+        self.fills = [(key, dtypes[key], inits.get(key, 0.0)) for key in keys
+                      if torch.tensor(inits.get(key, 0.0), dtype=dtypes[key]).view(-1).view(torch.uint8).any()]
+
+    def __call__(self, rec: RecordLayout, into: Tensor) -> Tensor:
+        image = into[: rec.nbytes]
+        image.zero_()
+        for key, dtype, value in self.fills:
+            start, nbytes = rec.regions[key]
+            image[start: start + _align_up(nbytes)].view(dtype).fill_(value)
+        return image
 
 
 class _Stripes:
@@ -202,7 +220,7 @@ class _Ledger:
     failed, as a private copy of the newest bytes, which every read of that record takes
     instead of the file until a write of it lands. ``write_errors``: failed writes not
     yet reported to the caller. ``lost``: records that could not be read back as written.
-    ``sizes``: the size each state file must have."""
+    ``sizes``: the size each state file must have. ``fresh``, ``image``: see :meth:`NvmeTier.forget_state`."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -211,6 +229,10 @@ class _Ledger:
         self.write_errors: list[tuple[int, BaseException]] = []  # (sub-group index, error)
         self.lost: dict[int, BaseException] = {}
         self.sizes: list[int] = []
+        # records whose state was forgotten (a load follows): read as their initial values,
+        # not from the file, until written
+        self.fresh: set[int] = set()
+        self.image: _InitialImage | None = None
 
 
 class _IOThread:
@@ -278,6 +300,7 @@ class _IOThread:
             ledger.crc[key] = crc
             ledger.stranded.pop(key, None)
             ledger.lost.pop(key, None)
+            ledger.fresh.discard(key)
         self._book(True, t0, record.nbytes)
 
     def _read(self, op: _Op) -> None:
@@ -285,6 +308,10 @@ class _IOThread:
         f, ledger, key = self._files[file_index], self._ledger, op.sg.index
         with ledger.lock:
             kept, lost, crc = ledger.stranded.get(key), ledger.lost.get(key), ledger.crc.get(key)
+            fresh = key in ledger.fresh
+        if fresh:
+            ledger.image(record, op.buffer)
+            return
         if kept is not None:
             op.buffer[: record.nbytes].copy_(kept)
             return
@@ -449,24 +476,13 @@ class NvmeTier:
                 futures.append(self._res.files[index].pwrite(scratch, offset + start, _align_up(nbytes)))
             for fut in futures:
                 fut.get()
+        self._ledger.image = _InitialImage(self.keys, self.dtypes, inits)
         crcs = {}
         for sg in self.subgroups:
             rec = self.record(sg)
             if rec.numel not in crcs:
-                crcs[rec.numel] = tio.crc32c(self._initial_image(rec, inits, scratch))
+                crcs[rec.numel] = tio.crc32c(self._ledger.image(rec, scratch))
             self._ledger.crc[sg.index] = crcs[rec.numel]
-        self._inits = dict(inits)
-
-    def _initial_image(self, rec: RecordLayout, inits: Mapping[str, float], into: Tensor) -> Tensor:
-        """The bytes a fresh record holds (as :meth:`_write_initial_values` leaves the file), in ``into``."""
-        image = into[: rec.nbytes]
-        image.zero_()
-        for key in self.keys:
-            value = inits.get(key, 0.0)
-            start, nbytes = rec.regions[key]
-            if value != 0.0 or torch.tensor(value, dtype=self.dtypes[key]).view(-1).view(torch.uint8).any():
-                image[start: start + _align_up(nbytes)].view(self.dtypes[key]).fill_(value)
-        return image
 
     # -- properties ----------------------------------------------------------------------------
     @property
@@ -710,30 +726,24 @@ class NvmeTier:
         first = errors[0]
         return first if isinstance(first, tio.StateLostError) else _kept_in_ram(first, left)
 
-    def forget_lost(self) -> None:
-        """Before a state is loaded in full (``load_state_dict``, ``load_optimizer``): give every
-        record found lost, and every record still kept in RAM, its initial values again, so
-        that loading a checkpoint recovers from a :class:`~tierstate.io.StateLostError`."""
+    def forget_state(self) -> None:
+        """Forget every record's contents: each reads as its initial values from now on, built
+        in RAM (no file is read or written) until it is written back.
+
+        For a load that replaces every state (``load_state_dict``, ``load_optimizer``): the
+        records it writes need not be read first, and a record found lost, changed on disk,
+        or kept in RAM after a failed write stops mattering, so loading a checkpoint recovers
+        from a :class:`~tierstate.io.StateLostError`."""
         self.drain()
-        with self._ledger.lock:
-            indices = set(self._ledger.lost) | set(self._ledger.stranded)
-        if not indices:
-            return
         for buf in self._pool:
-            if buf.sg is not None and buf.sg.index in indices and not buf.pinned:
+            if buf.sg is not None and not buf.pinned:
                 del self._resident[buf.sg.index]
                 buf.sg, buf.dirty, buf.last_op = None, False, None
-        scratch = tio.aligned_empty(self.record_nbytes, ALIGN)
-        for sg in self.subgroups:
-            if sg.index not in indices:
-                continue
-            file_index, offset, rec = self._where(sg)
-            image = self._initial_image(rec, self._inits, scratch)
-            self._res.files[file_index].write(image, offset, rec.nbytes)
-            with self._ledger.lock:
-                self._ledger.crc[sg.index] = tio.crc32c(image)
-                self._ledger.lost.pop(sg.index, None)
-                self._ledger.stranded.pop(sg.index, None)
+        with self._ledger.lock:
+            self._ledger.lost.clear()
+            self._ledger.stranded.clear()
+            self._ledger.write_errors.clear()
+            self._ledger.fresh = {sg.index for sg in self.subgroups}
 
     def read_range(self, key: str, sg: SubGroup, offset: int, numel: int) -> Tensor:
         """A copy of ``numel`` elements of ``key`` from ``offset`` inside ``sg``."""
