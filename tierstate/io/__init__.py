@@ -8,6 +8,9 @@
 
 Backends: io_uring when the kernel and container allow it, else a thread pool doing
 pread/pwrite; :func:`default_engine` ``.backend`` says which one runs.
+
+:func:`crc32c` checksums host buffers without the GIL (the NVMe tier verifies every record
+it reads with it); :mod:`tierstate.io.faults` injects I/O failures for tests.
 """
 from .buffers import DEFAULT_ALIGNMENT, aligned_empty, huge_page_size
 from .checksum import crc32c, crc32c_isas

@@ -90,7 +90,8 @@ state larger than RAM, so it cannot verify every record first). The record is ma
 lost; its acquire, every later step (at :meth:`NvmeTier.settle`) and every read of it
 raise :class:`~tierstate.io.StateLostError` until a checkpoint is loaded
 (:meth:`NvmeTier.forget_state`: a load replaces every state, so every record then
-starts from its initial values, built in RAM without reading the files). No error is sticky beyond its cause: an I/O thread keeps no failure state.
+starts from its initial values, built in RAM without reading the files). No error is
+sticky beyond its cause: an I/O thread keeps no failure state.
 """
 from __future__ import annotations
 
