@@ -111,6 +111,7 @@ static void bind_kernels(nb::module_& m) {
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/tuple.h>
 
+#include "io/crc32c.h"
 #include "io/engine.h"
 
 // IoError becomes OSError(errno, message, path): Python picks the errno's subclass
@@ -189,6 +190,13 @@ static void bind_io(nb::module_& m) {
     tio::UringProbe p = tio::probe_uring(queue_depth);
     return std::make_tuple(p.ok, p.note);
   }, "queue_depth"_a = 32);
+
+  m.def("io_crc32c", [](uintptr_t address, size_t nbytes, uint32_t crc, const std::string& isa) {
+    const void* p = reinterpret_cast<const void*>(address);
+    return isa.empty() ? tio::crc32c(crc, p, nbytes) : tio::crc32c_with(isa, crc, p, nbytes);
+  }, "address"_a, "nbytes"_a, "crc"_a = 0, "isa"_a = "", nb::call_guard<nb::gil_scoped_release>(),
+     "CRC-32C of nbytes at address, continuing from crc; isa '' picks the fastest variant.");
+  m.def("io_crc32c_isas", &tio::crc32c_isas, "CRC-32C variants this CPU and build can run, fastest first.");
 
   m.def("io_aligned_empty", [](size_t nbytes, size_t alignment, bool huge_pages) {
     void* p = tio::aligned_alloc_bytes(nbytes, alignment, huge_pages);

@@ -1,6 +1,8 @@
 """NvmeTier on its own: record format, initial values, the write-back cache, flush."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -112,4 +114,102 @@ def test_pool_without_huge_pages_says_what_it_costs(tmp_path, monkeypatch, caplo
     with caplog.at_level(logging.WARNING, logger="tierstate"):
         tier = _tier(tmp_path)
     assert "transparent huge pages are off" in caplog.text and "madvise" in caplog.text
+    tier.close()
+
+
+# -- records changed behind the tier's back: every read is checked (size, CRC-32C) --------------------
+def _state_lost_error():
+    import tierstate.io as tio
+
+    # a class nothing raises where the library has none: the tests then fail on the behaviour
+    return getattr(tio, "StateLostError", None) or type("StateLostError", (OSError,), {})
+
+
+def _filled_tier(tmp_path, buffers=2):
+    """8 records through ``buffers`` buffers, each holding known values, flushed to the file."""
+    tier = _tier(tmp_path, buffers=buffers)
+    for sg in tier.subgroups:
+        tier.write_range("exp_avg", sg, 0, torch.full((sg.numel,), 1.0 + sg.index))
+        tier.write_range("exp_avg_sq", sg, 0, torch.full((sg.numel,), 2.0 + sg.index))
+    tier.flush()
+    return tier
+
+
+def _not_resident(tier):
+    return next(sg for sg in tier.subgroups if sg.index not in tier._resident)
+
+
+def test_truncated_file_is_refused_even_after_write_back_extends_it(tmp_path):
+    tier = _filled_tier(tmp_path)
+    for sg in list(tier.subgroups)[-2:]:  # both buffers dirty: the next load writes one back first
+        tier.write_range("exp_avg", sg, 0, torch.full((sg.numel,), -5.0))
+    os.truncate(tier.files[0], 0)
+    target = tier.subgroups[0]
+    with pytest.raises(_state_lost_error()) as info:
+        tier.read_range("exp_avg", target, 0, target.numel)  # write-back re-extends the file first
+    err = info.value
+    assert isinstance(err, OSError) and err.record == target.index and err.filename == str(tier.files[0])
+    assert "load_optimizer" in str(err) and "lost" in str(err)
+    with pytest.raises(_state_lost_error()):  # and again: the record stays lost, never zeros
+        tier.read_range("exp_avg", target, 0, target.numel)
+    tier.close()
+
+
+def test_truncated_file_is_refused_before_the_read(tmp_path):
+    tier = _filled_tier(tmp_path)
+    size = os.path.getsize(tier.files[0])
+    os.truncate(tier.files[0], size - ALIGN)  # the last record loses its tail only
+    target = tier.subgroups[-1] if tier.subgroups[-1].index not in tier._resident else _not_resident(tier)
+    with pytest.raises(_state_lost_error(), match="shrank|CRC"):
+        tier.read_range("exp_avg", target, 0, target.numel)
+    tier.close()
+
+
+_OVERWRITE = """
+import os, sys
+path, offset, nbytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+fd = os.open(path, os.O_WRONLY)
+# plausible state (small positive floats), not garbage: only the checksum can tell
+os.pwrite(fd, bytes([0, 0, 0, 0x3F]) * (nbytes // 4), offset)  # 0.5
+os.close(fd)
+"""
+
+
+def test_record_overwritten_by_another_process_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    tier = _filled_tier(tmp_path)
+    target = _not_resident(tier)
+    _, offset, rec = tier._where(target)
+    subprocess.run([sys.executable, "-c", _OVERWRITE, str(tier.files[0]), str(offset), str(ALIGN)], check=True)
+    with pytest.raises(_state_lost_error(), match="CRC-32C") as info:
+        tier.read_range("exp_avg", target, 0, target.numel)
+    assert info.value.record == target.index and info.value.offset == offset
+    tier.close()
+
+
+@pytest.mark.parametrize("where", ["exp_avg", "exp_avg_sq", "last byte"])
+def test_one_flipped_bit_is_refused(tmp_path, where):
+    tier = _filled_tier(tmp_path)
+    target = _not_resident(tier)
+    _, offset, rec = tier._where(target)
+    start, nbytes = rec.regions["exp_avg_sq" if where == "last byte" else where]
+    at = offset + rec.nbytes - 1 if where == "last byte" else offset + start + nbytes // 2
+    with open(tier.files[0], "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)[0]
+        fh.seek(at)
+        fh.write(bytes([byte ^ 0x10]))
+    with pytest.raises(_state_lost_error(), match="CRC-32C"):
+        tier.read_range("exp_avg", target, 0, target.numel)
+    tier.close()
+
+
+def test_untouched_records_read_back_through_the_checksum(tmp_path):
+    """Initial values (fallocate'd zeros and written init values alike) carry a checksum too."""
+    tier = _tier(tmp_path, dtypes={"master": torch.float32, "sum": torch.bfloat16}, inits={"sum": -0.0})
+    for sg in tier.subgroups:
+        assert torch.equal(tier.read_range("sum", sg, 0, sg.numel).view(torch.int16),
+                           torch.full((sg.numel,), -0.0, dtype=torch.bfloat16).view(torch.int16))
     tier.close()

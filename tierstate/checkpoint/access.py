@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..optim.base import OffloadOptimizer
+from ..placement import TierKind
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class OffloadAccess:
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
         for g, m in zip(opt.param_groups, merged):
             g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
+        forget_state = getattr(opt.tiers.get(TierKind.NVME), "forget_state", None)
+        if forget_state is not None:  # every state is replaced: no record need be read back
+            forget_state()
         for s in self._slots:
             s.initialized, s.master_ready, s.step = False, False, 0
         opt.state.clear()

@@ -8,8 +8,12 @@
 
 Backends: io_uring when the kernel and container allow it, else a thread pool doing
 pread/pwrite; :func:`default_engine` ``.backend`` says which one runs.
+
+:func:`crc32c` checksums host buffers without the GIL (the NVMe tier verifies every record
+it reads with it); :mod:`tierstate.io.faults` injects I/O failures for tests.
 """
 from .buffers import DEFAULT_ALIGNMENT, aligned_empty, huge_page_size
+from .checksum import crc32c, crc32c_isas
 from .engine import Engine, default_engine, set_default_engine, uring_available
 from .errors import (
     DiskFullError,
@@ -19,6 +23,7 @@ from .errors import (
     FileIOPermissionError,
     ReadOnlyFilesystemError,
     ShortReadError,
+    StateLostError,
 )
 from .file import File, IOFuture
 from .space import free_bytes, reserve
@@ -35,6 +40,9 @@ __all__ = [
     "IOFuture",
     "ReadOnlyFilesystemError",
     "ShortReadError",
+    "StateLostError",
+    "crc32c",
+    "crc32c_isas",
     "aligned_empty",
     "huge_page_size",
     "default_engine",

@@ -97,3 +97,32 @@ def from_oserror(exc: OSError, path: str | None, offset: int | None, operation: 
     detail = exc.strerror or str(exc)
     new.strerror = f"{operation} failed: {detail}"
     return new
+
+
+class StateLostError(FileIOError):
+    """A scratch record of the NVMe tier cannot be read back as it was written.
+
+    Raised when a record's file is shorter than the records it holds (truncated), when
+    the bytes read back do not match the CRC-32C taken when they were written (changed
+    by another process, a bit flip, a torn write), or when the read itself fails (EIO).
+    The state that lived in that record exists nowhere else: the run must resume from
+    its last checkpoint. ``record`` is the sub-group index, ``filename`` the state
+    file, ``offset`` the record's file offset, ``errno`` the read's errno (``None``
+    for a checksum mismatch or a shrunken file), ``reason`` the finding in words.
+    """
+
+    def __init__(self, err: int | None, reason: str, path: str | None, offset: int | None = None,
+                 record: int | None = None):
+        self.reason = reason
+        self.record = record
+        super().__init__(
+            err,
+            f"NVMe scratch record {record} {reason}: the optimizer state held there is lost (the scratch "
+            "files exist only for this run); resume from the last checkpoint with "
+            "tierstate.load_optimizer(optimizer, checkpoint_dir)",
+            path,
+            offset,
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.errno, self.reason, self.filename, self.offset, self.record))

@@ -15,6 +15,7 @@ import os
 import weakref
 from typing import Any
 
+from . import faults as _faults
 from .buffers import buffer_span
 from .engine import Engine, default_engine, say_once
 from .errors import ShortReadError, from_oserror, io_error
@@ -71,6 +72,19 @@ class IOFuture:
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"IOFuture({self._op} {self._path!r} @ {self._offset}, {state})"
+
+
+class _FailedRequest:
+    """A request that failed before reaching the disk (see :mod:`tierstate.io.faults`)."""
+
+    def __init__(self, err: int, offset: int) -> None:
+        self._result = (0, err, offset)
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> tuple[int, int, int]:
+        return self._result
 
 
 class File:
@@ -179,6 +193,9 @@ class File:
         elif not isinstance(size, int) or not 0 <= size <= nbytes:
             raise ValueError(f"size={size!r}: expected an int in [0, {nbytes}] (the buffer's bytes)")
         op = "write" if write else "read"
+        injected = _faults._check(op, self._path)
+        if injected:
+            return IOFuture(_FailedRequest(injected, offset), keepalive, self._path, offset, op)
         try:
             request = self._engine._native.submit(self._native, write, address, size, offset)
         except OSError as exc:

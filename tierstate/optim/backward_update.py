@@ -51,6 +51,10 @@ An update made during backward cannot wait for the whole gradient, so:
   handed over and the updates stop at the first non-finite one; sub-groups updated
   before stay updated, the rest stay untouched, and ``step()`` raises
   ``FloatingPointError`` naming the parameters.
+- an NVMe write that fails is raised at the end of ``step()``, the record kept in RAM
+  and written when next evicted (a step cannot refuse to start: its updates ran during
+  backward); once a record is found lost (``StateLostError``) every later backward
+  updates nothing and ``step()`` raises it, until a checkpoint is loaded.
 The mode is off by default for these reasons; it is exact (bit for bit the same state as
 the plain step) whenever its conditions hold.
 """
@@ -125,6 +129,10 @@ class BackwardUpdater:
         opt = self.opt
         self.open = True
         self.pending = {}
+        nvme = opt.tiers.get(TierKind.NVME)
+        lost = nvme.lost_error() if nvme is not None else None
+        if lost is not None:  # update nothing: step() raises it with the state as before this backward
+            self.error, self.stopped = lost, True
         for t, p in enumerate(opt._trainable):
             if not p.requires_grad:
                 continue

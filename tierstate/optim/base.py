@@ -667,6 +667,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         Args:
             closure: re-evaluates the model and returns the loss (torch semantics).
             grad_scaler: passed by ``torch.amp.GradScaler.step``; do not pass it yourself.
+
+        What an I/O failure of the NVMe tier leaves (see [Note: what a failed I/O leaves] in
+        :mod:`tierstate.tiers.nvme`):
+
+        - a failed *write* (``DiskFullError`` on a full or thinly provisioned disk, EIO): the
+          step completes in memory, parameters and state exactly as after it; the error
+          (path, errno) is raised at the end of ``step()``. The records that could not be
+          written stay in RAM, ``state_dict()`` and ``save_optimizer`` read them there, and the
+          next ``step()`` writes them first: while they still cannot be written it raises
+          before changing anything (parameters and state exactly as before it), and once
+          the cause is fixed it proceeds. Nothing is sticky.
+        - a failed *read* (EIO, a short read, a state file truncated or changed by another
+          process, a CRC-32C mismatch): raises :class:`tierstate.io.StateLostError`. That
+          record's state is lost, and parameters updated earlier in the same step stay
+          updated; every later ``step()`` and read of it raise the same until a checkpoint is
+          loaded (``tierstate.load_optimizer`` or ``load_state_dict``).
+        - with ``step_in_backward=True`` the updates run during backward, so a step cannot
+          refuse to start: a failed write is raised at the end of ``step()`` as above, and the
+          record is written again when it is next evicted (each step updates it).
         """
         loss = None
         if closure is not None:
@@ -679,6 +698,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kernels.record_worker_spans(True)
         try:
             self._step(tel, grad_scaler)
+            nvme = self.tiers.get(TierKind.NVME)
+            failed = nvme.take_write_errors() if nvme is not None else None
+            if failed is not None:  # the step is complete in memory; the records wait in RAM
+                raise failed
         finally:
             if workers:
                 for thread, start, end in kernels.drain_worker_spans():
@@ -688,6 +711,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, tel, grad_scaler) -> None:
+        nvme = self.tiers.get(TierKind.NVME)
+        backward_open = self._backward is not None and self._backward.open
+        if nvme is not None and not backward_open:
+            nvme.settle()  # earlier failed writes retried, or raise with nothing changed yet
         self._steps_taken += 1
         if self._upload_done is not None:  # the staging buffers are about to be rewritten
             with tel.phase("device_stall"):
@@ -1139,7 +1166,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
             # the gradients now would leave the state half stepped, so the step is completed.
             _log.warning("tierstate: zero_grad() after a backward whose updates already ran (step_in_backward=True)"
                          " without step(); completing the step first")
-            self.step()
+            try:
+                self.step()
+            finally:  # a write error raised at the end of that step must not leave its gradients to accumulate
+                self._zero_grad(set_to_none)
+            return
+        self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none=set_to_none)
         if self._grads is not None:
             self._grads.reset(set_to_none)
@@ -1212,6 +1246,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._check_import(s, st, merged[s.group])
         # -- checked: apply
         super().load_state_dict({**state_dict, "state": {}})
+        if TierKind.NVME in self.tiers:  # every state is replaced: no record need be read back
+            self.tiers[TierKind.NVME].forget_state()
         for g, m in zip(self.param_groups, merged):
             g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
         for s in self._slots:

@@ -17,6 +17,14 @@ segment, so the order changes nothing in the result, only where the waits go.
 The step ends without waiting for write-behind: what is still in flight (or still dirty
 in the NVMe pool) overlaps whatever runs before the next step, and every later reader
 of the state goes through the tier, which orders it after those writes.
+
+[Note: I/O failures in the loop]
+A failed NVMe write never interrupts the loop: the tier keeps that record in RAM and the
+optimizer raises the write's error once the step is complete. A failed read (EIO, a
+checksum mismatch, a truncated file) surfaces from ``acquire`` as
+:class:`~tierstate.io.StateLostError` and ends the loop there: the sub-groups updated
+before it stay updated (they were released), the rest are untouched, and the state is
+to be reloaded from a checkpoint (tierstate.tiers.nvme, [Note: what a failed I/O leaves]).
 """
 from __future__ import annotations
 

@@ -11,8 +11,11 @@ A tier implements:
   until ``release``.
 - ``release(sg, dirty)``: done with ``sg``; dirty state is written back by the tier
   (the NVMe tier lazily, when it reuses the buffer: write-behind).
-- ``drain()``: wait for I/O in flight and raise its errors; ``flush()``: also write back
-  every dirty buffer, so the tier's files hold all the state.
+- ``drain()``: wait for I/O in flight; ``flush()``: also write back every dirty buffer,
+  so the tier's files hold all the state, raising a write that still fails. The NVMe
+  tier reports I/O failures where they matter (a failed read to whoever acquires that
+  record, failed writes through ``settle()`` / ``take_write_errors()``): see its
+  [Note: what a failed I/O leaves].
 - ``read_range(key, sg, offset, numel)`` / ``write_range(key, sg, offset, values)``: state
   outside a step (init, state_dict, load_state_dict); always the newest values.
 - ``nbytes`` (bytes of state the tier holds) and ``close()``.

@@ -1,0 +1,36 @@
+"""CRC-32C of host buffers, computed in the native module without the GIL.
+
+    from tierstate.io import crc32c
+    crc32c(b"123456789")            # 0xE3069283
+    crc32c(tail, crc32c(head))      # the CRC of head + tail
+
+The variant (the x86 ``crc32`` instruction, the AArch64 CRC32C instructions, or
+slicing-by-8 tables) is chosen at run time; :func:`crc32c_isas` lists those this CPU
+can run, and ``isa=`` forces one (tests compare them).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .buffers import buffer_span
+from .engine import _require_native
+
+
+def crc32c(buf: Any, value: int = 0, *, isa: str | None = None) -> int:
+    """The CRC-32C of ``buf`` (a CPU tensor, numpy array or buffer-protocol object),
+    continuing from ``value`` (the CRC of the bytes before it; 0 to start)."""
+    if not isinstance(value, int) or not 0 <= value < 2**32:
+        raise ValueError(f"value={value!r}: expected the CRC-32C of the preceding bytes, an int in [0, 2**32)")
+    address, nbytes, keepalive = buffer_span(buf, writable=False)
+    try:
+        return _require_native().io_crc32c(address, nbytes, value, isa or "")
+    finally:
+        del keepalive
+
+
+def crc32c_isas() -> list[str]:
+    """The CRC-32C variants this CPU and build can run, fastest first (``"table"`` last, always)."""
+    return list(_require_native().io_crc32c_isas())
+
+
+__all__ = ["crc32c", "crc32c_isas"]
