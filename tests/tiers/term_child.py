@@ -131,10 +131,13 @@ def run_fork(what, opt):
         p.join()
         child = p.exitcode
     else:
+        r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            os.write(w, b"x")  # ready: a signal before CPython's after-fork reset would be dropped
             threading.Event().wait(60)
             os._exit(0)
+        os.read(r, 1)
         os.kill(pid, signal.SIGTERM)
         _, status = os.waitpid(pid, 0)
         child = os.waitstatus_to_exitcode(status)

@@ -34,6 +34,7 @@ def _wait_loops(proc: subprocess.Popen, n: int) -> None:
     for _ in range(n):
         line = proc.stdout.readline()
         assert line.startswith("loop"), line
+    time.sleep(0.03)  # the next step or save has begun: the signal lands inside it, not on the print
 
 
 def _leftovers(info: dict) -> list[str]:
