@@ -179,9 +179,9 @@ def judge(marker: dict) -> tuple[str, str]:
                          "container?), whose processes this one cannot see")
     start = process_start_time(pid)
     if start is None:
-        if os.path.isdir("/proc/self"):
-            return STALE, f"pid {pid} is not running"
-        try:  # no /proc: only the signal test is left, and a reused pid reads as alive
+        # not in /proc: gone, or hidden from us (no /proc, or /proc mounted hidepid=2 and the
+        # process another user's); the signal test tells those apart, a reused pid reading alive
+        try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return STALE, f"pid {pid} is not running"
@@ -367,6 +367,19 @@ def _make_dirs(path: Path) -> int:
     return depth
 
 
+def _kind(path: Path) -> str:
+    """What ``path`` is, for an error message ("a file", "a character device", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a broken symbolic link" if os.path.islink(path) else "not reachable"
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a folder"
+
+
 _live: "weakref.WeakSet[RunFolder]" = weakref.WeakSet()
 
 
@@ -406,8 +419,8 @@ class RunFolder:
         arg = "nvme_dir" if not owned else "the default NVMe root (TIERSTATE_NVME_DIR)"
         if not owned and os.path.lexists(self.path) and not self.path.is_dir():
             raise NotADirectoryError(
-                errno.ENOTDIR, f"Offload(nvme_dir={str(self.path)!r}): {self.path} is a file, not a folder; pass a "
-                "folder (it is created if missing) or move the file away", str(self.path))
+                errno.ENOTDIR, f"Offload(nvme_dir={str(self.path)!r}): {self.path} is {_kind(self.path)}, not a "
+                "folder; pass a folder (it is created if missing) or move that away", str(self.path))
         try:
             if owned:
                 os.mkdir(self.path)  # a per-run name: never reuse another run's folder
@@ -433,8 +446,14 @@ class RunFolder:
         _live.add(self)
 
     def _unusable(self, exc: OSError, arg: str) -> OSError:
-        err = io_error(exc.errno or errno.EIO, str(self.path / LOCK_NAME), None, "open")
+        lock = self.path / LOCK_NAME
+        err = io_error(exc.errno or errno.EIO, str(lock), None, "open")
         where = "nvme_dir=" + str(self.path) if arg == "nvme_dir" else f"{arg} {self.path}"
+        if exc.errno in (errno.EISDIR, errno.ELOOP) and os.path.lexists(lock):
+            what = "a symbolic link" if os.path.islink(lock) else _kind(lock)
+            err.strerror = (f"{where}: {lock} is {what}, where tierstate keeps its lock file (a plain file it "
+                            "creates); move it away or pass Offload(nvme_dir=...) another folder")
+            return err
         err.strerror = (f"{where}: cannot create files in it ({os.strerror(exc.errno or errno.EIO)}); the NVMe tier "
                         "needs a writable folder on a disk: pass Offload(nvme_dir=...) another folder or set "
                         "TIERSTATE_NVME_DIR")
@@ -554,8 +573,8 @@ def claim_folders(dirs: tuple[Path, ...], explicit: bool) -> list[RunFolder]:
             else:
                 if os.path.lexists(d) and not d.is_dir():
                     raise NotADirectoryError(
-                        errno.ENOTDIR, f"the default NVMe root {d} (TIERSTATE_NVME_DIR) is a file, not a folder; "
-                        "set TIERSTATE_NVME_DIR to a folder or pass Offload(nvme_dir=...)", str(d))
+                        errno.ENOTDIR, f"the default NVMe root {d} (TIERSTATE_NVME_DIR) is {_kind(d)}, not a "
+                        "folder; set TIERSTATE_NVME_DIR to a folder or pass Offload(nvme_dir=...)", str(d))
                 try:
                     d.mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
