@@ -74,16 +74,16 @@ def _handler(signum: int, frame) -> None:
     os._exit(128 + signum)  # not reached: the default action of the signal ends the process
 
 
-def _install() -> None:
+def _install(what: str) -> None:
     """Put our handler on each signal whose disposition allows it (see the note)."""
     global _warned_thread
     if threading.current_thread() is not threading.main_thread():
         missing = [s for s in SIGNALS if signal.getsignal(s) is not _handler and signal.getsignal(s) is not signal.SIG_IGN]
         if missing and not _warned_thread:
             _warned_thread = True
-            _log.warning("tierstate: the NVMe tier was built outside the main thread, where Python cannot install a "
-                         "signal handler, so a SIGTERM will not remove its files; the next run's sweep of the same "
-                         "folder will (build the optimizer on the main thread to clean up at once)")
+            _log.warning("tierstate: %s was made outside the main thread, where Python cannot install a signal "
+                         "handler, so a SIGTERM now leaves it on disk until the next run (or save) there sweeps it; "
+                         "build the optimizer on the main thread to clean up at once", what)
         return
     for signum in SIGNALS:
         current = signal.getsignal(signum)
@@ -115,21 +115,22 @@ class Registration:
             _uninstall()
 
 
-def on_termination(cleanup: Callable[[], None]) -> Registration:
+def on_termination(cleanup: Callable[[], None], what: str = "the NVMe tier's files") -> Registration:
     """Run ``cleanup()`` if this process is ended by SIGTERM or SIGHUP under the default disposition.
 
     ``cleanup`` runs inside a signal handler on the main thread while the rest of the
     program is stopped at an arbitrary point: it must only remove files (no locks, no
     logging, no I/O that waits on other threads). It never runs in a forked child.
-    See [Note: cleanup on SIGTERM].
+    ``what`` names what it removes, for the one warning given when no handler can be
+    installed (registration off the main thread). See [Note: cleanup on SIGTERM].
     """
     token = next(_tokens)
     _cleanups[token] = (os.getpid(), cleanup)
-    _install()
+    _install(what)
     return Registration(token)
 
 
-def remove_on_termination(*paths: str | os.PathLike) -> Registration:
+def remove_on_termination(*paths: str | os.PathLike, what: str = "a checkpoint's .partial shard") -> Registration:
     """:func:`on_termination` for files: unlink each of ``paths`` (missing ones are fine)."""
     names = [os.fspath(p) for p in paths]
 
@@ -140,7 +141,7 @@ def remove_on_termination(*paths: str | os.PathLike) -> Registration:
             except OSError:
                 pass
 
-    return on_termination(remove)
+    return on_termination(remove, what)
 
 
 __all__ = ["on_termination", "remove_on_termination", "Registration", "SIGNALS"]
