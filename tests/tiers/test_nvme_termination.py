@@ -149,6 +149,14 @@ def test_forked_child_exiting_normally_leaves_the_parent_alone(tmp_path):
     listing = after["folders"][str(where)] or []
     assert "tierstate.lock" in listing and "tierstate-run.json" in listing, listing
     assert after["stepped"]
+    import torch
+
+    import tierstate as ts
+    from tierstate.tiers.rundir import NvmeDirInUseError
+
+    with pytest.raises(NvmeDirInUseError, match=f"in use by pid {info['pid']}"):  # a third process is refused
+        ts.AdamW([torch.nn.Parameter(torch.randn(4096))],
+                 offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=where, subgroup_numel=1024, buffer_count=2))
     proc.stdin.close()
     assert proc.wait(60) == 0
     assert _leftovers(info) == [] and not where.exists()
