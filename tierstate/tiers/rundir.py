@@ -373,8 +373,8 @@ def _kind(path: Path) -> str:
         mode = os.stat(path).st_mode
     except OSError:
         return "a broken symbolic link" if os.path.islink(path) else "not reachable"
-    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name
     return "not a folder"
@@ -431,7 +431,8 @@ class RunFolder:
             raise
         except OSError as exc:
             raise type(exc)(exc.errno, f"cannot create the NVMe-tier folder ({exc.strerror}); pass "
-                            "Offload(nvme_dir=...) a writable folder or set TIERSTATE_NVME_DIR", str(self.path)) from exc
+                            "Offload(nvme_dir=...) a writable folder or set TIERSTATE_NVME_DIR",
+                            str(self.path)) from exc
         try:
             self._claim(depth, arg)
         except BaseException:

@@ -78,7 +78,7 @@ def _install(what: str) -> None:
     """Put our handler on each signal whose disposition allows it (see the note)."""
     global _warned_thread
     if threading.current_thread() is not threading.main_thread():
-        missing = [s for s in SIGNALS if signal.getsignal(s) is not _handler and signal.getsignal(s) is not signal.SIG_IGN]
+        missing = [s for s in SIGNALS if signal.getsignal(s) not in (_handler, signal.SIG_IGN)]
         if missing and not _warned_thread:
             _warned_thread = True
             _log.warning("tierstate: %s was made outside the main thread, where Python cannot install a signal "
