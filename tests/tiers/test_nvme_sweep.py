@@ -238,10 +238,13 @@ def test_nvme_dir_listed_twice(tmp_path):
     d = tmp_path / "D"
     with pytest.raises(ValueError, match=r"nvme_dir.*lists .*D.* twice.*one folder per drive"):
         _optimizer([d, d])
-    (tmp_path / "L").symlink_to(tmp_path / "D", target_is_directory=True) if d.exists() else None
     with pytest.raises(ValueError, match=r"twice"):
         _optimizer([str(d), str(tmp_path / "x" / ".." / "D")])
-    assert not d.exists()
+    assert not d.exists(), "refused before anything is made"
+    d.mkdir()
+    (tmp_path / "L").symlink_to(d, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"twice.*the same folder once resolved"):
+        _optimizer([d, tmp_path / "L"])
 
 
 @pytest.mark.parametrize("bad, match", [([], r"nvme_dir=\[\]"), ("", r"nvme_dir=''.*empty"),
@@ -254,7 +257,8 @@ def test_nvme_dir_bad_values(bad, match):
 def test_nvme_dir_with_missing_parents_is_made_and_removed(tmp_path):
     folder = tmp_path / "p" / "q" / "r"
     opt = _optimizer(folder)
-    opt.step() if False else None
+    opt.param_groups[0]["params"][0].grad = torch.randn(5000)
+    opt.step()
     assert folder.is_dir()
     opt.close()
     assert not (tmp_path / "p").exists(), "every folder the run made is removed when left empty"
