@@ -24,6 +24,9 @@ _EXPORTS = {
     "OffloadOptimizer": ".optim",
     "Offload": ".placement",
     "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
+    # the errors a training loop may want to catch by name
+    "StateLostError": ".io", "DiskFullError": ".io", "FileIOError": ".io",
+    "CorruptCheckpointError": ".checkpoint", "NvmeDirInUseError": ".tiers.rundir",
 }
 # Modules reachable as attributes (``ts.host_allocator.policy()``), imported on first use too.
 _SUBMODULES = ("host_allocator",)

@@ -150,9 +150,9 @@ def test_lazy_state_read_of_a_truncated_nvme_file_names_the_file(tmp_path) -> No
     assert files
     for f in files:
         os.truncate(f, 0)
-    with pytest.raises(OSError, match=r"state-0\.bin") as info:
+    with pytest.raises(ts.StateLostError, match=r"state-[^ ]*0\.bin.*shrank") as info:
         opt.state[m[0].weight]["exp_avg"]
-    assert "state-0.bin" in str(info.value)
+    assert info.value.filename == str(files[0]) or info.value.filename in {str(f) for f in files}
     opt.close()
 
 
@@ -198,8 +198,8 @@ def test_offload_fraction_of_wrong_type() -> None:
     (dict(pin_memory="no"), r"Offload\(pin_memory='no'\): must be True or False"),
     (dict(keep_device_grads=1), r"Offload\(keep_device_grads=1\)"),
     (dict(grad_streaming="auto"), r"Offload\(grad_streaming='auto'\).*or None"),
-    (dict(nvme_dir=5), r"Offload\(nvme_dir=5\): give a folder path"),
-    (dict(nvme_dir=["/tmp/a", None]), r"None is not a folder path"),
+    (dict(nvme_dir=5), r"Offload\(nvme_dir=5\): expected a folder"),
+    (dict(nvme_dir=["/tmp/a", None]), r"entry 1 is None.*must be a folder path"),
 ])
 def test_offload_switch_of_wrong_type(kwargs, pattern) -> None:
     """A truthy string would have switched pinning on, an int folder failed deep in the I/O layer."""

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 import tierstate as ts
 import tierstate.io as tio
 from tierstate.placement import TierKind
-from tierstate.tiers.rundir import LOCK_NAME, PID_NAME, NvmeDirInUseError
+from tierstate.tiers.rundir import LOCK_NAME, NvmeDirInUseError
 import tierstate
 
 # the folder holding the tierstate under test (the checkout, or site-packages when installed):
@@ -107,18 +108,22 @@ def test_crashed_run_in_explicit_folder_is_cleaned(tmp_path, caplog):
     assert sorted(p.name for p in folder.iterdir()) == ["keep.txt"], "only the run's own files go"
 
 
-def test_free_lock_with_live_pid_is_left_alone(nvme_root, caplog):
+def test_folder_without_marker_is_left_alone(nvme_root, caplog):
+    """A run-* folder as an earlier tierstate left it (pid file, lock, state file, no marker)
+    proves nothing about who made it: reported, never removed."""
     nvme_root.mkdir(parents=True)
     odd = nvme_root / "run-1-feedbeef"
     odd.mkdir()
-    (odd / PID_NAME).write_text(f"{os.getppid()}\n")  # a live process that is not us
+    (odd / "tierstate.pid").write_text("999999\n")  # not running
     (odd / LOCK_NAME).touch()
     (odd / "state-0.bin").write_bytes(b"x" * 4096)
+    old = time.time() - 3600
+    os.utime(odd, (old, old))
     with caplog.at_level(logging.WARNING, logger="tierstate"):
         opt = _optimizer(None)
     opt.close()
-    assert odd.exists()
-    assert any("left in place" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in odd.iterdir()) == ["state-0.bin", LOCK_NAME, "tierstate.pid"]
+    assert any("left in place" in r.getMessage() and str(odd) in r.getMessage() for r in caplog.records)
 
 
 def test_files_removed_on_close_and_collection(tmp_path, nvme_root):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..tiers.termination import remove_on_termination
 from .access import ParamInfo, access_for
 from .durable import (ShardSink, aligned_buffer, describe_writer, fsync_dir, pause_point, remove_quietly, rename,
                       write_file_atomic)
@@ -171,6 +172,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             partial = final + PARTIAL_SUFFIX
             header, placed = shard_header([(n, d, s) for n, d, s, _ in entries])
             sink = ShardSink(partial, buffers, checksum)
+            on_sigterm = remove_on_termination(partial)  # a SIGTERM mid-shard takes the .partial too
             try:
                 sink.put(torch.frombuffer(bytearray(header), dtype=torch.uint8))
                 for entry in placed:
@@ -185,6 +187,8 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             except BaseException:
                 sink.abort()
                 raise
+            finally:
+                on_sigterm.cancel()
             rename(partial, final)
             written.append(final)
             shards.append({"file": name, "bytes": nbytes, "data_offset": len(header),

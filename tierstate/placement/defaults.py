@@ -1,4 +1,8 @@
-"""Default sizes of the offload policy (no torch import: the planner reads them too)."""
+"""Defaults of the offload policy: sizes and the NVMe folders (no torch import: the planner reads them too)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
 
 # 4 Mi elements per sub-group: a record of 16 MiB fp32 master + 32 MiB fp32 moments. Large
 # enough that each record streams at full disk speed (requests of >= 8 MiB), small enough
@@ -13,3 +17,61 @@ DEFAULT_SUBGROUP_NUMEL = 1 << 22
 # records each way: on GPT-2 124M (30 records) 4 buffers left 0.95 s of a 2.8 s step waiting
 # on the disk, 16 buffers 0.29 s (tierstate bench e2e, loaded machine), at 0.5 GiB more RSS.
 DEFAULT_BUFFER_COUNT = 16
+
+
+def default_nvme_root() -> Path:
+    """Where NVMe-tier files go when no ``nvme_dir`` is given, as an absolute path.
+
+    ``$TIERSTATE_NVME_DIR`` if set, else ``$XDG_CACHE_HOME/tierstate/nvme`` (default
+    ``~/.cache/tierstate/nvme``). Each run makes its own sub-folder there. A relative value
+    is resolved against the working directory of the moment it is read, so that a later
+    ``os.chdir`` cannot move the run's files (or point its cleanup elsewhere).
+    """
+    env = os.environ.get("TIERSTATE_NVME_DIR")
+    if env:
+        return Path(os.path.abspath(env))
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(os.path.abspath(os.path.join(cache, "tierstate", "nvme")))
+
+
+def nvme_dirs_of(nvme_dir) -> tuple[Path, ...]:
+    """The absolute folders named by ``Offload(nvme_dir=...)``, checked.
+
+    ``None`` gives :func:`default_nvme_root`; a path or a list of paths gives those,
+    made absolute now (see :func:`default_nvme_root` for why). Raises ``TypeError`` for
+    a value that is not a path, ``ValueError`` for an empty list, an empty path, or a
+    folder listed twice (after resolving ``..`` and symlinks): two stripes of one tier in
+    one folder would share a lock, and one drive would carry twice its share.
+    """
+    if nvme_dir is None:
+        return (default_nvme_root(),)
+    if isinstance(nvme_dir, (str, bytes, os.PathLike)):
+        entries = [nvme_dir]
+    else:
+        try:
+            entries = list(nvme_dir)
+        except TypeError:
+            raise TypeError(f"Offload(nvme_dir={nvme_dir!r}): expected a folder (str or os.PathLike) or a list "
+                            f"of folders, one per drive, not {type(nvme_dir).__name__}") from None
+    if not entries:
+        raise ValueError("Offload(nvme_dir=[]): give at least one folder, or None for the default")
+    dirs, seen = [], {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, (str, bytes, os.PathLike)):
+            raise TypeError(f"Offload(nvme_dir={nvme_dir!r}): entry {i} is {entry!r} ({type(entry).__name__}); "
+                            "each entry must be a folder path (str or os.PathLike)")
+        text = os.fspath(entry)
+        if isinstance(text, bytes):
+            text = os.fsdecode(text)
+        if not text:
+            raise ValueError(f"Offload(nvme_dir={nvme_dir!r}): an empty path names no folder (it would mean the "
+                             "working directory); give the folder explicitly, or None for the default")
+        path = Path(os.path.abspath(text))
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ValueError(f"Offload(nvme_dir={entries!r}) lists {path} twice (entries {seen[key]} and {i}"
+                             f"{', the same folder once resolved' if str(path) != key else ''}); give one folder "
+                             "per drive, each once")
+        seen[key] = i
+        dirs.append(path)
+    return tuple(dirs)

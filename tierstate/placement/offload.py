@@ -9,25 +9,12 @@ from typing import Sequence, Union
 
 import torch
 
-from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
+from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, default_nvme_root, nvme_dirs_of
 
 PathLike = Union[str, os.PathLike]
 
 OFFLOAD_MODES = ("cpu", "nvme", "auto")
 HOST_ALLOCATOR_POLICIES = ("retain", "system")
-
-
-def default_nvme_root() -> Path:
-    """Where NVMe-tier files go when no ``nvme_dir`` is given.
-
-    ``$TIERSTATE_NVME_DIR`` if set, else ``$XDG_CACHE_HOME/tierstate/nvme`` (default
-    ``~/.cache/tierstate/nvme``). Each run makes its own sub-folder there.
-    """
-    env = os.environ.get("TIERSTATE_NVME_DIR")
-    if env:
-        return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "tierstate" / "nvme"
 
 
 @dataclass(frozen=True)
@@ -132,23 +119,7 @@ class Offload:
         if self.host_allocator is not None and self.host_allocator not in HOST_ALLOCATOR_POLICIES:
             raise ValueError(f"Offload(host_allocator={self.host_allocator!r}): must be one of "
                              f"{HOST_ALLOCATOR_POLICIES}, or None for the default (retain on CPU parameters)")
-        dirs: Sequence[PathLike]
-        if self.nvme_dir is None:
-            dirs = [default_nvme_root()]
-        elif isinstance(self.nvme_dir, (str, os.PathLike)):
-            dirs = [self.nvme_dir]
-        else:
-            try:
-                dirs = list(self.nvme_dir)
-            except TypeError:
-                raise TypeError(f"Offload(nvme_dir={self.nvme_dir!r}): give a folder path or a list of them "
-                                "(one per drive)") from None
-            bad = [d for d in dirs if not isinstance(d, (str, os.PathLike))]
-            if bad:
-                raise TypeError(f"Offload(nvme_dir={self.nvme_dir!r}): {bad[0]!r} is not a folder path")
-            if not dirs:
-                raise ValueError("Offload(nvme_dir=[]): give at least one folder, or None for the default")
-        object.__setattr__(self, "nvme_dirs", tuple(Path(d) for d in dirs))
+        object.__setattr__(self, "nvme_dirs", nvme_dirs_of(self.nvme_dir))
 
     @classmethod
     def from_mode(cls, mode: "str | Offload", **overrides) -> "Offload":

@@ -442,9 +442,8 @@ class NvmeTier:
         for sg in self.subgroups:
             index, offset, rec = self._where(sg)
             sizes[index] = max(sizes[index], offset + rec.nbytes)
+        # each created empty under a name of this run only: nothing on disk can lend us its contents
         paths = [folder.state_file(i) for i, folder in enumerate(self._res.folders)]
-        for path in paths:  # a stale file of the same name must not lend us its contents
-            path.unlink(missing_ok=True)
         # fallocate'd extents read back as zeros, which is every zero-init key's start value.
         reserve_files([(p, n) for p, n in zip(paths, sizes) if n > 0])
         self._ledger.sizes = sizes

@@ -1,52 +1,82 @@
-"""The NVMe tier's folders on disk: claim, lock, reserve, clean up, and find crashed runs.
+"""The NVMe tier's folders on disk: claim, lock, reserve, clean up, and sweep what crashed runs left.
 
 [Note: run folder lifecycle]
-Every folder the NVMe tier writes into is a *run folder* holding ``tierstate.lock``
-(``fcntl.flock``-ed by the owning process for as long as it runs), ``tierstate.pid``
-(the owner's pid) and the state files. Two rules follow:
+Every folder the NVMe tier writes into is a *run folder*. It holds ``tierstate.lock``
+(``fcntl.flock``-ed by the owning process for as long as it runs), the state files, and
+the *marker* ``tierstate-run.json``: a magic string, the owner's pid and process start
+time (``/proc/<pid>/stat``, field 22), its host name, the kernel's boot id
+(``/proc/sys/kernel/random/boot_id``), its pid namespace, the creation time, how many
+folders of the path the run created, and the name of every file tierstate created there.
+The marker is replaced atomically (temporary file, fsync, rename) *before* each new file
+is created, so at every instant it lists at least everything of ours on disk. State files
+are named ``state-<pid>-<random>-<n>.bin`` and created with ``O_EXCL``: a run never opens,
+truncates or deletes a file it did not create, whatever its name.
 
+Who may remove what:
+
+* Only the process that claimed a folder cleans it up (:meth:`RunFolder.close`, the
+  ``weakref.finalize`` of the tier at collection and at exit, the SIGTERM handler of
+  :mod:`tierstate.tiers.termination`). A forked child inherits the objects and the
+  finalizers but not the right: every one of these paths compares ``os.getpid()`` with
+  the owner's pid, and the child closes its copies of the lock descriptors at fork, so
+  that a parent killed later leaves a lock the next run can take.
 * A folder whose lock is held belongs to a live run: claiming it raises
-  :class:`NvmeDirInUseError` naming the owner's pid. (flock locks belong to an open file
-  description, so a second tier in the same process is refused as well.)
-* A folder whose lock can be taken and whose pid is not alive was left by a crashed run:
-  it is reported with ``logging.warning`` (with its size) and removed, while we hold its
-  lock, so no other process can be claiming it at the same moment. A free lock whose pid
-  is alive (pid reuse, or a process that closed the file by hand) is reported and left.
+  :class:`NvmeDirInUseError` naming the owner's pid (flock locks belong to an open file
+  description, so a second tier of the same process is refused as well).
+* The sweep removes what a run that ended without cleaning up (SIGKILL, power loss, an
+  ``os._exit``) left, and only what its marker proves tierstate made: it takes the free
+  lock, re-reads the marker, and removes the files it lists (regular files only, plain
+  names inside the folder; a marker naming anything else proves nothing), then the marker
+  and the lock, then the folders the run created if they are empty. It does so only when
+  the owner is provably gone: same host and boot id and no process with that pid and
+  start time (a reused pid has another start time), or same host and another boot id.
+  A marker from another host (shared storage) is never acted on; neither is one from
+  another pid namespace of this kernel (another container: its pids are not ours to
+  check), one that cannot be read, or a folder without a marker: each is reported with
+  ``logging.warning`` naming the path, and left.
 
 When no ``nvme_dir`` is given, each run makes its own folder ``run-<pid>-<hex>`` under
-:func:`tierstate.placement.default_nvme_root`, so concurrent runs never meet; stale
-siblings there are swept at start. A folder the user named is used as the run folder
-itself. Files are removed by :meth:`RunFolder.close`, which a ``weakref.finalize`` also
-calls when the owner is collected and at interpreter exit (finalizers run from
-``atexit``); only a crash (SIGKILL, power loss) leaves them, for the next run to sweep.
+:func:`tierstate.placement.default_nvme_root` and sweeps the ``run-*`` siblings there at
+start. A folder the user named is the run folder itself: the claim sweeps it (a stale
+marker's files go, and the folders that run created become this run's to remove) and
+refuses to start over a marker it cannot judge, since the state files of a live run on
+another host may be behind it. A crash in the microseconds between creating a folder
+and writing its first marker leaves an empty folder (or a lock file) without proof: it is
+reported, not removed.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import secrets
-import shutil
+import socket
+import stat
 import time
+import weakref
 from pathlib import Path
 
 from ..io import DiskFullError, free_bytes, reserve
+from ..io.errors import io_error
+from .termination import on_termination
 
 _log = logging.getLogger("tierstate")
 
 LOCK_NAME = "tierstate.lock"
-PID_NAME = "tierstate.pid"
+MARKER_NAME = "tierstate-run.json"
+MAGIC = "tierstate NVMe run folder, v1"
 STATE_PREFIX = "state-"
 RUN_PREFIX = "run-"
-# A folder with a free lock but no pid file yet may be one another process is creating
-# right now (mkdir, then lock, then pid file: microseconds apart); older than this it is
-# debris.
+# A run-* folder without a marker may be one another process is creating right now
+# (mkdir, lock, marker: microseconds apart); only older than this is it reported.
 _UNBORN_GRACE_S = 60.0
 
 
 class NvmeDirInUseError(RuntimeError):
-    """The run folder is locked by another run (or another tier of this process)."""
+    """The run folder is locked by another run (or another tier of this process), or holds
+    the marker of a run tierstate cannot prove is over."""
 
 
 def _gib(nbytes: int) -> str:
@@ -56,168 +86,481 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
-def _pid_alive(pid: int) -> bool:
+# -- who we are -------------------------------------------------------------------------------
+def _read_text(path: str) -> str | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _read_pid(folder: Path) -> int | None:
-    try:
-        return int((folder / PID_NAME).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
         return None
 
 
-def folder_bytes(folder: Path) -> int:
-    """Disk bytes allocated under ``folder`` (st_blocks, so sparse files count what they use)."""
+def process_start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks after boot (``/proc/<pid>/stat`` field 22), or None
+    when no such process is visible (or there is no /proc)."""
+    text = _read_text(f"/proc/{int(pid)}/stat")
+    if not text:
+        return None
+    try:  # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _identity() -> dict:
+    pid = os.getpid()
+    return {"pid": pid, "start_time": process_start_time(pid), "host": socket.gethostname(),
+            "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": _pid_namespace()}
+
+
+def new_marker(folder: Path, *, made_dirs: list[str] | None = None, files: tuple[str, ...] = (LOCK_NAME,)) -> dict:
+    """The marker this process writes into ``folder`` (see the note): who we are, and the
+    files and folders we created (``made_dirs``: the folder and those of its parents that
+    the run created, deepest first)."""
+    return {"magic": MAGIC, **_identity(), "created": time.time(), "folder": str(folder),
+            "made_depth": len(made_dirs or []), "files": list(files)}
+
+
+def _plain_name(name) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _read_marker(folder: Path) -> tuple[dict | None, str | None]:
+    """``(marker, None)``, ``(None, None)`` when there is none, or ``(None, why)`` when the
+    file there proves nothing."""
+    path = folder / MARKER_NAME
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"its marker {path} cannot be read ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+        return None, f"{path} is not a marker tierstate wrote (not a small regular file)"
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"its marker {path} cannot be read ({exc})"
+    if not isinstance(marker, dict) or marker.get("magic") != MAGIC:
+        return None, f"{path} is not a marker tierstate wrote (no magic string)"
+    pid, files, depth = marker.get("pid"), marker.get("files"), marker.get("made_depth", 0)
+    if not isinstance(pid, int) or pid <= 0 or not isinstance(marker.get("host"), str):
+        return None, f"its marker {path} names no owner"
+    if not isinstance(files, list) or not all(_plain_name(n) for n in files) or MARKER_NAME in files:
+        return None, f"its marker {path} lists files outside its folder"
+    if not isinstance(depth, int) or depth < 0:
+        return None, f"its marker {path} is damaged (made_depth {depth!r})"
+    return marker, None
+
+
+# Verdicts on a marker whose folder lock is free.
+STALE, ALIVE, FOREIGN, UNKNOWN = "stale", "alive", "foreign", "unknown"
+
+
+def judge(marker: dict) -> tuple[str, str]:
+    """Whether the run that wrote ``marker`` is provably over: ``(verdict, why)``."""
+    me = _identity()
+    pid = marker["pid"]
+    if marker["host"] != me["host"]:
+        return FOREIGN, (f"it was written by pid {pid} on host {marker['host']!r} (this is {me['host']!r}); tierstate "
+                         "never removes another machine's files")
+    theirs, ours = marker.get("boot_id"), me["boot_id"]
+    if theirs and ours and theirs != ours:
+        return STALE, f"pid {pid} ran before this machine last booted"
+    if marker.get("pid_ns") and me["pid_ns"] and marker["pid_ns"] != me["pid_ns"]:
+        return UNKNOWN, (f"it was written by pid {pid} of another pid namespace ({marker['pid_ns']}: another "
+                         "container?), whose processes this one cannot see")
+    start = process_start_time(pid)
+    if start is None:
+        # not in /proc: gone, or hidden from us (no /proc, or /proc mounted hidepid=2 and the
+        # process another user's); the signal test tells those apart, a reused pid reading alive
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return STALE, f"pid {pid} is not running"
+        except PermissionError:
+            pass
+        return ALIVE, f"pid {pid} is alive"
+    if marker.get("start_time") is not None and start != marker["start_time"]:
+        return STALE, f"pid {pid} is not running (a process started later has that pid now)"
+    return ALIVE, f"pid {pid} is alive"
+
+
+# -- locks and removal ------------------------------------------------------------------------
+def _lock(folder: Path, *, create: bool) -> tuple[int | None, bool]:
+    """``(fd holding folder's lock, whether we created the lock file)``, ``(None, False)``
+    when another holder has it (or, with ``create=False``, there is no lock file).
+
+    The lock file is unlinked by whoever cleans the folder up, while holding it; so after
+    taking the lock we check that the path still names the file we locked, and retry if not."""
+    path = folder / LOCK_NAME
+    for _ in range(100):
+        created = False
+        try:
+            if create:
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+                    created = True
+                except FileExistsError:
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if create:
+                continue  # unlinked between our two opens: try again
+            return None, False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None, False
+            raise
+        try:
+            same = os.path.samestat(os.fstat(fd), os.lstat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd, created
+        os.close(fd)
+        if not create:
+            return None, False
+    raise OSError(errno.EAGAIN, "the lock file kept being replaced while we took it", str(path))
+
+
+def _listed_bytes(folder: Path, names) -> int:
     total = 0
-    for root, _, files in os.walk(folder):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                pass
+    for name in names:
+        try:
+            st = os.lstat(folder / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_blocks * 512
     return total
 
 
-def _try_lock(folder: Path) -> int | None:
-    """An fd holding ``folder``'s lock exclusively, or None when another holder has it."""
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _unlink_regular(path: Path) -> bool:
+    """Unlink ``path`` if it is a regular file (never a link, never a folder). False if it is
+    something else; True if it is gone."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None
-        raise
-    return fd
-
-
-def _remove_our_files(folder: Path) -> None:
-    """Remove the files a run puts in a folder (and nothing else the user keeps there)."""
-    for entry in folder.iterdir() if folder.is_dir() else ():
-        if entry.name.startswith(STATE_PREFIX) or entry.name in (PID_NAME, LOCK_NAME):
-            try:
-                entry.unlink()
-            except FileNotFoundError:
-                pass
-
-
-def _sweep_stale(folder: Path, *, whole_folder: bool) -> None:
-    """Report and (when safe) remove what a crashed run left in ``folder``; see the note."""
-    if not (folder / LOCK_NAME).exists() and not (folder / PID_NAME).exists():
-        if not whole_folder or not folder.name.startswith(RUN_PREFIX):
-            return
-    try:
-        fd = _try_lock(folder)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
     except OSError:
-        return  # unreadable folder of someone else: not ours to judge
-    if fd is None:
-        return  # a live run holds it
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
     try:
-        pid = _read_pid(folder)
-        if pid is None and time.time() - folder.stat().st_mtime < _UNBORN_GRACE_S:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def _remove_dirs(folder: Path, depth: int) -> None:
+    """rmdir ``folder`` and then its parents, ``depth`` folders in all, stopping at the
+    first that is not empty (what the user keeps there stays)."""
+    for path in [folder, *folder.parents][:depth]:
+        try:
+            os.rmdir(path)
+        except OSError:
             return
-        size = folder_bytes(folder)
-        if pid is not None and pid != os.getpid() and _pid_alive(pid):
-            _log.warning("tierstate: %s holds %s of NVMe-tier files of pid %d, which is alive but does not hold "
-                         "the folder's lock; left in place (remove it by hand if that run is gone)",
-                         folder, _gib(size), pid)
+
+
+def _remove_listed(folder: Path, marker: dict, *, keep_lock: bool) -> list[str]:
+    """Remove what ``marker`` lists (the marker and the lock last; see the note). Returns the
+    names left because they are not regular files."""
+    names = [n for n in marker["files"] if n != LOCK_NAME]
+    odd = [n for n in names if not _unlink_regular(folder / n)]
+    _unlink_regular(folder / MARKER_NAME)
+    if not keep_lock and LOCK_NAME in marker["files"]:
+        _unlink_regular(folder / LOCK_NAME)
+    return odd
+
+
+def _sweep_run_folder(folder: Path) -> None:
+    """Judge one ``run-*`` folder under the default root; remove it if provably stale."""
+    marker, why = _read_marker(folder)
+    if marker is None:
+        try:
+            young = time.time() - os.lstat(folder).st_mtime < _UNBORN_GRACE_S
+        except OSError:
             return
-        _log.warning("tierstate: removing %s of NVMe-tier files left in %s by a run that ended without "
-                     "cleaning up (pid %s, not running; its lock was free)", _gib(size), folder,
-                     pid if pid is not None else "unknown")
-        if whole_folder:
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            _remove_our_files(folder)
+        if why is not None or not young:
+            _log.warning("tierstate: %s looks like an NVMe run folder but %s; left in place (tierstate removes "
+                         "only what its marker %s proves it made; remove it by hand if it is debris)",
+                         folder, why or "it holds no marker", MARKER_NAME)
+        return
+    try:
+        fd, _ = _lock(folder, create=False)
+    except OSError:
+        return  # a lock file we cannot open: not ours to judge
+    if fd is None:
+        return  # a live run holds it (or it is being closed right now)
+    try:
+        marker, why = _read_marker(folder)  # again, under the lock: the one we judge is final
+        if marker is None:
+            return
+        verdict, reason = judge(marker)
+        if verdict != STALE:
+            _log.warning("tierstate: %s holds %s of NVMe-tier files whose lock is free, but %s; left in place "
+                         "(remove it by hand if that run is over)", folder,
+                         _gib(_listed_bytes(folder, marker["files"])), reason)
+            return
+        _log.warning("tierstate: removing %s of NVMe-tier files left in %s by a run that ended without cleaning "
+                     "up (%s; its lock was free)", _gib(_listed_bytes(folder, marker["files"])), folder, reason)
+        odd = _remove_listed(folder, marker, keep_lock=False)
+        if odd:
+            _log.warning("tierstate: %s: left %s, listed in its marker but not regular files", folder, odd)
+        _remove_dirs(folder, marker["made_depth"])
     finally:
         os.close(fd)
 
 
 def sweep_default_root(root: Path) -> None:
-    """Find run folders of crashed runs under the default root; report, remove the safe ones."""
+    """Judge the ``run-*`` folders under the default root; report them, remove the provably stale ones."""
     try:
-        entries = [e for e in root.iterdir() if e.is_dir() and e.name.startswith(RUN_PREFIX)]
+        entries = sorted(e for e in root.iterdir() if e.name.startswith(RUN_PREFIX))
     except OSError:
         return
     for entry in entries:
-        _sweep_stale(entry, whole_folder=True)
+        if entry.is_symlink() or not entry.is_dir():
+            continue  # tierstate makes run folders, never links or files by that name
+        try:
+            _sweep_run_folder(entry)
+        except OSError as exc:
+            _log.warning("tierstate: could not judge %s (%s); left in place", entry, exc)
+
+
+# -- the run folder ----------------------------------------------------------------------------
+def _make_dirs(path: Path) -> int:
+    """mkdir ``path`` and its missing parents; how many of them (from ``path`` up) we created."""
+    missing = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    made = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+            made.append(d)
+        except FileExistsError:
+            made = []  # someone else made it meanwhile: it and what is above are theirs
+    depth = 0
+    for d in [path, *path.parents]:
+        if d not in made:
+            break
+        depth += 1
+    return depth
+
+
+def _kind(path: Path) -> str:
+    """What ``path`` is, for an error message ("a file", "a character device", ...)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a broken symbolic link" if os.path.islink(path) else "not reachable"
+    for test, name in ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a folder"
+
+
+_live: "weakref.WeakSet[RunFolder]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gives up its copies of the lock descriptors (the parent's locks stay held)."""
+    for folder in list(_live):
+        if folder._lock_fd is not None:
+            try:
+                os.close(folder._lock_fd)
+            except OSError:
+                pass
+            folder._lock_fd = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RunFolder:
     """One claimed, locked run folder; see the note at the top of the file.
 
     Args:
-        folder: the folder to claim (created if missing).
-        owned: the folder was made for this run (it is removed entirely on close);
-            otherwise only the files the run put there are.
+        folder: the folder to claim (created if missing, with its parents), made absolute now.
+        owned: the folder was made for this run under the default root; otherwise the user
+            named it with ``Offload(nvme_dir=...)``.
     """
 
     def __init__(self, folder: Path, *, owned: bool) -> None:
-        self.path = Path(folder)
+        self.path = Path(os.path.abspath(folder))
         self.owned = owned
-        self._lock_fd: int | None = None
+        self.pid = os.getpid()
+        self.run_id = f"{self.pid}-{secrets.token_hex(4)}"
         self.files: list[Path] = []
-        existed = self.path.is_dir()
+        self._lock_fd: int | None = None
+        self._created_lock = False
+        self._closed = False
+        self._registration = None
+        arg = "nvme_dir" if not owned else "the default NVMe root (TIERSTATE_NVME_DIR)"
+        if not owned and os.path.lexists(self.path) and not self.path.is_dir():
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"Offload(nvme_dir={str(self.path)!r}): {self.path} is {_kind(self.path)}, not a "
+                "folder; pass a folder (it is created if missing) or move that away", str(self.path))
         try:
-            self.path.mkdir(parents=True, exist_ok=not owned)
-        except FileExistsError:  # a per-run name taken: never reuse another run's folder
+            if owned:
+                os.mkdir(self.path)  # a per-run name: never reuse another run's folder
+                depth = 1
+            else:
+                depth = _make_dirs(self.path)
+        except FileExistsError:
             raise
         except OSError as exc:
             raise type(exc)(exc.errno, f"cannot create the NVMe-tier folder ({exc.strerror}); pass "
-                            "Offload(nvme_dir=...) a writable folder or set TIERSTATE_NVME_DIR", str(self.path)) from exc
-        self._made = not existed  # an explicit folder we created is removed on close if left empty
-        if not owned:
-            _sweep_stale(self.path, whole_folder=False)
-        fd = _try_lock(self.path)
+                            "Offload(nvme_dir=...) a writable folder or set TIERSTATE_NVME_DIR",
+                            str(self.path)) from exc
+        try:
+            self._claim(depth, arg)
+        except BaseException:
+            if self._lock_fd is not None:
+                if self._created_lock:
+                    _unlink_regular(self.path / LOCK_NAME)
+                os.close(self._lock_fd)
+                self._lock_fd = None
+            _remove_dirs(self.path, depth)
+            raise
+        self._registration = on_termination(self._remove_now)
+        _live.add(self)
+
+    def _unusable(self, exc: OSError, arg: str) -> OSError:
+        lock = self.path / LOCK_NAME
+        err = io_error(exc.errno or errno.EIO, str(lock), None, "open")
+        where = "nvme_dir=" + str(self.path) if arg == "nvme_dir" else f"{arg} {self.path}"
+        if exc.errno in (errno.EISDIR, errno.ELOOP) and os.path.lexists(lock):
+            what = "a symbolic link" if os.path.islink(lock) else _kind(lock)
+            err.strerror = (f"{where}: {lock} is {what}, where tierstate keeps its lock file (a plain file it "
+                            "creates); move it away or pass Offload(nvme_dir=...) another folder")
+            return err
+        err.strerror = (f"{where}: cannot create files in it ({os.strerror(exc.errno or errno.EIO)}); the NVMe tier "
+                        "needs a writable folder on a disk: pass Offload(nvme_dir=...) another folder or set "
+                        "TIERSTATE_NVME_DIR")
+        return err
+
+    def _claim(self, depth: int, arg: str) -> None:
+        try:
+            fd, created = _lock(self.path, create=True)
+        except OSError as exc:
+            raise self._unusable(exc, arg) from exc
         if fd is None:
-            pid = _read_pid(self.path)
+            marker, _ = _read_marker(self.path)
+            pid = marker["pid"] if marker else None
             who = f"pid {pid}" if pid is not None else "another process"
             if pid == os.getpid():
                 who = "another optimizer of this process"
             raise NvmeDirInUseError(
                 f"nvme_dir {self.path} is in use by {who} (it holds {self.path / LOCK_NAME}); two runs cannot "
                 "share one NVMe folder: give each run its own nvme_dir, or leave nvme_dir unset for a per-run "
-                "folder under TIERSTATE_NVME_DIR"
-            )
-        self._lock_fd = fd
-        (self.path / PID_NAME).write_text(f"{os.getpid()}\n")
+                "folder under TIERSTATE_NVME_DIR")
+        self._lock_fd, self._created_lock = fd, created
+        names = [LOCK_NAME] if created else []
+        if not self.owned:
+            old, why = _read_marker(self.path)
+            if why is not None:
+                raise NvmeDirInUseError(f"nvme_dir {self.path}: {why}; tierstate will not start over files it "
+                                        "cannot judge: remove it by hand if no run uses that folder, or give "
+                                        "another nvme_dir")
+            if old is not None:
+                verdict, reason = judge(old)
+                if verdict != STALE:
+                    raise NvmeDirInUseError(
+                        f"nvme_dir {self.path} holds the NVMe-tier files of another run ({MARKER_NAME} lists "
+                        f"{old['files']}), and {reason}; give this run another nvme_dir, or remove those files and "
+                        "the marker by hand once that run is over")
+                _log.warning("tierstate: removing %s of NVMe-tier files left in %s by a run that ended without "
+                             "cleaning up (%s; its lock was free)", _gib(_listed_bytes(self.path, old["files"])),
+                             self.path, reason)
+                odd = _remove_listed(self.path, old, keep_lock=True)
+                if odd:
+                    _log.warning("tierstate: %s: left %s, listed in its marker but not regular files", self.path, odd)
+                depth = max(depth, old["made_depth"])  # the folders that run made are ours to remove now
+                if LOCK_NAME in old["files"]:
+                    names = [LOCK_NAME]
+            elif os.path.lexists(self.path / "tierstate.pid"):
+                _log.warning("tierstate: %s holds files of a run of an earlier tierstate (tierstate.pid, state-*.bin) "
+                             "that carry no proof of who made them; left in place (remove them by hand if that run "
+                             "is over)", self.path)
+        self._tmp_name = f".{MARKER_NAME}.{self.run_id}.tmp"
+        self._marker = new_marker(self.path, made_dirs=[str(p) for p in [self.path, *self.path.parents][:depth]],
+                                  files=(*names, self._tmp_name))
+        try:
+            self._write_marker()
+        except OSError as exc:
+            _unlink_regular(self.path / self._tmp_name)
+            raise self._unusable(exc, arg) from exc
+
+    def _write_marker(self) -> None:
+        tmp = self.path / self._tmp_name
+        body = json.dumps(self._marker, indent=1).encode()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path / MARKER_NAME)
 
     def state_file(self, index: int) -> Path:
-        path = self.path / f"{STATE_PREFIX}{index}.bin"
+        """Create the run's ``index``-th state file (empty; listed in the marker first) and return its path."""
+        name = f"{STATE_PREFIX}{self.run_id}-{index}.bin"
+        self._marker["files"].append(name)
+        self._write_marker()
+        path = self.path / name
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644))
         self.files.append(path)
         return path
 
+    def _remove_now(self) -> None:
+        """Remove everything the marker lists, the marker, the lock file and the folders we made.
+        Only plain unlink/rmdir: it also runs inside the SIGTERM handler."""
+        marker = self._marker
+        for name in marker["files"]:
+            if name != LOCK_NAME:
+                _unlink_regular(self.path / name)
+        _unlink_regular(self.path / MARKER_NAME)
+        if LOCK_NAME in marker["files"]:
+            _unlink_regular(self.path / LOCK_NAME)
+        _remove_dirs(self.path, marker["made_depth"])
+
     def close(self) -> None:
-        """Remove the run's files (the folder too when it was made for the run) and unlock. Idempotent."""
-        if self._lock_fd is None:
+        """Remove the run's files (and the folders it made, if left empty) and unlock. Idempotent.
+
+        Does nothing in any process but the one that claimed the folder (a forked child)."""
+        if self._closed or os.getpid() != self.pid:
             return
-        for path in self.files:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-        if self.owned:
-            shutil.rmtree(self.path, ignore_errors=True)
-        else:
-            for name in (PID_NAME, LOCK_NAME):
-                try:
-                    (self.path / name).unlink()
-                except FileNotFoundError:
-                    pass
-            if self._made:
-                try:
-                    self.path.rmdir()
-                except OSError:  # the user put something there meanwhile: theirs to keep
-                    pass
-        os.close(self._lock_fd)  # unlock last: until here nobody may judge the folder stale
-        self._lock_fd = None
+        self._closed = True
+        if self._registration is not None:
+            self._registration.cancel()
+        try:
+            self._remove_now()
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # unlock last: until here nobody may judge the folder
+                self._lock_fd = None
+        _live.discard(self)
 
 
 def claim_folders(dirs: tuple[Path, ...], explicit: bool) -> list[RunFolder]:
@@ -225,13 +568,22 @@ def claim_folders(dirs: tuple[Path, ...], explicit: bool) -> list[RunFolder]:
     folders: list[RunFolder] = []
     try:
         for d in dirs:
+            d = Path(os.path.abspath(d))
             if explicit:
                 folders.append(RunFolder(d, owned=False))
             else:
-                d.mkdir(parents=True, exist_ok=True)
+                if os.path.lexists(d) and not d.is_dir():
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, f"the default NVMe root {d} (TIERSTATE_NVME_DIR) is {_kind(d)}, not a "
+                        "folder; set TIERSTATE_NVME_DIR to a folder or pass Offload(nvme_dir=...)", str(d))
+                try:
+                    d.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise type(exc)(exc.errno, f"cannot create the default NVMe root ({exc.strerror}); set "
+                                    "TIERSTATE_NVME_DIR to a writable folder or pass Offload(nvme_dir=...)",
+                                    str(d)) from exc
                 sweep_default_root(d)
-                name = f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-                folders.append(RunFolder(d / name, owned=True))
+                folders.append(RunFolder(d / f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}", owned=True))
     except BaseException:
         for f in folders:
             f.close()
