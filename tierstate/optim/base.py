@@ -1226,24 +1226,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint imports optim
 
         check_state_dict(self, state_dict)  # all of it, before anything is replaced
-        groups = state_dict.get("param_groups")
-        if groups is None:
-            raise ValueError("load_state_dict: the state dict has no 'param_groups' (is it an optimizer state dict?)")
+        groups = state_dict["param_groups"]
         saved_state = state_dict.get("state", {})
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(groups)}) than "
-                             f"this optimizer ({len(self.param_groups)})")
-        for i, (g, ng) in enumerate(zip(self.param_groups, groups)):
-            if len(ng["params"]) != len(g["params"]):
-                raise ValueError(f"loaded state dict's param_groups[{i}] has {len(ng['params'])} parameters, this "
-                                 f"optimizer's has {len(g['params'])}")
-        merged = [self._loaded_group(ng, i) for i, ng in enumerate(groups)]
+        merged = [self._loaded_group(ng, i) for i, ng in enumerate(groups)]  # defaults filled in, validated
         saved_ids = [i for g in groups for i in g["params"]]
         slot_list = [self._slot_of[id(p)] for p in self._all_params()]
-        for saved_id, s in zip(saved_ids, slot_list):
-            st = saved_state.get(saved_id)
-            if st and s.trainable is not None:
-                self._check_import(s, st, merged[s.group])
         # -- checked: apply
         super().load_state_dict({**state_dict, "state": {}})
         if TierKind.NVME in self.tiers:  # every state is replaced: no record need be read back
@@ -1278,32 +1265,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"load_state_dict: param_groups[{index}]: {exc}") from None
         return group
-
-    def _check_import(self, s: _Slot, state: dict, group: dict) -> None:
-        """Raise what :meth:`_import_state` would meet half-way, before anything is written."""
-        if not isinstance(state, dict):
-            raise TypeError(f"load_state_dict: state of parameter {s.index} is a {type(state).__name__}, not a dict")
-        keys = [spec.name for spec in self.rule.state_specs(group)] + (["master"] if s.needs_master else [])
-        for key in keys:
-            value = state.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, Tensor) or value.numel() != s.local.numel():
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, "
-                                 f"the parameter has shape {tuple(s.local.shape)}")
-            if value.is_complex() or not value.is_floating_point():
-                raise TypeError(f"load_state_dict: state {key!r} of parameter {s.index} has dtype {value.dtype}; "
-                                "optimizer state is floating point")
-        if "step" in state:
-            step = state["step"]
-            try:
-                value = float(step)
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"load_state_dict: 'step' of parameter {s.index} is {step!r}, not a number") from None
-            if not math.isfinite(value) or value < 0 or value != int(value):
-                raise ValueError(f"load_state_dict: 'step' of parameter {s.index} is {value!r}; "
-                                 "it must be a whole number >= 0")
 
     def stats(self):
         """Telemetry of the last step (a :class:`tierstate.telemetry.StepStats`; ``.as_dict()``)."""
