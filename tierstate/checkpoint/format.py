@@ -52,7 +52,6 @@ _DTYPE_TO_ST = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
 
 
 def dtype_to_safetensors(dtype: torch.dtype) -> str:
@@ -61,13 +60,6 @@ def dtype_to_safetensors(dtype: torch.dtype) -> str:
     except KeyError:
         raise TypeError(f"a checkpoint cannot hold tensors of dtype {dtype}; supported: "
                         f"{', '.join(str(d) for d in _DTYPE_TO_ST)}") from None
-
-
-def dtype_from_safetensors(name: str) -> torch.dtype:
-    try:
-        return _ST_TO_DTYPE[name]
-    except KeyError:
-        raise ValueError(f"unknown safetensors dtype {name!r}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

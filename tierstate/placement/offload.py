@@ -24,8 +24,8 @@ class Offload:
     ``gpu + cpu + nvme`` must be 1; a fraction not given is 0, except ``cpu``, which takes
     what the others leave (``Offload(nvme=1.0)`` is all on NVMe, ``Offload(nvme=0.4)`` puts
     0.6 in host RAM, ``Offload()`` all of it). The state is cut into sub-groups of
-    ``subgroup_numel`` elements and each sub-group is assigned one tier so that the
-    tiers hold the requested fractions (rounded to whole sub-groups).
+    ``subgroup_numel`` elements at most, each in one tier; the tiers hold the requested
+    fractions to the element (each tier's last sub-group may be shorter).
 
     Args:
         gpu: fraction kept in the parameters' device memory and updated there by torch's

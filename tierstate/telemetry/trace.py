@@ -135,10 +135,6 @@ class TraceRecorder:
             return
         self._counters.append((name, when, value))
 
-    @property
-    def num_events(self) -> int:
-        return len(self._slices) + len(self._counters)
-
     def _ns(self, t: float) -> int:
         return max(0, round((t - self.origin) * _NS_PER_S))
 
