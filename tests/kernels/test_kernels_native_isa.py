@@ -1,6 +1,6 @@
 """The C++ kernels and thread pool without Python: NEON under qemu, the pool under stress.
 
-tests/kernels/native_isa/ holds two standalone drivers that link the real sources in
+tests/kernels/native_isa/ holds standalone drivers that link the real sources in
 csrc/ (no nanobind, no torch):
 
 - ``neon_check.cpp`` runs every op x dtype combination x size through the public C++
@@ -9,6 +9,10 @@ csrc/ (no nanobind, no torch):
   evaluation, grad_sumsq, and guard bytes around every buffer. The x86-64 machines we
   build on cannot run NEON, so it is cross-compiled for AArch64 and run under user-mode
   qemu (on an AArch64 machine it is compiled and run natively).
+- ``crc32c_check.cpp`` checks every CRC-32C variant of csrc/io/crc32c.cpp against the
+  portable table and the standard check value over every loop tail, start offset and
+  continued CRC: natively (sse4.2, avx512-vpclmul where the CPU has it) and, for the
+  armv8-crc variant the NVMe records use on ARM machines, cross-compiled and run under qemu.
 - ``thread_pool_stress.cpp`` runs 20,000 short jobs while the thread count changes
   between them. Under qemu, where starting a thread is slow, it hung the pool in 3 of 3
   runs of 2,000 jobs before workers started at the current job generation (see
@@ -123,3 +127,26 @@ def test_thread_pool_survives_thread_count_changes_natively(tmp_path):
     binary = _compile([cxx], _stress_sources(), tmp_path / "thread_pool_stress")
     out = _run([], binary, ["20000"], RUN_TIMEOUT_S["stress"])
     assert "20000 jobs clean" in out, out
+
+
+CRC_SOURCES = ["io/crc32c.cpp", "common/cpu_features.cpp"]
+
+
+def test_crc32c_armv8_variant_matches_the_table_under_qemu(aarch64):
+    compiler, runner, build = aarch64
+    sources = [DRIVERS / "crc32c_check.cpp", CSRC / "io" / "crc32c.cpp"]
+    binary = _compile(compiler, sources, build / "crc32c_check")
+    out = _run(runner, binary, ["armv8-crc"], RUN_TIMEOUT_S["stress"])
+    assert "checks passed" in out and "armv8-crc" in out, out
+
+
+def test_crc32c_x86_variants_match_the_table_natively(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a host C++ compiler (g++ or c++) to build the CRC-32C check")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"the x86 variants do not build on {platform.machine()} (the AArch64 one is checked above)")
+    binary = _compile([cxx], [DRIVERS / "crc32c_check.cpp", *(CSRC / s for s in CRC_SOURCES)],
+                      tmp_path / "crc32c_check")
+    out = _run([], binary, ["sse4.2"], RUN_TIMEOUT_S["stress"])  # every x86-64 VM we run on has SSE4.2
+    assert "checks passed" in out and "sse4.2" in out, out
