@@ -92,7 +92,7 @@ class OffloadAccess:
         opt = self.opt
         # param_groups were validated with opt.rule.validate before anything was applied (load.py);
         # torch's implementation switches in them become this optimizer's, missing keys its defaults
-        merged = [opt._loaded_group(g, i) for i, g in enumerate(param_groups)]
+        merged = [opt._loaded_group(g) for g in param_groups]
         torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
         for g, m in zip(opt.param_groups, merged):
             g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})

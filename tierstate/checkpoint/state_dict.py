@@ -26,10 +26,12 @@ def _step_value(value) -> float | None:
     return None
 
 
-def check_state_dict(opt, state_dict) -> None:
+def check_state_dict(opt, state_dict) -> list[dict]:
     """Raise ValueError/TypeError, naming the part and the fix, if ``opt`` must not load ``state_dict``.
 
     ``opt`` is a :class:`tierstate.optim.base.OffloadOptimizer`; nothing of it is changed.
+    Returns the saved param groups as ``opt`` will hold them (validated; ``params`` are
+    ``opt``'s own tensors).
     """
     name = type(opt).__name__
     if not isinstance(state_dict, dict):
@@ -57,10 +59,8 @@ def check_state_dict(opt, state_dict) -> None:
         if missing:
             raise ValueError(f"load_state_dict: param_groups[{gi}] lacks {missing[0]!r}, which {name} needs "
                              f"(its default is {needed[missing[0]]!r}); add it to the state dict")
-        group = {**saved, "params": current["params"]}
-        for key in opt.rule.flags:  # torch's implementation switches (fused=True) become this optimizer's
-            if key in group and key in opt.defaults:
-                group[key] = opt.defaults[key]
+        # torch's implementation switches (fused=True) become this optimizer's, absent keys its defaults
+        group = {**opt._loaded_group(saved), "params": current["params"]}
         try:
             opt.rule.validate(group)
         except (TypeError, ValueError) as exc:
@@ -97,6 +97,7 @@ def check_state_dict(opt, state_dict) -> None:
                 raise ValueError(f"load_state_dict: state 'step' of parameter {saved_id} is {st.get('step')!r}; "
                                  f"{name} needs a whole number >= 0 (the parameter's step count) for every "
                                  "parameter with state")
+    return merged
 
 
 __all__ = ["check_state_dict"]

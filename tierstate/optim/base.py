@@ -505,7 +505,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 or key not in self._state_keys(s) or (key == "master" and not s.master_ready):
             raise KeyError(key)
         self._before_state_access()
-        return self._read_state(self._slot_of[id(param)], key)
+        return self._read_state(s, key)
 
     def _publish_step(self, s: _Slot) -> None:
         if self.rule.has_step:
@@ -1225,10 +1225,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._before_state_access()
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint imports optim
 
-        check_state_dict(self, state_dict)  # all of it, before anything is replaced
+        merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         groups = state_dict["param_groups"]
         saved_state = state_dict.get("state", {})
-        merged = [self._loaded_group(ng, i) for i, ng in enumerate(groups)]  # defaults filled in, validated
         saved_ids = [i for g in groups for i in g["params"]]
         slot_list = [self._slot_of[id(p)] for p in self._all_params()]
         # -- checked: apply
@@ -1251,19 +1250,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if st and s.trainable is not None:
                 self._import_state(s, st)
 
-    def _loaded_group(self, saved: dict, index: int) -> dict:
-        """A saved param group as this optimizer will hold it (defaults for keys it lacks, this
-        optimizer's implementation switches), validated."""
+    def _loaded_group(self, saved: dict) -> dict:
+        """A saved param group's hyper-parameters as this optimizer will hold them: this
+        optimizer's implementation switches, its defaults for keys the group lacks. Not
+        validated here: the loaders check every group before applying any
+        (:func:`tierstate.checkpoint.state_dict.check_state_dict`, ``load_optimizer``)."""
         group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
         for key in self.rule.flags:
             if key in group and key in self.defaults:
                 group[key] = self.defaults[key]
         for key, value in self.defaults.items():
             group.setdefault(key, value)
-        try:
-            self.rule.validate(group)
-        except (ValueError, TypeError) as exc:
-            raise type(exc)(f"load_state_dict: param_groups[{index}]: {exc}") from None
         return group
 
     def stats(self):

@@ -65,14 +65,9 @@ an update. The CRC runs on the buffer's I/O thread without the GIL, in the varia
 at run time (:func:`tierstate.io.crc32c_isas`): on the reference VM (2 Zen 4 cores)
 AVX-512 VPCLMULQDQ folding does 16-18 GB/s per core, the ``crc32`` instruction 11.
 It reads every record moved once more from memory, which competes with the update
-kernels: at 100M parameters a step moves 8 of 24 records each way, 530 MB to check,
-~31 ms of one core with the wide variant. ``tierstate bench step --offload nvme
---params 100M`` (CPU-bound there) in interleaved runs on a VM shared with other jobs,
-where the CPU-step floor itself varied from 0.24 to 0.52 s: median step/floor 0.95,
-1.13, 1.82 with checksums against 0.92, 1.02, 1.04 without; 1.22-1.84 in four runs with
-the ``crc32`` instruction variant, which is why the wider one exists. In a quieter pair
-(``--steps 9``, where the step was disk-bound): median step 0.250 s against 0.239 s
-(+4.6 %), step/floor 1.60 against 1.41.
+kernels: on the reference VM, ``tierstate bench step --offload nvme`` alternating with a
+build without it, the step took +2 % at 400M parameters (1.03-1.12x the disk floor) and
++5 % at 100M (benchmarks/README.md has the runs).
 
 [Note: what a failed I/O leaves]
 A failed *write* loses nothing: the I/O thread copies the record's bytes out of the
@@ -678,8 +673,8 @@ class NvmeTier:
             busy = bool(ledger.stranded or ledger.lost)
         if busy:  # no waiting otherwise: the step starts on the read-ahead in flight
             self.drain()
+        lost = self.lost_error()
         with ledger.lock:
-            lost = next(iter(ledger.lost.values()), None)
             stranded = list(ledger.stranded.items())
         if lost is not None:
             raise lost
