@@ -105,17 +105,18 @@ def snapshot(opt) -> dict:
         "published": {i: sorted(opt.state[p].keys()) for i, p in enumerate(params) if p in opt.state},
     }
     if isinstance(opt, ts.OffloadOptimizer):
-        opt._before_state_access()
+        opt.sync_state()
+        store = opt.state_store
         state = {}
-        for s in opt._slots:
-            if not s.initialized:
+        for s in store.slots:
+            if not s.has_state:
                 continue
-            keys = [k for k in opt._state_keys(s) if k != "master" or s.master_ready]
-            state[s.index] = {k: (str(opt._state_dtypes[k]), bytes(_bits(opt._read_flat(s, k)).numpy())) for k in keys}
+            keys = store.held_keys(s)
+            state[s.index] = {k: (str(store.dtypes[k]), bytes(_bits(store.read_flat(s, k)).numpy())) for k in keys}
         snap["state"] = state
-        snap["slots"] = [(s.index, s.initialized, s.master_ready, s.step, s.trainable) for s in opt._slots]
-        snap["counters"] = (opt.skipped_steps, opt._steps_taken)
-        snap["state_dtypes"] = {k: str(v) for k, v in opt._state_dtypes.items()}
+        snap["slots"] = [(s.index, s.has_state, s.master.filled, s.step, s.trainable) for s in store.slots]
+        snap["counters"] = (opt.skipped_steps, opt.steps_taken)
+        snap["state_dtypes"] = {k: str(v) for k, v in store.dtypes.items()}
     else:
         sd = opt.state_dict()
         snap["state"] = {i: {k: _plain(v) for k, v in st.items()} for i, st in sd["state"].items()}

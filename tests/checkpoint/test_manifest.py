@@ -17,6 +17,7 @@ import torch
 
 import tierstate as ts
 from tierstate.checkpoint import CorruptCheckpointError, load_optimizer, save_optimizer
+from tierstate.tiers import StateLife
 
 import ckpt_workload as wl
 
@@ -330,15 +331,15 @@ def test_snapshot_helper_sees_every_part_change(tmp_path):
     wl.train_step(model, opt, 0)
     before = wl.snapshot(opt)
     wl.assert_same_snapshot(before, wl.snapshot(opt))
-    s = opt._slots[2]
+    s = opt.state_store.slots[2]
     changes = [
         lambda: opt.param_groups[0].__setitem__("lr", 2e-3),
         lambda: opt.param_groups[0].__setitem__("betas", [0.9, 0.95]),  # a list, not a tuple
         lambda: setattr(opt, "skipped_steps", 1),
         lambda: setattr(s, "step", s.step + 1),
-        lambda: setattr(s, "initialized", False),
+        lambda: setattr(s, "life", StateLife.FORGOTTEN),
         lambda: model[0].bias.data.view(-1)[3].add_(1.0),
-        lambda: opt._write_state(s, "exp_avg", opt._read_flat(s, "exp_avg").add(1e-3)),  # NVMe tier
+        lambda: opt.state_store.write(s, "exp_avg", opt.state_store.read_flat(s, "exp_avg").add(1e-3)),  # NVMe tier
     ]
     for n, change in enumerate(changes):
         change()  # the lambdas read model/opt/s at call time: each acts on a fresh optimizer
@@ -348,7 +349,7 @@ def test_snapshot_helper_sees_every_part_change(tmp_path):
         model, opt = wl.build("nvme", hidden=64, nvme_dir=str(tmp_path / f"nv{n}"))
         wl.train_step(model, opt, 0)
         before = wl.snapshot(opt)
-        s = opt._slots[2]
+        s = opt.state_store.slots[2]
     opt.close()
 
 

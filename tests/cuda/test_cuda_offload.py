@@ -28,7 +28,7 @@ def net(dtype: torch.dtype) -> torch.nn.Module:
 def test_cuda_adamw_matches_fp32_reference(dtype: torch.dtype, micro_batches: int) -> None:
     model = net(dtype)
     opt = ts.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    assert opt._grads is not None, "CUDA parameters stream their gradients by default"
+    assert opt._engine.parts.grads.stream is not None, "CUDA parameters stream their gradients by default"
     masters = [p.detach().float().cpu().clone().requires_grad_(True) for p in model.parameters()]
     ref = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, foreach=False)
     gen = torch.Generator().manual_seed(1)
@@ -42,7 +42,7 @@ def test_cuda_adamw_matches_fp32_reference(dtype: torch.dtype, micro_batches: in
         opt.step()
         # the reference sees what the host received: the streamed (accumulated) gradients
         for i, m in enumerate(masters):
-            m.grad = opt._grads.grad(i).view(m.shape).float().clone()
+            m.grad = opt._engine.parts.grads.stream.grad(i).view(m.shape).float().clone()
         ref.step()
     torch.cuda.synchronize()
     for p, m in zip(model.parameters(), masters):

@@ -30,7 +30,7 @@ def test_cuda_step_in_backward_equals_the_plain_step(kind: str, dtype: torch.dty
                                  buffer_count=3)
         opts.append(ts.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload=offload,
                              step_in_backward=bool(i)))
-    assert all(o._grads is not None for o in opts), "CUDA parameters stream their gradients"
+    assert all(o._engine.parts.grads.stream is not None for o in opts), "CUDA parameters stream their gradients"
     gen = torch.Generator().manual_seed(1)
     for _ in range(8):
         x = torch.randn(16, 2048, generator=gen).to("cuda", dtype)

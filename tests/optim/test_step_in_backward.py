@@ -81,7 +81,7 @@ WHERE = ["backward-thread", "worker"]
 
 def run_updates_on(opt, where: str):
     """Make ``opt`` (built with step_in_backward=True) update on ``where``; returns ``opt``."""
-    opt._backward.inline = where == "backward-thread"
+    opt._engine.backward.inline = where == "backward-thread"
     return opt
 
 
@@ -155,7 +155,7 @@ def test_state_moves_during_backward(where: str) -> None:
 
     def in_backward(grad: torch.Tensor) -> None:
         # runs when backward reaches the embedding's output: every later layer is done
-        opt._backward._queue.join()  # (worker) let it finish what backward handed it so far
+        opt._engine.backward._queue.join()  # (worker) let it finish what backward handed it so far
         seen.update({name: not torch.equal(p, before[name]) for name, p in net.named_parameters()})
 
     def watch(module, args, out: torch.Tensor) -> None:
@@ -221,7 +221,7 @@ def test_nvme_plan_reads_the_next_backward_ahead(tmp_path) -> None:
     train(net, opt, steps=2)
     nvme = opt.tiers[TierKind.NVME]
     nvme.drain()
-    plan = [sg.index for sg in opt._backward.expected_order if sg.tier is TierKind.NVME]
+    plan = [sg.index for sg in opt._engine.backward.expected_order if sg.tier is TierKind.NVME]
     assert len(plan) > 2 * 2  # more records than the pool holds, twice over
     resident = set(nvme._resident)
     assert len(resident) == 2 and plan[0] in resident  # window W = max(1, 2 // 4) = 1
@@ -393,7 +393,7 @@ def test_close_between_backward_and_step_stops_the_worker() -> None:
     opt = run_updates_on(ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True),
                          "worker")
     loss_of(net, 1, torch.Generator().manual_seed(1)).backward()
-    worker = opt._backward._thread
+    worker = opt._engine.backward._thread
     assert worker is not None and worker.is_alive()
     opt.close()
     assert not worker.is_alive()

@@ -1,10 +1,12 @@
-"""run_subgroups over real tiers: every segment updated once, in any order, errors released."""
+"""run_subgroups over real tiers: every segment updated once, in any order, errors released,
+a sub-group released only once its executor's completion is done."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tierstate.pipeline import run_subgroups
+from tierstate.pipeline.executors import DONE
 from tierstate.placement import Offload, TierKind, plan_layout
 from tierstate.telemetry import Telemetry
 from tierstate.tiers import HostTier
@@ -24,6 +26,23 @@ def _tiers(tmp_path, layout, dtypes):
         tiers[TierKind.NVME] = NvmeTier(layout, dtypes, {}, Offload(cpu=0.5, nvme=0.5, nvme_dir=tmp_path / "nv",
                                                                       subgroup_numel=1024, buffer_count=2))
     return tiers
+
+
+class _Each:
+    """An executor that calls ``fn(seg, views)`` for each segment and is done when it returns."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def submit(self, sg, segments, views):
+        for seg in segments:
+            self.fn(seg, views)
+        return DONE
+
+
+def _run(work, tiers, fn, tel):
+    executor = _Each(fn)
+    run_subgroups(work, tiers, lambda tier: executor, tel)
 
 
 def _state(tiers, layout, key):
@@ -49,7 +68,7 @@ def test_every_segment_updated_once_per_step(tmp_path, fractions):
     work = [(sg, list(sg.segments)) for sg in layout.subgroups]
     for step in range(3):
         tel.begin_step(step)
-        run_subgroups(work, tiers, update, tel)
+        _run(work, tiers, update, tel)
         tel.end_step()
     assert sorted(seen, key=lambda s: (s.subgroup, s.subgroup_offset)) == sorted(
         [s for sg in layout.subgroups for s in sg.segments] * 3, key=lambda s: (s.subgroup, s.subgroup_offset))
@@ -68,9 +87,57 @@ def test_failed_update_releases_the_subgroup(tmp_path):
         raise FloatingPointError("boom")
 
     with pytest.raises(FloatingPointError):
-        run_subgroups(work, tiers, broken, tel)
-    run_subgroups(work, tiers, lambda seg, v: v["m"][seg.subgroup_offset: seg.subgroup_offset + seg.numel].add_(1),
-                  tel)
+        _run(work, tiers, broken, tel)
+    _run(work, tiers, lambda seg, v: v["m"][seg.subgroup_offset: seg.subgroup_offset + seg.numel].add_(1), tel)
     assert torch.equal(_state(tiers, layout, "m"), torch.ones(6000))
     for t in tiers.values():
         t.close()
+
+
+class _Later:
+    """The completion of work that finishes after submit returned (as a GPU's would): done once
+    ``finish`` ran; ``wait`` finishes it."""
+
+    def __init__(self, log, sg) -> None:
+        self.log, self.sg, self.finished = log, sg, False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+        self.log.append(("finished", self.sg.index))
+
+
+class _ReleaseLog(HostTier):
+    def __init__(self, *args, log, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def release(self, sg, dirty):
+        self.log.append(("released", sg.index))
+
+
+def test_subgroup_released_only_after_its_completion():
+    """An executor whose work outlives submit (a GPU updating host state: H2D, update, D2H) keeps
+    its sub-group held until the completion is done; the loop waits for every one before it ends."""
+    layout = plan_layout([3000], {TierKind.HOST: 1.0}, 1024)
+    log = []
+    tiers = {TierKind.HOST: _ReleaseLog(layout, {"m": torch.float32}, {}, log=log)}
+    pending = []
+
+    class Async:
+        def submit(self, sg, segments, views):
+            done = [c for c in pending if not c.finished]
+            if done:
+                done[0].wait()  # the previous sub-group's work finishes while the next is submitted
+            c = _Later(log, sg)
+            pending.append(c)
+            return c
+
+    executor = Async()
+    run_subgroups([(sg, list(sg.segments)) for sg in layout.subgroups], tiers, lambda tier: executor,
+                  Telemetry(enabled=False))
+    for sg in layout.subgroups:
+        assert log.index(("finished", sg.index)) < log.index(("released", sg.index)), log
+    assert sorted(e for e in log if e[0] == "released") == [("released", sg.index) for sg in layout.subgroups]

@@ -3,9 +3,9 @@
 Two faces, one interface:
 
 * :class:`OffloadAccess` for tierstate optimizers: reads and writes each parameter's
-  state through its layout segments and the owning tier's ``read_range``/``write_range``
-  (a view for the host tier, a pool-buffer copy for the NVMe tier), never more than
-  ``piece_numel`` elements at a time.
+  state through the optimizer's :class:`~tierstate.tiers.StateStore` (a view for host
+  memory, a pool-buffer copy for the NVMe tier), never more than ``piece_numel``
+  elements at a time.
 * :class:`TorchAccess` for any other ``torch.optim.Optimizer`` (e.g. ``torch.optim.AdamW``):
   its state already is in RAM, so it goes through ``state_dict``/``load_state_dict``.
 
@@ -19,8 +19,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..optim.base import OffloadOptimizer
-from ..placement import TierKind
+from ..tiers import StateStore
 
 
 @dataclass(frozen=True)
@@ -48,67 +47,53 @@ def _cpu_bytes(t: Tensor) -> Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-class OffloadAccess:
-    """State of a tierstate optimizer, segment by segment through its tiers."""
+def store_of(opt) -> StateStore | None:
+    """The state store of a tierstate optimizer; None for any other optimizer."""
+    store = getattr(opt, "state_store", None) if isinstance(opt, torch.optim.Optimizer) else None
+    return store if isinstance(store, StateStore) else None
 
-    def __init__(self, opt: OffloadOptimizer) -> None:
+
+class OffloadAccess:
+    """State of a tierstate optimizer, piece by piece through its state store."""
+
+    def __init__(self, opt) -> None:
         self.opt = opt
-        opt._before_state_access()
-        self.params = opt._all_params()
-        self._slots = [opt._slot_of[id(p)] for p in self.params]
+        opt.sync_state()
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self._attach()
+
+    def _attach(self) -> None:
+        self.store: StateStore = self.opt.state_store
+        self.slots = [self.store.slot_of(p) for p in self.params]
 
     def describe(self) -> list[ParamInfo]:
         out = []
-        for i, s in enumerate(self._slots):
-            keys = {}
-            if s.initialized and s.trainable is not None:
-                for key in self.opt._state_keys(s):
-                    if key != "master" or s.master_ready:
-                        keys[key] = self.opt._state_dtypes[key]
-            initialized = bool(keys) or (s.initialized and s.trainable is not None)
-            step = float(s.step) if (self.opt.rule.has_step and initialized) else None
+        has_step = self.opt.rule.has_step
+        for i, s in enumerate(self.slots):
+            live = s.has_state and s.trainable is not None
+            keys = {key: self.store.dtypes[key] for key in self.store.held_keys(s)} if live else {}
+            initialized = bool(keys) or live
+            step = float(s.step) if (has_step and initialized) else None
             out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, initialized, step, keys))
         return out
 
     def read_state(self, index: int, key: str, piece_numel: int) -> Iterator[Tensor]:
         """The flat state ``key`` of parameter ``index`` as uint8 byte pieces, in order."""
-        s = self._slots[index]
-        opt = self.opt
-        for seg in opt._segments(s):
-            sg = opt.layout.subgroups[seg.subgroup]
-            tier = opt.tiers[sg.tier]
-            for lo in range(0, seg.numel, piece_numel):
-                n = min(piece_numel, seg.numel - lo)
-                yield _cpu_bytes(tier.read_range(key, sg, seg.subgroup_offset + lo, n))
+        for piece in self.store.read_pieces(self.slots[index], key, piece_numel):
+            yield _cpu_bytes(piece)
 
     def read_param(self, index: int, piece_numel: int) -> Iterator[Tensor]:
-        flat = self._slots[index].local.detach().reshape(-1)
+        flat = self.slots[index].local.detach().reshape(-1)
         for piece in _pieces(flat, piece_numel):
             yield _cpu_bytes(piece)
 
     # -- loading: begin, write pieces, commit ------------------------------------------------
     def begin_load(self, param_groups: list[dict]) -> None:
-        """Take the saved hyper-parameters and forget every state (torch's load semantics)."""
-        opt = self.opt
-        # param_groups were validated with opt.rule.validate before anything was applied (load.py);
-        # torch's implementation switches in them become this optimizer's, missing keys its defaults
-        merged = [opt._loaded_group(g) for g in param_groups]
-        torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": param_groups})
-        for g, m in zip(opt.param_groups, merged):
-            g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
-        forget_state = getattr(opt.tiers.get(TierKind.NVME), "forget_state", None)
-        if forget_state is not None:  # every state is replaced: no record need be read back
-            forget_state()
-        for s in self._slots:
-            s.initialized, s.master_ready, s.step = False, False, 0
-        opt.state.clear()
-        keys = {spec.name for g in opt.param_groups for spec in opt.rule.state_specs(g)}
-        if not keys <= set(opt._state_dtypes):
-            # The saved hyper-parameters keep a state key the tiers were not built for
-            # (e.g. amsgrad=True adds max_exp_avg_sq): place the state anew. Nothing is
-            # lost: every state was just forgotten.
-            opt._rebuild_engine()
-            self._slots = [opt._slot_of[id(p)] for p in self.params]
+        """Take the saved hyper-parameters and forget every state (torch's load semantics).
+
+        param_groups were validated with the rule before anything was applied (load.py)."""
+        self.opt.take_param_groups(param_groups)
+        self._attach()  # the store is new if the saved groups keep other state keys
 
     def state_keys_for(self, index: int, group: dict) -> tuple[set, set]:
         """(keys a loaded state must have, keys it may have) for parameter ``index`` under ``group``."""
@@ -116,45 +101,35 @@ class OffloadAccess:
         return required, required | {"master"}
 
     def accepts_state(self, index: int) -> bool:
-        return self._slots[index].trainable is not None
+        return self.slots[index].trainable is not None
 
     def write_state(self, index: int, key: str, offset: int, values: Tensor) -> None:
         """Store ``values`` at element ``offset`` of parameter ``index``'s state ``key``."""
-        opt, s = self.opt, self._slots[index]
+        s = self.slots[index]
         if key == "master" and not s.needs_master:
             # An fp32 host parameter is its own master: the saved master is its value.
             s.local.data.view(-1)[offset: offset + values.numel()].copy_(values)
             return
-        end = offset + values.numel()
-        for seg in opt._segments(s):
-            lo, hi = max(offset, seg.param_offset), min(end, seg.param_offset + seg.numel)
-            if hi <= lo:
-                continue
-            sg = opt.layout.subgroups[seg.subgroup]
-            opt.tiers[sg.tier].write_range(key, sg, seg.subgroup_offset + (lo - seg.param_offset),
-                                           values[lo - offset: hi - offset])
+        self.store.write_at(s, key, offset, values)
 
     def write_param(self, index: int, offset: int, values: Tensor) -> None:
-        p = self._slots[index].local
+        p = self.slots[index].local
         with torch.no_grad():
             p.data.view(-1)[offset: offset + values.numel()].copy_(values)
 
     def commit_param(self, index: int, keys: set, step: float | None) -> None:
         """Parameter ``index`` has all of ``keys`` written: it now has state, like after a step."""
-        s = self._slots[index]
-        s.initialized = True
-        s.step = int(step) if step is not None else 0
-        s.master_ready = "master" in keys and s.needs_master
-        self.opt._publish(s)
+        self.store.commit_loaded(self.slots[index], keys, step)
 
     def finish_load(self, step_count: int | None, skipped_steps: int | None) -> None:
+        self.opt.refresh_state_view()
         if step_count is not None:
-            self.opt._steps_taken = int(step_count)
+            self.opt.steps_taken = int(step_count)
         if skipped_steps is not None:
             self.opt.skipped_steps = int(skipped_steps)
 
     def counters(self) -> dict:
-        return {"step_count": getattr(self.opt, "_steps_taken", 0), "skipped_steps": self.opt.skipped_steps}
+        return {"step_count": self.opt.steps_taken, "skipped_steps": self.opt.skipped_steps}
 
 
 class TorchAccess:
@@ -234,7 +209,7 @@ class TorchAccess:
 
 
 def access_for(opt) -> "OffloadAccess | TorchAccess":
-    if isinstance(opt, OffloadOptimizer):
+    if store_of(opt) is not None:
         return OffloadAccess(opt)
     if isinstance(opt, torch.optim.Optimizer):
         return TorchAccess(opt)

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 
 from ..io.errors import from_oserror
-from ..optim.base import OffloadOptimizer
-from .access import access_for
+from .access import access_for, store_of
 from .durable import CorruptCheckpointError, aligned_buffer, file_size, read_chunks
 from .format import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, Checksum, dtype_from_name,
                      dtype_to_safetensors, parse_header)
@@ -102,7 +101,7 @@ def _validate_group(opt, group: dict) -> None:
     Another ``torch.optim.Optimizer``: its constructor itself, over a one-element tensor,
     with the group's values for the arguments it takes.
     """
-    if isinstance(opt, OffloadOptimizer):
+    if store_of(opt) is not None:
         opt.rule.validate(group)
         return
     takes = inspect.signature(type(opt).__init__).parameters
@@ -130,7 +129,7 @@ def _checked_groups(opt, manifest: dict, file: str) -> list[dict]:
         # torch's own optimizers fill keys a group lacks in __setstate__ (a tierstate checkpoint
         # has no 'foreach' or 'capturable'); a tierstate rule reads every key of its defaults
         # (the rule's, not opt.defaults, to which torch's load_state_dict adds 'differentiable')
-        needed = opt.rule.required_keys() if isinstance(opt, OffloadOptimizer) else {}
+        needed = opt.rule.required_keys() if store_of(opt) is not None else {}
         missing = sorted(set(needed) - set(group))
         if missing:
             raise ValueError(f"{file}: param_groups[{gi}] lacks {missing[0]!r}, which {type(opt).__name__} needs "
@@ -161,7 +160,7 @@ def _check_compatible(opt, access, manifest: dict, file: str) -> list[dict]:
     if len(manifest["params"]) != len(infos):
         raise ValueError(f"{file} has {len(manifest['params'])} parameters; this optimizer has {len(infos)}")
     groups = _checked_groups(opt, manifest, file)
-    needs_step = isinstance(opt, OffloadOptimizer) and opt.rule.has_step
+    needs_step = store_of(opt) is not None and opt.rule.has_step
     for rec, info in zip(manifest["params"], infos):
         i = rec["index"]
         shape, dtype = tuple(rec["shape"]), rec["dtype"]

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from ..io.errors import from_oserror
-from ..optim.base import OffloadOptimizer
-from .access import OffloadAccess
+from .access import OffloadAccess, store_of
 
 # Pieces of 4 MiB: each a single buffered pwrite into the scratch file.
 _PIECE_BYTES = 4 << 20
@@ -48,7 +47,7 @@ def _file_backed(scratch_dir: str, numel: int, dtype: torch.dtype, pieces) -> Te
         os.unlink(path)  # the mapping keeps the blocks; nothing is left on disk after it
 
 
-def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike, *, host_views: bool = True) -> dict:
+def mmap_state_dict(opt, scratch_dir: str | os.PathLike, *, host_views: bool = True) -> dict:
     """``opt.state_dict()`` whose off-host tensors are file mappings under ``scratch_dir``.
 
     Host-tier state is returned as views, as ``state_dict()`` does; state in other tiers
@@ -66,7 +65,7 @@ def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike, *, ho
     """
     if not isinstance(host_views, bool):
         raise TypeError(f"host_views must be True or False, got {host_views!r}")
-    if not isinstance(opt, OffloadOptimizer):
+    if store_of(opt) is None:
         raise TypeError(f"opt is a {type(opt).__name__}; mmap_state_dict takes a tierstate optimizer "
                         "(other optimizers hold their state in RAM already: use opt.state_dict())")
     scratch = os.fspath(scratch_dir)
@@ -77,10 +76,10 @@ def mmap_state_dict(opt: OffloadOptimizer, scratch_dir: str | os.PathLike, *, ho
     for info in access.describe():
         if not info.initialized:
             continue
-        s = access._slots[info.index]
+        s = access.slots[info.index]
         entry = {}
         for key, dtype in info.keys.items():
-            view = opt._host_view(s, key) if host_views else None
+            view = access.store.host_view(s, key) if host_views else None
             if view is not None:
                 entry[key] = view
             else:

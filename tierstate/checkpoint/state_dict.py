@@ -60,7 +60,7 @@ def check_state_dict(opt, state_dict) -> list[dict]:
             raise ValueError(f"load_state_dict: param_groups[{gi}] lacks {missing[0]!r}, which {name} needs "
                              f"(its default is {needed[missing[0]]!r}); add it to the state dict")
         # torch's implementation switches (fused=True) become this optimizer's, absent keys its defaults
-        group = {**opt._loaded_group(saved), "params": current["params"]}
+        group = {**opt.loaded_group(saved), "params": current["params"]}
         try:
             opt.rule.validate(group)
         except (TypeError, ValueError) as exc:
@@ -71,7 +71,7 @@ def check_state_dict(opt, state_dict) -> list[dict]:
     for gi, saved_id, p in ((gi, i, p) for gi, (g, cur) in enumerate(zip(groups, opt.param_groups))
                             for i, p in zip(g["params"], cur["params"])):
         st = state.get(saved_id)
-        s = opt._slot_of[id(p)]
+        s = opt.state_store.slot_of(p)
         if not st or s.trainable is None:
             continue  # no state to load, or a frozen parameter, whose state load_state_dict ignores
         if not isinstance(st, dict):

@@ -9,7 +9,7 @@ from typing import Iterable
 
 from ..placement import Offload
 from .base import OffloadOptimizer
-from .rules import AdagradRule, AdamRule, LionRule, SGDRule
+from ..rules import AdagradRule, AdamRule, LionRule, SGDRule
 
 _ENGINE_ARGS = """
     Offload arguments (shared by every tierstate optimizer):
@@ -33,7 +33,7 @@ _ENGINE_ARGS = """
             worker thread), so the NVMe I/O overlaps forward and backward (default False). Exact whenever it applies; it needs every ``backward()`` to be
             followed by ``step()`` (no gradient accumulation), no ``max_grad_norm`` and no
             GradScaler, and a non-finite gradient raises instead of skipping the step. See
-            :mod:`tierstate.optim.backward_update`.
+            :mod:`tierstate.pipeline.backward`.
 
     torch's implementation switches (``foreach``, ``fused``, ``capturable``, ``differentiable``,
     where the torch namesake has them) are accepted at their defaults (None/False) and carried
@@ -42,7 +42,7 @@ _ENGINE_ARGS = """
     tierstate does instead (it always runs its own fused kernels).
 
     What ``optimizer.state[p]`` holds (see [Note: what optimizer.state holds] in
-    :mod:`tierstate.optim.base`): ``step`` (a CPU float32 tensor, as torch's) and, for a
+    :mod:`tierstate.optim.state_view`): ``step`` (a CPU float32 tensor, as torch's) and, for a
     parameter whose state lives wholly in host RAM, views of that state under torch's keys:
     writing into them changes the state. State held elsewhere (NVMe, the device tier, or a
     parameter straddling tiers) is not listed when the dict is iterated (frameworks iterate it

@@ -1,32 +1,22 @@
-"""Where state lives: each tier owns its storage and hands the step pipeline flat views.
+"""Where state lives: each tier owns its storage; the StateStore maps parameters onto them.
 
-A tier implements:
-
-- ``schedule(subgroups) -> list[SubGroup]``: the step will acquire these sub-groups;
-  the tier answers the order it wants them in (a permutation; the NVMe tier picks the
-  direction that meets the sub-groups already in its pool first) and may start reading
-  ahead along it.
-- ``ready(sg) -> bool``: whether ``acquire(sg)`` would return without waiting for I/O.
-- ``acquire(sg) -> {key: 1-D tensor}``: flat views of every state key of ``sg``, valid
-  until ``release``.
-- ``release(sg, dirty)``: done with ``sg``; dirty state is written back by the tier
-  (the NVMe tier lazily, when it reuses the buffer: write-behind).
-- ``drain()``: wait for I/O in flight; ``flush()``: also write back every dirty buffer,
-  so the tier's files hold all the state, raising a write that still fails. The NVMe
-  tier reports I/O failures where they matter (a failed read to whoever acquires that
-  record, failed writes through ``settle()`` / ``take_write_errors()``): see its
-  [Note: what a failed I/O leaves].
-- ``read_range(key, sg, offset, numel)`` / ``write_range(key, sg, offset, values)``: state
-  outside a step (init, state_dict, load_state_dict); always the newest values.
-- ``nbytes`` (bytes of state the tier holds) and ``close()``.
-
-:class:`DeviceTier` keeps its state on the parameters' device (``Offload(gpu=...)``),
-:class:`HostTier` in host RAM, :class:`NvmeTier` in files.
+- :class:`StateStore` (``store.py``): every parameter's state, read and written by parameter
+  and key, piece by piece; the lifecycle of each parameter's state (``slots.py``).
+- :class:`Tier` (``protocol.py``): what the step pipeline may ask of a tier (does it do I/O,
+  which phase its waits are booked under, is it on the compute device), never its kind.
+- :class:`DeviceTier` keeps its state on the parameters' device (``Offload(gpu=...)``),
+  :class:`HostTier` in host RAM, :class:`NvmeTier` in files behind a bounded buffer pool;
+  :func:`make_tiers` makes those a layout needs. Only this package names a tier kind.
 """
-from .device import DeviceTier
+from .build import device_heads, make_tiers, tier_fractions
+from .device import DeviceTier, device_tier_on_cpu_allowed
 from .host import HostTier, packed_arena
+from .protocol import Tier
+from .slots import MasterLife, Slot, StateLife
+from .store import StateStore
 
-__all__ = ["DeviceTier", "HostTier", "NvmeTier", "packed_arena"]
+__all__ = ["DeviceTier", "HostTier", "MasterLife", "NvmeTier", "Slot", "StateLife", "StateStore", "Tier",
+           "device_heads", "device_tier_on_cpu_allowed", "make_tiers", "packed_arena", "tier_fractions"]
 
 
 def __getattr__(name: str):

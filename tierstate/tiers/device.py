@@ -2,7 +2,7 @@
 
 The sub-groups of ``Offload(gpu=...)`` live here. Their update runs on the device with
 torch's own kernels (``torch._fused_adamw_`` and friends, see
-:meth:`tierstate.optim.rules.UpdateRule.update_on_device`), launched before the host part
+:meth:`tierstate.rules.UpdateRule.update_on_device`), launched before the host part
 of the step so that, on CUDA, both run at the same time.
 
 [Note: one arena per key, as in the host tier]
@@ -51,6 +51,8 @@ class DeviceTier(ArenaTier):
     """One flat buffer per state key over the device range of the layout, on ``device``."""
 
     kind = TierKind.DEVICE
+    on_device = True  # updated by the device executor; its gradients are read from param.grad
+    host_views = False  # optimizer.state must never hold device memory
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
                  device: torch.device) -> None:

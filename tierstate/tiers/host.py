@@ -35,12 +35,19 @@ class ArenaTier:
     """
 
     arenas: dict[str, Tensor]
+    does_io = False  # acquire never waits
+    wait_phase = None
+    spill_folder = None  # state dicts of memory tiers are views or plain tensors, never files
 
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self.arenas.values())
 
-    def schedule(self, subgroups: list[SubGroup]) -> list[SubGroup]:
+    @property
+    def pinned_nbytes(self) -> int:
+        return sum(a.untyped_storage().nbytes() for a in self.arenas.values() if a.is_pinned())
+
+    def schedule(self, subgroups: list[SubGroup], keep_order: bool = False) -> list[SubGroup]:
         """In-memory state needs no read-ahead; any order is as good: the given one."""
         return list(subgroups)
 
@@ -55,6 +62,19 @@ class ArenaTier:
     def release(self, sg: SubGroup, dirty: bool) -> None:
         """Nothing to write back: the views are the storage."""
 
+    # memory cannot fail as a disk does: nothing to settle, report or forget
+    def settle(self) -> None:
+        """No write can have failed."""
+
+    def take_write_errors(self) -> None:
+        return None
+
+    def lost_error(self) -> None:
+        return None
+
+    def forget_state(self) -> None:
+        """Nothing to drop: a load overwrites the arenas in place."""
+
 
 class HostTier(ArenaTier):
     """One flat host buffer ("arena") per state key over the host range of the layout.
@@ -66,6 +86,8 @@ class HostTier(ArenaTier):
     """
 
     kind = TierKind.HOST
+    on_device = False
+    host_views = True
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
                  pin_memory: bool = False) -> None:

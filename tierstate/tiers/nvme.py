@@ -383,6 +383,19 @@ class NvmeTier:
     """
 
     kind = TierKind.NVME
+    does_io = True  # acquire may wait on the disk
+    wait_phase = "nvme_wait"
+    on_device = False
+    host_views = False  # records move through the pool: no stable view to hand out
+
+    @property
+    def spill_folder(self):
+        """Where a state dict too large for RAM is mapped from (unlinked files)."""
+        return self.folders[0] / "state-dict"
+
+    @property
+    def pinned_nbytes(self) -> int:
+        return self.pool_nbytes if self.pin_memory else 0
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
                  offload: Offload, telemetry=None, pin_memory: bool | None = None) -> None:

@@ -24,8 +24,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .. import kernels
-from ..kernels import reference
+from . import kernels
+from .kernels import reference
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Updating optimizer state during backward: each sub-group as soon as its gradients are final.
 
-Opt-in with ``step_in_backward=True`` on any tierstate optimizer.
+Opt-in with ``step_in_backward=True`` on any tierstate optimizer. The driver runs the
+engine's own loop and host executor (:mod:`.loop`, :mod:`.executors`) on each ready sub-group.
 
 [Note: why update during backward]
 A plain step starts when backward ends, so everything the step does is added to the
@@ -36,10 +37,8 @@ the hook updates a ready sub-group itself, on the backward thread with all kerne
 threads, between two autograd nodes; an NVMe sub-group whose record has not landed yet is
 left for a later hook (or ``step()``) instead of being waited for, so backward never waits
 on the disk. What overlaps backward is then the I/O alone, which is the point on CPU.
-Measured on the 2-core reference VM (GPT-2 124M, bf16 parameters, NVMe, two interleaved
-runs of ``tierstate bench e2e``): 1.77 / 1.80 s per step on the backward thread against
-1.89 / 1.97 s with a worker thread (which already ran its kernels on one thread of two),
-peak RSS 2.56 against 2.76-2.82 GiB.
+On a 2-core machine (GPT-2 124M, bf16 parameters, NVMe) a step takes ~1.8 s on the
+backward thread against ~1.9-2.0 s with a worker thread, and peaks ~0.2 GiB lower.
 
 [Note: what this mode cannot do]
 An update made during backward cannot wait for the whole gradient, so:
@@ -63,22 +62,24 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from .. import kernels
-from ..placement import SubGroup, TierKind
+from ..placement import SubGroup
+from ..tiers import Slot
+from .decision import Scaling
+from .loop import run_subgroups
 
 if TYPE_CHECKING:
-    from .base import OffloadOptimizer, _Slot
+    from .engine import StepEngine, StepResult
 
 _LANE = "backward-update"
 
 
-class BackwardUpdater:
+class BackwardDriver:
     """Hooks every trainable parameter and updates sub-groups as they become ready.
 
     Where the updates run is said in [Note: updates on the backward thread]. Either way the
@@ -87,27 +88,18 @@ class BackwardUpdater:
     worker) before it touches the tiers itself.
     """
 
-    def __init__(self, opt: "OffloadOptimizer") -> None:
-        # A weak reference: the hooks on the parameters keep this object alive, and must not
-        # keep the optimizer (its host arenas, its NVMe files) alive past the user's last use.
-        self._opt = weakref.ref(opt)
+    def __init__(self, engine: "StepEngine") -> None:
+        self.engine = engine
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None  # the worker, started at its first use
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in opt._trainable]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in engine.parts.trainable]
         # The order sub-groups became ready in during the last backward (then the leftovers
-        # step() updated): the NVMe tier's plan for the next one. Before the first backward,
+        # step() updated): the I/O tiers' plan for the next one. Before the first backward,
         # the reverse of the parameters' order, which is how backward usually meets them.
-        self.expected_order: list[SubGroup] = list(reversed(opt.layout.subgroups))
+        self.expected_order: list[SubGroup] = list(reversed(engine.store.layout.subgroups))
         # See [Note: updates on the backward thread]; tests set it to run the worker on CPU.
-        self.inline = opt.device.type == "cpu"
+        self.inline = engine.device.type == "cpu"
         self._reset()
-
-    @property
-    def opt(self) -> "OffloadOptimizer":
-        opt = self._opt()
-        if opt is None:
-            raise RuntimeError("the optimizer of this step_in_backward hook was garbage-collected")
-        return opt
 
     # -- one backward pass ---------------------------------------------------------------------
     def _reset(self) -> None:
@@ -117,33 +109,33 @@ class BackwardUpdater:
         self.grads: dict[int, Tensor] = {}  # trainable index -> flat host gradient
         self.prepared: set[int] = set()  # slots whose step count and state were set up
         self.fresh: set[int] = set()  # slots whose state started existing this step
-        self.done: list[SubGroup] = []  # sub-groups updated by the worker, in order
+        self.done: list[SubGroup] = []  # sub-groups updated during backward, in order
         self.nonfinite: list[int] = []  # param indices (torch numbering) with inf/nan
         self.error: BaseException | None = None
-        self.stopped = False  # set by the worker at the first non-finite gradient or error
-        self.sumsq = 0.0  # squared norm of the gradients the worker took (for last_grad_norm)
+        self.stopped = False  # set at the first non-finite gradient or error
+        self.sumsq = 0.0  # squared norm of the gradients taken (for last_grad_norm)
         self.waiting: deque[SubGroup] = deque()  # inline: ready sub-groups whose record is still on its way
+        self.executor = self.engine.host_executor(self.grads, self.fresh, 1.0)
 
     def _begin(self) -> None:
         """First gradient of a backward pass: count, per sub-group, the parameters to wait for."""
-        opt = self.opt
+        engine = self.engine
         self.open = True
         self.pending = {}
-        nvme = opt.tiers.get(TierKind.NVME)
-        lost = nvme.lost_error() if nvme is not None else None
+        lost = engine.store.lost_error()
         if lost is not None:  # update nothing: step() raises it with the state as before this backward
             self.error, self.stopped = lost, True
-        for t, p in enumerate(opt._trainable):
+        for t, p in enumerate(engine.parts.trainable):
             if not p.requires_grad:
                 continue
-            for seg in opt.layout.segments_of(t):
+            for seg in engine.store.layout.segments_of(t):
                 self.pending[seg.subgroup] = self.pending.get(seg.subgroup, 0) + 1
 
     def _on_grad(self, param: Tensor) -> None:
-        opt = self._opt()
-        if opt is None:  # collected without close(); its finalizer removes these hooks
+        engine = self.engine
+        if engine.parts is None:
             return
-        s = opt._slot_of.get(id(param))
+        s = engine.store.slot_of(param)
         if s is None or s.trainable is None:
             return
         if not self.open:
@@ -156,21 +148,23 @@ class BackwardUpdater:
                 "step_in_backward=False to accumulate gradients")
         self.seen.add(s.trainable)
         landed = None
-        if opt._grads is not None and s.trainable in opt._stream_index:
+        grads = engine.parts.grads
+        if grads.streamed(s):
             # CUDA gradient stream: send this gradient now instead of when its bucket fills;
             # the worker waits for the copy before it reads the host buffer.
-            landed = opt._grads.flush_now()
-            grad = opt._grads.host[opt._stream_index[s.trainable]]
+            landed = grads.stream.flush_now()
+            grad = grads.stream.host[grads.stream_index[s.trainable]]
         else:
-            grad = opt._host_grad(s)
+            grad = grads.host_grad(s)
             if grad is None:
                 return
         ready = []
-        for seg in opt.layout.segments_of(s.trainable):
+        layout = engine.store.layout
+        for seg in layout.segments_of(s.trainable):
             left = self.pending.get(seg.subgroup, 0) - 1
             self.pending[seg.subgroup] = left
             if left == 0:
-                ready.append(opt.layout.subgroups[seg.subgroup])
+                ready.append(layout.subgroups[seg.subgroup])
         if not self.inline:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tierstate-backward-update", daemon=True)
@@ -202,20 +196,20 @@ class BackwardUpdater:
             finally:
                 self._queue.task_done()
 
-    def _handle(self, s: "_Slot", grad: Tensor, ready: list[SubGroup], landed) -> None:
+    def _handle(self, s: Slot, grad: Tensor, ready: list[SubGroup], landed) -> None:
         if self._take(s, grad, landed):
             for sg in ready:
                 self._update(sg)
 
-    def _take(self, s: "_Slot", grad: Tensor, landed) -> bool:
+    def _take(self, s: Slot, grad: Tensor, landed) -> bool:
         """Check one parameter's gradient and set up its state; False (and stop) if it is not finite."""
-        opt = self.opt
         if landed is not None:
             landed.synchronize()
-        if opt._upload_done is not None:
+        upload = self.engine.parts.weights.upload_done
+        if upload is not None:
             # CUDA: the previous step's weight upload reads the staging buffers the kernels
             # are about to overwrite (forward on the device may not even have started yet)
-            opt._upload_done.synchronize()
+            upload.synchronize()
         sumsq = kernels.grad_sumsq(grad)
         if not math.isfinite(sumsq):
             self.nonfinite.append(s.index)
@@ -223,39 +217,30 @@ class BackwardUpdater:
             return False
         self.sumsq += sumsq
         self.grads[s.trainable] = grad
-        if opt._prepare_slot(s, grad):
+        if self.engine.prepare(s, grad):
             self.fresh.add(s.trainable)
         self.prepared.add(s.trainable)
         return True
 
     def _update(self, sg: SubGroup) -> None:
-        """Update one sub-group whose gradients are all final."""
-        opt = self.opt
-        tel = opt.telemetry
-        lane = None if self.inline else _LANE
-        tier = opt.tiers[sg.tier]
+        """Update one sub-group whose gradients are all final, through the engine's loop."""
         segs = [seg for seg in sg.segments if seg.param_index in self.grads]
-        if sg.tier is TierKind.NVME:
-            with tel.phase("nvme_wait", lane=lane):
-                views = tier.acquire(sg)
-        else:
-            views = tier.acquire(sg)
-        try:
-            with tel.phase("cpu_update", lane=lane):
-                for seg in segs:
-                    opt._update_segment(seg, views, self.grads[seg.param_index],
-                                        first_step=seg.param_index in self.fresh, grad_scale=1.0)
-        finally:
-            tier.release(sg, dirty=True)
+        store = self.engine.store
+        telemetry = self.engine.telemetry
+        self.executor.lane = None if self.inline else _LANE  # the worker's phases go to its own trace lane
+        if not self.inline:
+            telemetry = _Lane(telemetry, _LANE)
+        run_subgroups([(sg, segs)], {sg.tier: store.tier_of(sg)}, lambda tier: self.executor, telemetry)
         self.done.append(sg)
 
     def _update_waiting(self, block: bool) -> None:
-        """Inline mode: update the ready sub-groups in order, up to the first whose NVMe record
-        has not landed yet (all of them with ``block``)."""
-        opt = self.opt
+        """Inline mode: update the ready sub-groups in order, up to the first whose record has
+        not landed yet (all of them with ``block``)."""
+        store = self.engine.store
         while self.waiting and not self.stopped:
             sg = self.waiting[0]
-            if not block and sg.tier is TierKind.NVME and not opt.tiers[sg.tier].ready(sg):
+            tier = store.tier_of(sg)
+            if not block and tier.does_io and not tier.ready(sg):
                 return
             self.waiting.popleft()
             self._update(sg)
@@ -263,7 +248,7 @@ class BackwardUpdater:
     # -- the step's side -----------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every gradient delivered so far is handled (by the worker, or here for the
-        sub-groups left waiting for their NVMe records); raise the first error."""
+        sub-groups left waiting for their records); raise the first error."""
         if not self.open:
             return
         if self.inline:
@@ -273,12 +258,75 @@ class BackwardUpdater:
                 self.error = exc
                 self.stopped = True
         else:
-            with self.opt.telemetry.phase("backward_wait"):
+            with self.engine.telemetry.phase("backward_wait"):
                 self._queue.join()
         if self.error is not None:
             error, self.error = self.error, None
             self.close_cycle()
             raise error
+
+    def finish_step(self, active: list, scaling: Scaling) -> "StepResult":
+        """step() after a backward whose sub-groups were (partly) updated during it: update what is
+        left (sub-groups with a parameter that got no gradient during backward, or whose gradient
+        is final only at its end), and plan the next backward's I/O.
+
+        Every parameter ends either wholly updated or untouched: one whose gradient was taken
+        (and found finite) gets its remaining pieces here even when a later gradient was
+        non-finite; then the result carries a ``FloatingPointError`` naming the non-finite ones,
+        to raise once the updated state is published.
+        """
+        from .engine import StepResult  # noqa: PLC0415 - engine imports this module
+
+        engine = self.engine
+        store = engine.store
+        bad = list(self.nonfinite)
+        try:
+            if scaling.scaled:
+                raise ValueError("step_in_backward=True does not work with a GradScaler: unscaling and the inf "
+                                 "check need every gradient before the first update; use bf16 (no scaler) or "
+                                 "step_in_backward=False")
+            late = [s.index for s in store.slots if s.trainable is None and s.param.requires_grad
+                    and s.param.grad is not None]
+            if late:
+                raise RuntimeError(
+                    f"step_in_backward=True: parameter(s) {late[:8]} were frozen when the optimizer was built and "
+                    "now have gradients; their state cannot be placed while backward updates run. Build the "
+                    "optimizer after unfreezing them, or use step_in_backward=False")
+            grads = dict(self.grads)
+            fresh = set(self.fresh)
+            extra = [(s, g) for s, g in active if s.trainable not in self.prepared]
+            sumsq = self.sumsq
+            if not bad and extra:  # gradients that reached step() without passing a hook (set by hand)
+                with engine.telemetry.phase("grad_norm"):
+                    for s, g in extra:
+                        value = kernels.grad_sumsq(g)
+                        if math.isfinite(value):
+                            sumsq += value
+                        else:
+                            bad.append(s.index)
+            if not bad:
+                engine.counters.last_grad_norm = math.sqrt(sumsq)
+                for s, g in extra:
+                    if engine.prepare(s, g):
+                        fresh.add(s.trainable)
+                    grads[s.trainable] = g
+            work = engine.work(lambda tier: grads, skip={sg.index for sg in self.done})
+            executor = engine.host_executor(grads, fresh, 1.0)
+            run_subgroups(work, store.tiers, lambda tier: executor, engine.telemetry)
+            stepped = [store.by_trainable(t) for t in grads]
+            engine.after_update(stepped)
+        finally:
+            self.close_cycle()
+        self.plan_next()
+        result = StepResult(stepped, fresh)
+        if bad:
+            engine.counters.skipped_steps += 1
+            engine.telemetry.count("skipped_steps")
+            result.error = FloatingPointError(
+                f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan) with step_in_backward=True: parameters "
+                "whose gradients were handed over before it are updated, the others are untouched (this mode "
+                "cannot skip a whole step; use step_in_backward=False for on_nonfinite='skip')")
+        return result
 
     def close_cycle(self) -> None:
         """The step consumed this backward's updates: remember their order, forget the rest."""
@@ -288,11 +336,11 @@ class BackwardUpdater:
         self._reset()
 
     def plan_next(self) -> None:
-        """Tell the NVMe tier the order of the next backward, so its I/O starts now (during forward)."""
-        nvme = self.opt.tiers.get(TierKind.NVME)
-        if nvme is not None:
-            mine = [sg for sg in self.expected_order if sg.tier is TierKind.NVME]
-            nvme.schedule(mine, keep_order=True)
+        """Tell the I/O tiers the order of the next backward, so their reads start now (during forward)."""
+        store = self.engine.store
+        for kind, tier in store.tiers.items():
+            if tier.does_io:
+                tier.schedule([sg for sg in self.expected_order if sg.tier is kind], keep_order=True)
 
     def close(self) -> None:
         for h in self._handles:
@@ -301,3 +349,13 @@ class BackwardUpdater:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+
+class _Lane:
+    """Telemetry whose phases go to one trace lane (the worker thread's), as the loop books them."""
+
+    def __init__(self, telemetry, lane: str) -> None:
+        self._telemetry, self._lane = telemetry, lane
+
+    def phase(self, name: str, lane: str | None = None):
+        return self._telemetry.phase(name, lane=lane or self._lane)

@@ -1,0 +1,99 @@
+"""The checks on what an optimizer is given: the ``params`` argument and each parameter group.
+
+torch accepts any iterable of tensors, of ``(name, tensor)`` pairs or of group dicts; so
+does tierstate, with the checks torch leaves out where leaving them out would corrupt state
+(a set's order changes between runs; a tensor twice would be stepped twice).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from ..dist import local_tensor
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def params_list(params: Iterable, owner: str) -> list:
+    """``params`` as the list torch's constructor takes, read once."""
+    if isinstance(params, set):
+        raise TypeError(
+            "params is a set: its ordering changes between runs, and a state_dict maps state to parameters "
+            "by position; pass a list (e.g. list(model.parameters()))")
+    if isinstance(params, Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        f"a {torch.typename(params)}; pass [tensor]")
+    params = list(params)  # once: a generator read twice (offload='auto', then torch) would be empty
+    if not params:
+        raise ValueError(f"{owner} got no trainable parameter: the parameter list is empty (was a "
+                         "generator such as model.parameters() used up before?); pass the parameters to train")
+    return params
+
+
+def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, rule) -> dict:
+    """Check a group about to be added (``param_groups`` are the groups already there) and return
+    it with its ``params`` as a list; raise, naming the argument and the fix, before anything changes."""
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict with a 'params' entry, got {type(param_group).__name__}")
+    where = f"param_groups[{len(param_groups)}]['params']"
+    if "params" not in param_group:
+        raise ValueError(f"param_groups[{len(param_groups)}] has no 'params' entry: give the tensors to "
+                         "optimize as {'params': [...], ...}")
+    params = param_group["params"]
+    if isinstance(params, Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError(f"{where} is a set: its ordering changes between runs, and a state_dict maps state to "
+                        "parameters by position; pass a list (e.g. list(module.parameters()))")
+    else:
+        try:
+            params = list(params)
+        except TypeError:
+            raise TypeError(f"{where} is a {type(params).__name__}; give a tensor or an iterable of tensors "
+                            "(module.parameters())") from None
+    param_group["params"] = params  # the list, not the generator it came from (read once, here)
+    tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+    seen = {p: f"param_groups[{gi}]['params'][{i}]" for gi, g in enumerate(param_groups)
+            for i, p in enumerate(g["params"])}  # tensors hash by identity
+    for i, p in enumerate(tensors):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}; an optimizer takes torch Tensors (model.parameters())")
+        if not p.is_leaf:
+            raise ValueError(f"params[{i}] is not a leaf tensor (it was computed from others); optimize the leaf "
+                             "tensors (nn.Parameter) instead")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16")
+        # torch warns on a duplicate in one group and refuses one in two; tierstate refuses both:
+        # one tensor updated twice per step with one state differs from torch's result (3e-3 after
+        # 3 Adam steps), and a parameter must have one slot of state
+        if p in seen:
+            raise ValueError(
+                f"{where}[{i}] is the same tensor as {seen[p]}: a parameter may appear once in an "
+                "optimizer; remove the duplicate (e.g. tied weights: pass the shared tensor once)")
+        seen[p] = f"{where}[{i}]"
+    merged = dict(param_group)
+    for key, value in defaults.items():
+        merged.setdefault(key, value)
+    rule.validate(merged)
+    devices = {p.device for g in param_groups for p in g["params"]} | {p.device for p in tensors}
+    if len(devices) > 1:
+        raise ValueError(f"params are on {len(devices)} devices ({', '.join(sorted(str(d) for d in devices))}); "
+                         "one optimizer takes parameters of one device (use one optimizer per device)")
+    for i, p in enumerate(tensors):
+        if local_tensor(p).is_meta:
+            raise ValueError(
+                f"params[{i}] (shape {tuple(p.shape)}) is on the meta device: it has no values to optimize, and "
+                "its state would be allocated for nothing; materialize the model first (module.to_empty("
+                "device=...) and initialize it, or load its weights) and build the optimizer after")
+    return param_group
+
+
+def refuse_nothing_to_train(owner: str, params: list) -> None:
+    """An optimizer over no trainable parameter would step nothing, silently."""
+    if not any(p.requires_grad for p in params):
+        what = (f"all {len(params)} parameters have requires_grad=False" if params
+                else "its parameter groups are empty (was a generator passed twice, or a filter left nothing?)")
+        raise ValueError(f"{owner} got no trainable parameter: {what}; pass the parameters to train "
+                         "(e.g. [p for p in model.parameters() if p.requires_grad]) and unfreeze them first")

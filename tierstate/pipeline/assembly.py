@@ -1,0 +1,99 @@
+"""Assembly: from the parameter groups, the rule and the policy to a layout, tiers and a store.
+
+[Note: the device tier in a step]
+With ``Offload(gpu=f)`` the first ``f`` of the flat index space lives in a tier on the
+parameters' device. Gradients of parameters touching it are not streamed to the host:
+they are read from ``param.grad`` where backward left them. A step then (1) queues the
+device part's share of the global norm, (2) computes the host part's share with the
+native kernel and waits for the device share (clipping and the non-finite skip need the
+total before any state moves), (3) queues the device part's update, one fused multi-tensor
+launch per parameter group and sub-group, and (4) runs the host and NVMe sub-groups, which
+on CUDA overlap (3). At most one parameter straddles the device range and the host range;
+its tail is copied to the host at step time and only the tail is uploaded afterwards, its
+head being updated in place on the device. A wholly device-resident fp32 parameter is its
+own master, as in torch; bf16/fp16 ones keep an fp32 master in the device tier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..dist import local_tensor, shard_groups
+from ..placement import Layout, Offload, plan_layout
+from ..tiers import (Slot, StateStore, device_heads, device_tier_on_cpu_allowed, make_tiers, tier_fractions)
+from .grads import Gradients
+from .weights import WeightsOut
+
+
+@dataclass
+class Parts:
+    """What one assembly made; a rebuild (new groups, replaced parameters) makes them anew."""
+
+    device: torch.device
+    store: StateStore
+    trainable: list[Tensor]
+    shard_groups: list
+    heads: dict[int, int]  # trainable index -> elements at its head in a tier on the compute device
+    grads: Gradients
+    weights: WeightsOut
+
+    @property
+    def layout(self) -> Layout:
+        return self.store.layout
+
+    def close(self) -> None:
+        self.grads.close()
+        self.store.close()
+
+
+def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backward: bool, telemetry) -> Parts:
+    param_groups = groups()
+    params = [p for g in param_groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    on_accel = device.type != "cpu"
+    if offload.gpu > 0 and not on_accel and not device_tier_on_cpu_allowed():
+        raise ValueError(
+            f"Offload(gpu={offload.gpu}) needs parameters on an accelerator; these are on {device}: "
+            "move the model to the accelerator before building the optimizer, or keep the state in host RAM "
+            "and on NVMe, e.g. Offload(cpu=0.6, nvme=0.4)")
+    if offload.gpu > 0 and step_in_backward:
+        raise ValueError(f"step_in_backward=True with Offload(gpu={offload.gpu}): the update during backward "
+                         "runs on the host tiers only; use Offload(gpu=0, ...) or step_in_backward=False")
+    slots, trainable = [], []
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            # torch's Adagrad creates state for every parameter, frozen or not, so eager rules place all
+            t = len(trainable) if p.requires_grad or rule.eager_state else None
+            if t is not None:
+                trainable.append(p)
+            slots.append(Slot(len(slots), p, gi, t, needs_master=on_accel or p.dtype != torch.float32))
+    shards = shard_groups(trainable)
+    stores_nothing = not any(spec for g in param_groups for spec in rule.state_specs(g)) and not any(
+        s.needs_master for s in slots if s.trainable is not None)
+    layout = plan_layout([local_tensor(p).numel() for p in trainable],
+                         tier_fractions(offload, stores_nothing=stores_nothing), offload.subgroup_numel)
+    if offload.gpu > 0 and shards:
+        raise ValueError(f"Offload(gpu={offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "
+                         "keep the state on the host tiers, e.g. Offload(cpu=0.6, nvme=0.4)")
+    heads = device_heads(layout)
+    for s in slots:  # wholly on the device and fp32: the parameter is its own master, as in torch
+        if heads.get(s.trainable, -1) == s.param.numel() and s.param.dtype == torch.float32:
+            s.needs_master = False
+    specs = {}
+    for g in param_groups:
+        for spec in rule.state_specs(g):
+            specs.setdefault(spec.name, spec)
+    dtypes = {name: (offload.moment_dtype if spec.moment else torch.float32) for name, spec in specs.items()}
+    inits = {name: spec.init for name, spec in specs.items()}
+    if any(s.needs_master for s in slots if s.trainable is not None):
+        dtypes["master"] = torch.float32
+    by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
+    master_on_device = any(by_trainable[t].needs_master for t in heads)
+    tiers = make_tiers(layout, dtypes, inits, offload, device, master_on_device=master_on_device, telemetry=telemetry)
+    store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]))
+    grads = Gradients(trainable, heads, offload, device, telemetry)
+    weights = WeightsOut(store, trainable, heads, device)
+    return Parts(device, store, trainable, shards, heads, grads, weights)

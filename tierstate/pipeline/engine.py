@@ -1,0 +1,318 @@
+"""StepEngine: one optimizer step, from gradients in to weights out.
+
+    gradients in (grads.py) -> norm and non-finite decision (decision.py) -> state made ready
+    (the store) -> the sub-group loop (loop.py), each sub-group updated by the executor of its
+    tier (executors.py) -> weights out (weights.py)
+
+``OffloadOptimizer.step()`` runs :meth:`StepEngine.step`; with ``step_in_backward`` the
+driver in :mod:`.backward` runs the same loop and executors during backward and
+:meth:`StepEngine.step` finishes what is left. The engine is built from the optimizer's
+parameter groups, its rule and its policy (:mod:`.assembly`), and rebuilt when those
+change (a group added, parameters replaced, a load needing other state keys).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..placement import Offload
+from ..tiers import Slot, StateLife
+from .assembly import Parts, assemble
+from .decision import Decision, Scaling, Verdict, decide
+from .executors import DeviceExecutor, HostExecutor
+from .loop import run_subgroups
+
+_log = logging.getLogger("tierstate")
+
+
+@dataclass(frozen=True)
+class StepPolicy:
+    """How a step treats its gradients (validated by the optimizer's constructor)."""
+
+    max_grad_norm: float | None = None
+    on_nonfinite: str = "skip"  # or "raise"
+    step_in_backward: bool = False
+
+
+@dataclass
+class StepCounters:
+    """What the optimizer reports across steps (and a checkpoint keeps)."""
+
+    steps_taken: int = 0  # step() calls, for telemetry's step index
+    skipped_steps: int = 0
+    last_grad_norm: float | None = None
+
+
+@dataclass
+class StepResult:
+    """The slots a step updated (their state and step count changed) and which of them got state."""
+
+    stepped: list[Slot] = field(default_factory=list)
+    fresh: set[int] = field(default_factory=set)  # trainable indices whose state started existing
+    rebuilt: bool = False  # the engine was rebuilt first: every slot's host views changed
+    error: BaseException | None = None  # to raise once the stepped state is published
+
+
+class StepEngine:
+    """The step of one optimizer over its tiers.
+
+    Args:
+        owner: the object whose ``param_groups`` the engine steps (held weakly: hooks on the
+            parameters keep the engine alive, and must not keep the optimizer alive).
+        rule: the update rule (:mod:`tierstate.rules`).
+    """
+
+    def __init__(self, owner, rule, offload: Offload, policy: StepPolicy, telemetry,
+                 counters: StepCounters | None = None) -> None:
+        self._owner = weakref.ref(owner)
+        self.rule, self.offload, self.policy, self.telemetry = rule, offload, policy, telemetry
+        self.counters = counters if counters is not None else StepCounters()
+        self.backward = None
+        self.parts: Parts | None = None
+        self._assemble()
+
+    def groups(self) -> list[dict]:
+        owner = self._owner()
+        return owner.param_groups if owner is not None else []
+
+    # -- assembly ----------------------------------------------------------------------------
+    def _assemble(self) -> None:
+        self.parts = assemble(self.groups, self.rule, self.offload, self.policy.step_in_backward, self.telemetry)
+        if self.rule.eager_state:
+            for s in self.store.slots:
+                if s.trainable is not None:
+                    self.store.start_state(s)
+        if self.policy.step_in_backward and self.parts.trainable:
+            from .backward import BackwardDriver  # noqa: PLC0415 - only this mode needs it
+
+            self.backward = BackwardDriver(self)
+            self.backward.plan_next()
+
+    @property
+    def store(self):
+        return self.parts.store
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
+
+    def rebuild(self) -> None:
+        """Assemble anew over the current parameter groups, carrying every existing state."""
+        store = self.store
+        saved = {s.param: (store.export(s, self.rule.has_step), s.master.filled) for s in store.slots if s.has_state}
+        self._close_parts()
+        self._assemble()
+        for s in self.store.slots:
+            if s.param in saved:
+                state, master_filled = saved[s.param]
+                self.store.import_(s, state, master_filled=master_filled)
+
+    def _close_parts(self) -> None:
+        if self.backward is not None:
+            self.backward.close()
+            self.backward = None
+        if self.parts is not None:
+            self.parts.close()
+
+    def close(self) -> None:
+        """Release host buffers, files and hooks."""
+        self._close_parts()
+
+    # -- outside a step ------------------------------------------------------------------------
+    @property
+    def backward_open(self) -> bool:
+        return self.backward is not None and self.backward.open
+
+    def before_state_access(self) -> bool:
+        """Before reading or writing state outside ``step()``: let the updates ``step_in_backward``
+        runs during backward land first (its driver owns the tiers until then; the step stays
+        open for ``step()`` to finish), write the master pieces still pending, and follow
+        parameters that FSDP2 replaced. True if the engine was rebuilt."""
+        if self.backward_open:
+            self.backward.finish()
+        self.store.write_pending_masters()
+        return self.follow_replaced_params()
+
+    def follow_replaced_params(self) -> bool:
+        """Re-place the state when ``param_groups`` now holds other parameter objects.
+
+        Accelerate's FSDP2 preparation builds the optimizer over the full parameters and then
+        swaps them in ``param_groups`` for the sharded DTensors ``fully_shard`` made (HF Trainer
+        does this for ``optimizer_cls_and_kwargs``). Before the first step there is no state to
+        carry, so the engine is simply built again over the new parameters; after it, the state
+        of a replaced parameter would have no owner, so that is refused.
+        """
+        params = [p for g in self.groups() for p in g["params"]]
+        slots = self.store.slots
+        if len(params) == len(slots) and all(p is s.param for p, s in zip(params, slots)):
+            return False
+        current = set(params)  # tensors hash by identity
+        lost = [s.index for s in slots if s.has_state and s.param not in current]
+        if lost:
+            raise RuntimeError(
+                f"param_groups no longer hold parameter(s) {lost[:8]} of this optimizer, which have state; "
+                "parameters may be replaced (e.g. by FSDP2 wrapping) only before the first step. Wrap the "
+                "model first, or save the optimizer state and load it into one built over the new parameters")
+        self.rebuild()
+        return True
+
+    def adopt_new_trainables(self) -> bool:
+        """A parameter frozen at construction that now has a gradient gets a place in the tiers."""
+        if not any(s.trainable is None and s.param.requires_grad and s.param.grad is not None
+                   for s in self.store.slots):
+            return False
+        pending = self.parts.grads.carry_over()  # gradients already streamed survive the re-placement
+        self.rebuild()
+        self.parts.grads.take_over(self.store.slots, pending)
+        return True
+
+    def reset_grads(self, set_to_none: bool) -> None:
+        self.parts.grads.reset(set_to_none)
+
+    # -- the step ------------------------------------------------------------------------------
+    def prepare(self, s: Slot, grad: Tensor | None) -> bool:
+        """Make a parameter ready for its update (state, master, step count); True if its state is new.
+
+        ``grad``: the part of its gradient the host kernels read (None: it is wholly on the device).
+        """
+        fresh = not s.has_state
+        if fresh:
+            self.store.start_state(s)
+        self.store.fill_master(s)
+        s.life = StateLife.LIVE
+        s.step += 1
+        if grad is not None:
+            read, written = self._kernel_traffic(s, grad)
+            self.telemetry.add_bytes("host", "read", read)
+            self.telemetry.add_bytes("host", "write", written)
+        return fresh
+
+    def host_executor(self, grads: dict, fresh: set, grad_scale: float, lane: str | None = None) -> HostExecutor:
+        return HostExecutor(self.store, self.rule, self.groups, grads, fresh, grad_scale,
+                            self.parts.weights.out_view, self.telemetry, lane=lane)
+
+    def work(self, grads_by_place, skip: set[int] = frozenset()) -> list[tuple]:
+        """(sub-group, its segments with a gradient) for every sub-group not in ``skip``, in layout
+        order. ``grads_by_place(tier)``: the gradients that tier's executor reads."""
+        out = []
+        for sg in self.store.layout.subgroups:
+            if sg.index in skip:
+                continue
+            have = grads_by_place(self.store.tier_of(sg))
+            segs = [seg for seg in sg.segments if seg.param_index in have]
+            if segs:
+                out.append((sg, segs))
+        return out
+
+    def step(self, scaling: Scaling) -> StepResult:
+        """One step over every parameter with a gradient (see ``OffloadOptimizer.step`` for what a
+        failure leaves). Raises the I/O errors of the tiers; a write that failed during the step
+        is left for the caller to collect (``store.take_write_errors()``)."""
+        tel, store = self.telemetry, self.store
+        backward_open = self.backward_open
+        if not backward_open:
+            store.settle()  # earlier failed writes retried, or raise with nothing changed yet
+        self.counters.steps_taken += 1
+        self.parts.weights.wait_upload(tel)  # the staging buffers are about to be rewritten
+        self.parts.grads.wait()
+        rebuilt = False
+        if backward_open:
+            self.backward.finish()
+        else:
+            rebuilt = self.follow_replaced_params()
+            rebuilt = self.adopt_new_trainables() or rebuilt
+            store = self.store
+        grads = self.parts.grads
+        active = [(s, g) for s in store.slots if s.trainable is not None and (g := grads.grad_of(s)) is not None]
+        if backward_open:
+            result = self.backward.finish_step(active, scaling)
+            result.rebuilt = rebuilt
+            return result
+        host_grads, device_grads = grads.split(active)
+        decision = decide(active, host_grads, device_grads, self.parts.heads, scaling, self.parts.shard_groups,
+                          self.policy.max_grad_norm, self.device, tel)
+        if decision.verdict is Verdict.SKIP:
+            self._skip(decision, active, scaling)
+            return StepResult(rebuilt=rebuilt)
+        if decision.verdict is Verdict.RUN:
+            self.counters.last_grad_norm = decision.norm
+            if decision.sumsq == 0.0 and not any(s.has_state for s in store.slots) and all(
+                    float(g["lr"]) == 0.0 and self.rule.zero_step_is_noop(g) for g in self.groups()):
+                # torch.distributed.checkpoint's _init_optim_state: a step with zero gradients and
+                # lr 0 only to make state exist. Its outcome is known (state at init, step 1), so
+                # no sub-group is streamed through the tiers for it.
+                for s, _ in active:
+                    store.start_state(s)
+                    s.step = 1
+                return StepResult([s for s, _ in active], {s.trainable for s, _ in active}, rebuilt)
+        result = self._run(active, host_grads, device_grads, decision)
+        result.rebuilt = rebuilt
+        return result
+
+    def _skip(self, decision: Decision, active: list, scaling: Scaling) -> None:
+        if self.policy.on_nonfinite == "raise" and not scaling.scaled:  # a scaler decides when there is one
+            bad = [s.index for s, g in active if not bool(torch.isfinite(g).all())]
+            raise FloatingPointError(f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan); pass "
+                                     "on_nonfinite='skip' to skip such steps, or use torch.amp.GradScaler")
+        self.counters.skipped_steps += 1
+        self.telemetry.count("skipped_steps")
+        if scaling.scaled:
+            return  # GradScaler lowers its scale in update(); nothing to say
+        _log.warning("tierstate: step skipped (%s); all optimizer state left untouched (%d skipped so far)",
+                     f"non-finite gradient, total squared norm {decision.sumsq}", self.counters.skipped_steps)
+
+    def _run(self, active: list, host_grads: dict, device_grads: dict, decision: Decision) -> StepResult:
+        grads: dict[int, Tensor] = {}
+        fresh: set[int] = set()
+        for s, g in active:
+            host = host_grads.get(s.trainable)
+            if self.prepare(s, None if host is None else host[0][host[1]:]):
+                fresh.add(s.trainable)
+            if host is not None:
+                grads[s.trainable] = host[0]
+        host_exec = self.host_executor(grads, fresh, decision.grad_scale)
+        device_exec = DeviceExecutor(self.store, self.rule, self.groups, device_grads, fresh,
+                                     decision.device_grad_scale, self.telemetry) if device_grads else None
+        work = self.work(lambda tier: device_grads if tier.on_device else grads)
+        run_subgroups(work, self.store.tiers, lambda tier: device_exec if tier.on_device else host_exec,
+                      self.telemetry)
+        stepped = [s for s, _ in active]
+        self.after_update(stepped)
+        return StepResult(stepped, fresh)
+
+    def after_update(self, stepped: list[Slot]) -> None:
+        """Upload the stepped parameters' weights (CUDA) and set the gauges."""
+        tel = self.telemetry
+        self.parts.weights.upload(stepped, tel)
+        for tier_name, nbytes in self.tier_bytes().items():
+            tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
+        if self.device.type == "cuda":
+            tel.set_gauge("pinned_bytes", self.pinned_bytes())
+            tel.set_gauge("device_mem", torch.cuda.memory_allocated(self.device))
+
+    # -- accounting ----------------------------------------------------------------------------
+    def tier_bytes(self) -> dict:
+        out = self.store.nbytes_by_tier()
+        if self.parts.grads.stream is not None:
+            out["host_grads"] = self.parts.grads.nbytes
+        return out
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory held (arenas, gradient arena, staging, I/O pools)."""
+        return self.store.pinned_nbytes + self.parts.grads.pinned_nbytes + self.parts.weights.pinned_nbytes
+
+    def _kernel_traffic(self, s: Slot, grad: Tensor) -> tuple[int, int]:
+        """Host-memory bytes the update of (the host part of) one parameter reads and writes (one fused pass)."""
+        n = grad.numel()
+        dtypes = self.store.dtypes
+        state = sum(dtypes[k].itemsize for k in self.store.keys(s) if k != "master")
+        weight = 4 if s.needs_master else s.local.element_size()  # the master, or the fp32 param itself
+        out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
+        return n * (grad.element_size() + state + weight), n * (state + weight + out)
+
+
+__all__ = ["StepCounters", "StepEngine", "StepPolicy", "StepResult"]

@@ -1,0 +1,134 @@
+"""Executors: what updates a sub-group's state once the loop holds its views.
+
+An executor takes a sub-group, the segments of it to update and the views its tier handed
+out, starts the update and returns a :class:`Completion`. The loop releases the sub-group
+once its completion is done, so an executor that finishes later than it returns (the
+device tier's queued kernels; a GPU updating host-resident state: copy in, update, copy
+out) fits the same loop as the host kernels, which are done when they return.
+
+- :class:`HostExecutor`: the native kernels of the rule (:meth:`UpdateRule.update`), one
+  fused pass per segment, in the calling thread (the kernels use the tierstate thread pool).
+- :class:`DeviceExecutor`: the rule's device path (:meth:`UpdateRule.update_on_device`), one
+  batched launch per parameter group of the sub-group, queued on the current stream.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from ..placement import Segment, SubGroup
+from ..rules import UpdateTask
+from ..tiers import Slot, StateStore
+
+
+class Completion(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class Done:
+    """The completion of work finished when it returned."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
+
+
+DONE = Done()
+
+
+class EventCompletion:
+    """Work queued on a CUDA stream: done when the event recorded after it has passed."""
+
+    def __init__(self, event) -> None:
+        self.event = event
+
+    def done(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class Executor(Protocol):
+    def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion: ...
+
+
+class HostExecutor:
+    """Updates host-resident pieces with the native kernels.
+
+    Args:
+        grads: {trainable index: flat host gradient indexed like the parameter}; read when a
+            segment is updated, so a caller may keep filling it (the in-backward driver does).
+        fresh: trainable indices whose state started existing this step.
+        weight_out: (slot, first, end) -> where the rounded low-precision weight goes, or None.
+    """
+
+    def __init__(self, store: StateStore, rule, groups: Callable[[], list], grads: dict[int, Tensor],
+                 fresh: set[int], grad_scale: float, weight_out: Callable, telemetry, lane: str | None = None) -> None:
+        self.store, self.rule, self.groups = store, rule, groups
+        self.grads, self.fresh, self.grad_scale = grads, fresh, grad_scale
+        self.weight_out, self.telemetry, self.lane = weight_out, telemetry, lane
+
+    def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
+        with self.telemetry.phase("cpu_update", lane=self.lane):
+            groups = self.groups()
+            for seg in segments:
+                self._update(seg, views, groups)
+        return DONE
+
+    def _update(self, seg: Segment, views: Mapping[str, Tensor], groups: list) -> None:
+        s = self.store.by_trainable(seg.param_index)
+        lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
+        plo, phi = seg.param_offset, seg.param_offset + seg.numel
+        if s.pending_pieces:  # a master piece that waits for this update (see tierstate.tiers.slots)
+            self.store.take_pending_master(s, seg, views["master"][lo:hi])
+        state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+        if s.needs_master:
+            weight, out = views["master"][lo:hi], self.weight_out(s, plo, phi)
+        else:  # an fp32 parameter in host memory is its own master
+            weight, out = s.local.data.view(-1)[plo:phi], None
+        self.rule.update(weight=weight, grad=self.grads[seg.param_index][plo:phi], state=state, weight_out=out,
+                         group=groups[s.group], step=s.step, first_step=seg.param_index in self.fresh,
+                         grad_scale=self.grad_scale)
+
+
+class DeviceExecutor:
+    """Updates pieces held on the compute device, in place, with the rule's device kernels.
+
+    On CUDA ``submit`` returns once the kernels are queued on the current stream, so the
+    host sub-groups run meanwhile; the next forward is queued behind them on that stream.
+    """
+
+    def __init__(self, store: StateStore, rule, groups: Callable[[], list], grads: dict[int, Tensor],
+                 fresh: set[int], grad_scale: float, telemetry) -> None:
+        self.store, self.rule, self.groups = store, rule, groups
+        self.grads, self.fresh, self.grad_scale, self.telemetry = grads, fresh, grad_scale, telemetry
+
+    def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
+        tasks: dict[int, list[UpdateTask]] = {}
+        device = None
+        for seg in segments:
+            s: Slot = self.store.by_trainable(seg.param_index)
+            lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
+            plo, phi = seg.param_offset, seg.param_offset + seg.numel
+            piece = s.param.data.view(-1)[plo:phi]
+            weight, weight_out = (views["master"][lo:hi], piece) if s.needs_master else (piece, None)
+            state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+            tasks.setdefault(s.group, []).append(UpdateTask(
+                weight, self.grads[seg.param_index][plo:phi], state, weight_out, s.step, seg.param_index in self.fresh))
+            device = piece.device
+        groups = self.groups()
+        with self.telemetry.phase("device_update"):
+            for group_index, group_tasks in tasks.items():
+                self.rule.update_on_device(group_tasks, group=groups[group_index], grad_scale=self.grad_scale)
+        if device is not None and device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            return EventCompletion(event)
+        return DONE

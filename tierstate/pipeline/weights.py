@@ -1,0 +1,76 @@
+"""Weights out: the updated weights back into the parameters.
+
+On the CPU the kernels write the rounded low-precision weight straight into the parameter
+(or update an fp32 parameter in place): nothing is left to do. On CUDA they write it into
+pinned staging buffers, and :meth:`WeightsOut.upload` copies every stepped parameter to the
+device on a side stream that the compute stream then waits for; a parameter's head held in
+the device tier was updated in place there, so only its tail goes up.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..dist import local_tensor
+from ..tiers import Slot, StateStore, packed_arena
+
+
+class WeightsOut:
+    def __init__(self, store: StateStore, trainable: Sequence[Tensor], device_heads: dict[int, int],
+                 device: torch.device) -> None:
+        self.store = store
+        self.device = device
+        self.device_heads = device_heads
+        self.staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
+        self.staging_arena: Tensor | None = None
+        if device.type == "cuda":
+            low = [(i, local_tensor(p)) for i, p in enumerate(trainable)
+                   if p.dtype != torch.float32 and device_heads.get(i, 0) < local_tensor(p).numel()]
+            self.staging_arena, views = packed_arena([p for _, p in low], pin_memory=True, zero=False)
+            self.staging = {i: v for (i, _), v in zip(low, views)}
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.upload_done = None  # CUDA: the event after the last upload
+
+    @property
+    def pinned_nbytes(self) -> int:
+        a = self.staging_arena
+        return a.untyped_storage().nbytes() if a is not None and a.is_pinned() else 0
+
+    def out_view(self, s: Slot, first: int, end: int) -> Tensor | None:
+        """Where the kernels write the rounded weight of elements ``[first, end)`` of a
+        parameter with a master: the parameter itself on the CPU, its staging buffer on CUDA;
+        None for an fp32 parameter (uploaded from the master itself)."""
+        if s.param.dtype == torch.float32:
+            return None
+        if self.device.type == "cpu":
+            return s.local.data.view(-1)[first:end]
+        return self.staging[s.trainable][first:end]
+
+    def wait_upload(self, telemetry) -> None:
+        """Before the kernels rewrite the staging buffers: the previous upload has read them."""
+        if self.upload_done is not None:
+            with telemetry.phase("device_stall"):
+                self.upload_done.synchronize()
+
+    def upload(self, slots: Sequence[Slot], telemetry) -> None:
+        """CUDA: copy updated weights to the device on a side stream; the compute stream waits for it."""
+        if self.device.type != "cuda":
+            return
+        with telemetry.phase("weight_upload"), torch.cuda.stream(self._stream):
+            for s in slots:
+                head = self.device_heads.get(s.trainable, 0)  # elements updated in place on the device
+                if head == s.local.numel():
+                    continue
+                if s.param.dtype != torch.float32:
+                    src = self.staging[s.trainable].view(-1)[head:]
+                else:
+                    # past the device head (which is the device tier's, updated in place there)
+                    src = self.store.read(s, "master").view(-1) if head == 0 else self.store.read_flat(s, "master", head)
+                s.local.data.view(-1)[head:].copy_(src, non_blocking=True)
+                telemetry.add_bytes("device", "h2d", src.numel() * src.element_size())
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        self.upload_done = done

@@ -1,0 +1,277 @@
+"""StateStore: every parameter's optimizer state, read and written by parameter and key.
+
+The store is the one place that maps a parameter to the pieces of its state in the tiers
+(through the layout's segments) and keeps each parameter's lifecycle (:mod:`.slots`).
+The step pipeline asks it for sub-groups' views through the tiers; ``state_dict``,
+``load_state_dict`` and the checkpoint streamer read and write through it, piece by piece,
+so none of them needs to know which tier holds what.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from ..placement import Layout, Segment, SubGroup
+from .protocol import Tier
+from .slots import MasterLife, Slot, StateLife
+
+
+class StateStore:
+    """The state of one optimizer's parameters over its tiers.
+
+    Args:
+        slots: every parameter of the optimizer, in ``param_groups`` order.
+        layout: the flat index space of the trainable ones, cut into sub-groups per tier.
+        tiers: the tier holding each sub-group, by ``SubGroup.tier``.
+        dtypes: the stored dtype of each state key (``master`` included where one exists).
+        specs_of: a parameter group's index -> the rule's state specs for that group.
+    """
+
+    def __init__(self, slots: Sequence[Slot], layout: Layout, tiers: Mapping, dtypes: Mapping[str, torch.dtype],
+                 specs_of: Callable[[int], Sequence]) -> None:
+        self.slots = list(slots)
+        self.layout = layout
+        self.tiers: dict = dict(tiers)
+        self.dtypes = dict(dtypes)
+        self._specs_of = specs_of
+        self._slot_of = {s.param: s for s in self.slots}  # tensors hash by identity, as in torch.optim
+        self._by_trainable = {s.trainable: s for s in self.slots if s.trainable is not None}
+
+    # -- lookup ------------------------------------------------------------------------------
+    def slot_of(self, param: Tensor) -> Slot | None:
+        """The slot of ``param`` (this very tensor), or None."""
+        s = self._slot_of.get(param)
+        return s if s is not None and s.param is param else None
+
+    def by_trainable(self, t: int) -> Slot:
+        return self._by_trainable[t]
+
+    def tier_of(self, sg: SubGroup) -> Tier:
+        return self.tiers[sg.tier]
+
+    def subgroup(self, index: int) -> SubGroup:
+        return self.layout.subgroups[index]
+
+    def segments(self, s: Slot) -> tuple[Segment, ...]:
+        return self.layout.segments_of(s.trainable) if s.trainable is not None else ()
+
+    def keys(self, s: Slot) -> list[str]:
+        """The state keys of ``s`` (torch's names), plus ``master`` where it has one."""
+        keys = [spec.name for spec in self._specs_of(s.group)]
+        return keys + (["master"] if s.needs_master else [])
+
+    def held_keys(self, s: Slot) -> list[str]:
+        """The keys whose values exist now: a master only once it was filled."""
+        return [k for k in self.keys(s) if k != "master" or s.master.filled]
+
+    # -- reading and writing by parameter and key ---------------------------------------------
+    def host_view(self, s: Slot, key: str) -> Tensor | None:
+        """A view of ``s``'s state ``key`` in host memory, shaped like it, where one exists: the
+        parameter lies wholly in a tier whose state is host memory."""
+        if s.trainable is None or key not in self.dtypes:
+            return None
+        if s.local.numel():
+            kind = self.layout.tier_of_param(s.trainable)  # None: it straddles tiers
+            tier = self.tiers.get(kind) if kind is not None else None
+        else:  # no segment: any tier keeping host views gives its empty view
+            tier = self._empty_param_tier()
+        if tier is None or not tier.host_views or key not in tier.arenas:
+            return None
+        return tier.flat_range(key, self.layout.param_starts[s.trainable], s.local.numel()).view(s.local.shape)
+
+    def _empty_param_tier(self):
+        """The tier of a zero-size parameter (it has no segment): the first that keeps host views."""
+        return next((t for t in self.tiers.values() if t.host_views), None)
+
+    def read(self, s: Slot, key: str) -> Tensor:
+        """State ``key`` of ``s`` as a CPU tensor shaped like the parameter (a view where one exists)."""
+        view = self.host_view(s, key)
+        if view is not None:
+            return view
+        return self.read_flat(s, key).view(s.local.shape)
+
+    def read_flat(self, s: Slot, key: str, first: int = 0) -> Tensor:
+        """A flat CPU copy of state ``key`` of ``s`` from element ``first`` on, read segment by
+        segment from whichever tiers hold them."""
+        out = torch.empty(s.local.numel() - first, dtype=self.dtypes[key])
+        for seg in self.segments(s):
+            if seg.param_offset < first:
+                continue
+            sg = self.layout.subgroups[seg.subgroup]
+            lo = seg.param_offset - first
+            out[lo: lo + seg.numel] = self.tiers[sg.tier].read_range(key, sg, seg.subgroup_offset, seg.numel)
+        return out
+
+    def read_pieces(self, s: Slot, key: str, piece_numel: int) -> Iterator[Tensor]:
+        """State ``key`` of ``s`` in order, in pieces of at most ``piece_numel`` elements (tier copies)."""
+        for seg in self.segments(s):
+            sg = self.layout.subgroups[seg.subgroup]
+            tier = self.tiers[sg.tier]
+            for lo in range(0, seg.numel, piece_numel):
+                yield tier.read_range(key, sg, seg.subgroup_offset + lo, min(piece_numel, seg.numel - lo))
+
+    def write(self, s: Slot, key: str, value: Tensor) -> None:
+        """Store the whole state ``key`` of ``s`` (any shape with its numel; converted to the key's dtype)."""
+        self.write_at(s, key, 0, value.detach().reshape(-1).to("cpu"))
+
+    def write_at(self, s: Slot, key: str, offset: int, values: Tensor) -> None:
+        """Store flat ``values`` at element ``offset`` of state ``key`` of ``s``."""
+        end = offset + values.numel()
+        for seg in self.segments(s):
+            lo, hi = max(offset, seg.param_offset), min(end, seg.param_offset + seg.numel)
+            if hi <= lo:
+                continue
+            sg = self.layout.subgroups[seg.subgroup]
+            self.tiers[sg.tier].write_range(key, sg, seg.subgroup_offset + (lo - seg.param_offset),
+                                            values[lo - offset: hi - offset])
+
+    # -- lifecycle (see [Note: the lifecycle of a parameter's state]) ---------------------------
+    def reset_to_init(self, s: Slot, skip: Mapping | None = None) -> None:
+        """Write the init value of each state key (except those given in ``skip``) where the
+        regions may hold other values; the tiers start at the init values otherwise."""
+        if not s.life.regions_dirty:
+            return
+        for spec in self._specs_of(s.group):
+            if skip is not None and skip.get(spec.name) is not None:
+                continue
+            # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
+            fill = torch.full((1,), spec.init, dtype=self.dtypes[spec.name]).expand(s.local.numel())
+            self.write(s, spec.name, fill)
+
+    def start_state(self, s: Slot) -> None:
+        """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
+        self.reset_to_init(s)
+        s.life = StateLife.AT_INIT
+        s.step = 0
+
+    def forget_all(self) -> None:
+        """Every state stops existing (a load replaces them all); no record need be read back."""
+        for tier in self.tiers.values():
+            tier.forget_state()
+        for s in self.slots:
+            s.life = s.life.forgotten()
+            s.master, s.step = MasterLife.ABSENT, 0
+            s.pending_pieces.clear()
+
+    def fill_master(self, s: Slot) -> None:
+        """Fill ``s``'s master from its parameter before its first update; pieces in I/O tiers
+        stay pending (see [Note: the master copy's lifecycle])."""
+        if not s.needs_master or s.master.filled:
+            return
+        flat = s.local.detach().reshape(-1)
+        for seg in self.segments(s):  # segment by segment: temporaries stay sub-group sized
+            if self.tiers[self.layout.subgroups[seg.subgroup].tier].does_io:
+                s.pending_pieces.add((seg.subgroup, seg.param_offset))
+            else:
+                self._write_master_piece(flat, seg)
+        s.master = MasterLife.PENDING if s.pending_pieces else MasterLife.READY
+
+    def take_pending_master(self, s: Slot, seg: Segment, master_view: Tensor) -> None:
+        """Copy a pending master piece into the sub-group views an update holds (then it is written)."""
+        key = (seg.subgroup, seg.param_offset)
+        if key in s.pending_pieces:
+            master_view.copy_(s.local.detach().reshape(-1)[seg.param_offset: seg.param_offset + seg.numel])
+            s.pending_pieces.discard(key)
+            if not s.pending_pieces:
+                s.master = MasterLife.READY
+
+    def _write_master_piece(self, flat: Tensor, seg: Segment) -> None:
+        sg = self.layout.subgroups[seg.subgroup]
+        tier = self.tiers[sg.tier]
+        piece = flat[seg.param_offset: seg.param_offset + seg.numel]
+        if not tier.on_device:  # a device tier copies straight from the parameter
+            piece = piece.to("cpu", torch.float32)
+        tier.write_range("master", sg, seg.subgroup_offset, piece)
+
+    def write_pending_masters(self) -> None:
+        """Write every pending master piece, so the tiers hold all the state (before any read)."""
+        for s in self.slots:
+            if not s.pending_pieces:
+                continue
+            flat = s.local.detach().reshape(-1)
+            for seg in self.segments(s):
+                if (seg.subgroup, seg.param_offset) in s.pending_pieces:
+                    self._write_master_piece(flat, seg)
+            s.pending_pieces.clear()
+            s.master = MasterLife.READY
+
+    # -- whole states --------------------------------------------------------------------------
+    def export(self, s: Slot, has_step: bool) -> dict:
+        """``s``'s state as torch's dict of key -> tensor (host views where they exist)."""
+        out = {key: self.read(s, key) for key in self.held_keys(s)}
+        if has_step:
+            out["step"] = torch.tensor(float(s.step), dtype=torch.float32)
+        return out
+
+    def import_(self, s: Slot, state: Mapping, master_filled: bool | None = None) -> None:
+        """Make ``state`` (torch's dict of key -> tensor) ``s``'s state; keys it lacks start at init."""
+        if not s.has_state:
+            # Only keys the state dict lacks start from their init value: the given ones may be
+            # this optimizer's own views (DCP loads in place), which a reset would wipe first.
+            self.reset_to_init(s, skip=state)
+            s.step = 0
+        s.life = StateLife.LIVE
+        for key in self.keys(s):
+            value = state.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, Tensor) or value.numel() != s.local.numel():
+                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+                raise ValueError(f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, "
+                                 f"the parameter has shape {tuple(s.local.shape)}")
+            self.write(s, key, value)
+        if "step" in state:
+            s.step = int(float(state["step"]))
+        filled = ("master" in state) if master_filled is None else master_filled
+        s.master = MasterLife.READY if filled else MasterLife.ABSENT
+        s.pending_pieces.clear()
+
+    def commit_loaded(self, s: Slot, keys: set, step: float | None) -> None:
+        """``s`` has all of ``keys`` written by a streaming load: it has state, as after a step."""
+        s.life = StateLife.LIVE
+        s.step = int(step) if step is not None else 0
+        s.master = MasterLife.READY if ("master" in keys and s.needs_master) else MasterLife.ABSENT
+        s.pending_pieces.clear()
+
+    # -- the tiers as a whole ------------------------------------------------------------------
+    def io_tiers(self) -> list[Tier]:
+        return [t for t in self.tiers.values() if t.does_io]
+
+    def settle(self) -> None:
+        for tier in self.tiers.values():
+            tier.settle()
+
+    def take_write_errors(self) -> BaseException | None:
+        errors = [e for t in self.tiers.values() if (e := t.take_write_errors()) is not None]
+        return errors[0] if errors else None
+
+    def lost_error(self) -> BaseException | None:
+        return next((e for t in self.tiers.values() if (e := t.lost_error()) is not None), None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tiers.values())
+
+    def nbytes_by_tier(self) -> dict[str, int]:
+        return {kind.value: tier.nbytes for kind, tier in self.tiers.items()}
+
+    @property
+    def pinned_nbytes(self) -> int:
+        return sum(t.pinned_nbytes for t in self.tiers.values())
+
+    @property
+    def spill_folder(self):
+        """Where a state dict too large for RAM is mapped from (the first I/O tier's), or None."""
+        return next((t.spill_folder for t in self.tiers.values() if t.spill_folder is not None), None)
+
+    @property
+    def spilled_nbytes(self) -> int:
+        """Bytes of state held outside memory (what a state dict must read from storage)."""
+        return sum(t.nbytes for t in self.tiers.values() if t.does_io)
+
+    def close(self) -> None:
+        for tier in self.tiers.values():
+            tier.close()
+        self.tiers = {}
