@@ -89,6 +89,17 @@ def test_auto_reads_the_parameters_inside_param_groups(profile, monkeypatch):
     assert single.cpu == 1.0
 
 
+def test_auto_with_param_groups_spills_as_with_a_flat_list(profile, monkeypatch):
+    """ts.AdamW given param-group dicts plans their parameters (it once saw none and chose cpu=1.0),
+    with the state keys of every group (amsgrad in one adds max_exp_avg_sq)."""
+    _host_budget_beyond_params(monkeypatch, 40 << 20)
+    params = _params(8)
+    opt = ts.AdamW([{"params": params[:4]}, {"params": params[4:], "amsgrad": True}], offload="auto")
+    assert 0.0 < opt.offload.nvme < 1.0
+    opt.step()
+    opt.close()
+
+
 def test_auto_without_a_profile_uses_conservative_defaults_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "none.json"))
     with caplog.at_level(logging.INFO, logger="tierstate"):
