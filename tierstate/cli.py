@@ -32,7 +32,7 @@ class Command:
 COMMANDS: tuple[Command, ...] = (
     Command(("demo",), "tierstate.demo.cli", "train a small GPT with offloaded optimizer state and show what happened"),
     Command(("probe",), "tierstate.placement.probe", "measure this machine's memory, PCIe and disk bandwidth"),
-    Command(("plan",), "tierstate.placement.plan_cli", "show where a model's optimizer state would be placed"),
+    Command(("plan",), "tierstate.plan_cli", "show where a model's optimizer state would be placed"),
     Command(("bench", "step"), "tierstate.bench.step", "time optimizer steps against their bandwidth floor"),
     Command(("bench", "io"), "tierstate.bench.io", "time the NVMe tier's reads and writes"),
     Command(("bench", "e2e"), "tierstate.bench.e2e", "time end-to-end training steps"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import tierstate
-from tierstate.placement import plan_cli
+from tierstate import plan_cli
 from tierstate.telemetry.health import HealthMonitor
 
 IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]

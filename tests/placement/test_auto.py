@@ -7,6 +7,10 @@ import torch
 
 import tierstate as ts
 from tierstate.placement import probe
+from tierstate.placement.auto import choose_offload
+
+# What ts.AdamW passes to choose_offload: the state keys its rule allocates.
+ADAMW_KEYS = tuple(spec.name for spec in ts.AdamW.rule.state_specs(ts.AdamW.rule.defaults()))
 
 
 @pytest.fixture
@@ -57,6 +61,45 @@ def test_auto_spills_to_nvme_under_a_small_host_budget(profile, caplog, monkeypa
     opt.close()
 
 
+def _host_budget_beyond_params(monkeypatch, nbytes: int) -> None:
+    import psutil
+    monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", f"{nbytes / psutil.virtual_memory().available:.6f}")
+
+
+def test_auto_prices_the_state_keys_it_is_given(profile, monkeypatch):
+    """The state per element comes from the caller's keys: AdamW's two moments (64 MiB for 8M
+    params) spill out of 40 MiB of host RAM, SGD without momentum (no state) stays in it."""
+    _host_budget_beyond_params(monkeypatch, 40 << 20)
+    params = _params(8)
+    adamw = choose_offload(params, allow_device_tier=False, state_keys=ADAMW_KEYS)
+    assert 0.0 < adamw.nvme < 1.0
+    stateless = choose_offload(params, allow_device_tier=False, state_keys=())
+    assert stateless.cpu == 1.0 and stateless.nvme == 0.0
+
+
+def test_auto_reads_the_parameters_inside_param_groups(profile, monkeypatch):
+    """Param-group dicts (as an optimizer is given them) are priced by their parameters."""
+    _host_budget_beyond_params(monkeypatch, 40 << 20)
+    params = _params(8)
+    flat = choose_offload(params, state_keys=ADAMW_KEYS)
+    grouped = choose_offload([{"params": params[:5]}, {"params": params[5:], "lr": 0.1}], state_keys=ADAMW_KEYS)
+    assert 0.0 < grouped.nvme < 1.0
+    assert grouped.nvme == pytest.approx(flat.nvme, abs=0.02)  # the budget follows the RAM available now
+    single = choose_offload([{"params": params[0]}], state_keys=ADAMW_KEYS)  # a lone tensor, as torch allows
+    assert single.cpu == 1.0
+
+
+def test_auto_with_param_groups_spills_as_with_a_flat_list(profile, monkeypatch):
+    """ts.AdamW given param-group dicts plans their parameters (it once saw none and chose cpu=1.0),
+    with the state keys of every group (amsgrad in one adds max_exp_avg_sq)."""
+    _host_budget_beyond_params(monkeypatch, 40 << 20)
+    params = _params(8)
+    opt = ts.AdamW([{"params": params[:4]}, {"params": params[4:], "amsgrad": True}], offload="auto")
+    assert 0.0 < opt.offload.nvme < 1.0
+    opt.step()
+    opt.close()
+
+
 def test_auto_without_a_profile_uses_conservative_defaults_and_says_so(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "none.json"))
     with caplog.at_level(logging.INFO, logger="tierstate"):
@@ -88,12 +131,14 @@ def test_on_cuda_auto_turns_a_plan_with_a_device_part_into_offload_gpu(monkeypat
     request (this machine has no GPU: the request says where the parameters are)."""
     from tierstate.placement.auto import device_budget, offload_from_plan
     from tierstate.placement.model_spec import ModelSpec
-    from tierstate.placement.planner import GIB, Budgets, Hardware, PlanRequest, choose
+    from tierstate.placement.plan_inputs import GIB, Budgets, Hardware, PlanRequest
+    from tierstate.placement.planner import choose
 
     hw = Hardware(source="test", host_bandwidth=40e9, step_params_per_s=2e9, sumsq_params_per_s=8e9,
                   host_flops=1e12, disk_read=2e9, disk_write=4e9, h2d=20e9, d2h=20e9, device_flops=400e12,
                   device_bandwidth=2e12)
-    req = PlanRequest(ModelSpec("m", (1_000_000_000,), source="tensors"), device="cuda", param_dtype="bf16")
+    req = PlanRequest(ModelSpec("m", (1_000_000_000,), source="tensors"), device="cuda", param_dtype="bf16",
+                      state_keys=ADAMW_KEYS)
     free = 40 * GIB
     budget = device_budget(free, 2 * 10**9)
     assert budget == free // 2 + 2 * 10**9  # half the free memory is left for activations

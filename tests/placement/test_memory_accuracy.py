@@ -11,7 +11,8 @@ import pytest
 import tierstate as ts
 from tierstate.bench.plan_accuracy import MEMORY_CONFIGS, measure_memory, memory_config, predicted_memory
 from tierstate.kernels import backend_info
-from tierstate.placement.planner import Kind, Tier
+from tierstate.placement import TierKind
+from tierstate.placement.cost_model import Kind
 
 pytestmark = pytest.mark.skipif(
     not backend_info()["native"],
@@ -43,18 +44,18 @@ def test_planner_host_memory_within_10_percent_of_measured_peak(name, tmp_path):
     if cfg["offload"] == "nvme":
         records = min(4, -(-n // cfg["subgroup_numel"]))
         state = records * sum(-(-cfg["subgroup_numel"] * b // 4096) * 4096 for b in (mb, mb) + ((4,) if master else ()))
-        assert plan.bytes_of(Tier.HOST, Kind.NVME_BUFFER_POOL) == state
-        assert plan.bytes_of(Tier.DISK, Kind.MOMENTS) == 2 * mb * n
+        assert plan.bytes_of(TierKind.HOST, Kind.NVME_BUFFER_POOL) == state
+        assert plan.bytes_of(TierKind.NVME, Kind.MOMENTS) == 2 * mb * n
     else:
         state = n * (2 * mb + master)
     hand = n * 2 * pb + state + largest * max(mb, 4 if master else 0)
-    planner_no_activations = plan.tier_total(Tier.HOST) - plan.bytes_of(Tier.HOST, Kind.ACTIVATIONS)
+    planner_no_activations = plan.tier_total(TierKind.HOST) - plan.bytes_of(TierKind.HOST, Kind.ACTIVATIONS)
     assert planner_no_activations == hand
     # each run under its own default allocator policy, none inherited from the warm-up
     # (tierstate.host_allocator: "retain" for CPU state, "system" with an NVMe tier)
     if ts.host_allocator._glibc() is not None:
         assert report["host_allocator"] == ("system" if cfg["offload"] == "nvme" else "retain")
     measured = report["peak_growth_bytes"]
-    predicted = plan.tier_total(Tier.HOST)
+    predicted = plan.tier_total(TierKind.HOST)
     assert abs(predicted / measured - 1) < 0.10, (
         f"{name}: planner {predicted / 2**20:.0f} MiB vs measured peak {measured / 2**20:.0f} MiB")

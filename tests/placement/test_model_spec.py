@@ -67,3 +67,10 @@ def test_factory_errors_name_the_problem():
         from_factory("no_such_module_xyz:build")
     with pytest.raises(ValueError, match="no attribute"):
         from_factory("plan_models:not_here")
+
+
+def test_factory_parameters_are_told_apart_by_identity_not_by_address():
+    """A generator of fresh tensors: each is freed after it is counted and the next may reuse its
+    address, so keying by id() took it for a tied weight; a tensor listed twice counts once."""
+    assert from_factory("plan_models:fresh_tensors").param_numels == (100, 100, 100, 300)
+    assert from_factory("plan_models:tied_list").param_numels == (64, 8)

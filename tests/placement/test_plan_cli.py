@@ -4,8 +4,11 @@ import json
 
 import pytest
 
-from tierstate.placement import plan_cli
-from tierstate.placement.plan_cli import parse_compare, parse_price, parse_size
+import torch
+
+import tierstate as ts
+from tierstate import plan_cli
+from tierstate.plan_cli import parse_compare, parse_price, parse_size
 
 
 def run(argv, monkeypatch, tmp_path):
@@ -71,3 +74,48 @@ def test_prices_and_compare_options():
         parse_compare("h100,price=3/h")
     with pytest.raises(ValueError, match="size"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("argv, make", [
+    ([], lambda ps: ts.AdamW(ps)),
+    (["--optimizer", "adam", "--amsgrad"], lambda ps: ts.Adam(ps, amsgrad=True)),
+    (["--optimizer", "sgd"], lambda ps: ts.SGD(ps)),  # torch's default: no momentum buffer
+    (["--optimizer", "sgd", "--momentum", "0.9"], lambda ps: ts.SGD(ps, momentum=0.9)),
+    (["--optimizer", "lion"], lambda ps: ts.Lion(ps)),
+    (["--optimizer", "adagrad"], lambda ps: ts.Adagrad(ps)),
+    (["--optimizer", "adamw", "--moment-dtype", "bf16"],
+     lambda ps: ts.AdamW(ps, offload=ts.Offload(cpu=1.0, moment_dtype=torch.bfloat16))),
+])
+def test_state_per_optimizer_is_what_that_optimizer_allocates(argv, make, monkeypatch, tmp_path, capsys):
+    """The plan's state bytes come from the optimizer's own rule (its state_specs), so they equal
+    what the real optimizer holds after a step, flags (--amsgrad, --momentum) included."""
+    n = 1000
+    assert run(["--params", str(n), "--device", "cpu", "--param-dtype", "fp32", "--placement", "0,1,0", "--json",
+                *argv], monkeypatch, tmp_path) == 0
+    out = json.loads(capsys.readouterr().out)
+    planned = sum(m["bytes"] for m in out["memory"] if m["kind"] in ("moments", "master"))
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = make([p])
+    opt.step()
+    held = sum(v.numel() * v.element_size() for k, v in opt.state[p].items() if k != "step")
+    opt.close()
+    assert planned == held, (argv, out["config"]["state_keys"], sorted(opt.state[p]))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--optimizer", "sgd", "--amsgrad"], "--amsgrad: sgd has no amsgrad"),
+    (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum: adamw has no momentum"),
+    (["--optimizer", "sgd", "--momentum", "-1"], "momentum"),
+])
+def test_a_flag_the_optimizer_lacks_exits_2_naming_it(argv, match, monkeypatch, tmp_path, capsys):
+    assert run(["--params", "1000", "--device", "cpu", *argv], monkeypatch, tmp_path) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_an_unknown_optimizer_is_refused_with_the_choices(monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(["--params", "1000", "--optimizer", "rmsprop"], monkeypatch, tmp_path)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "rmsprop" in err and "adamw" in err and "sgd" in err

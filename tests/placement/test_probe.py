@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tierstate.placement import probe
-from tierstate.placement.planner import Hardware
+from tierstate.placement.plan_inputs import Hardware
 
 
 @pytest.fixture(scope="module")

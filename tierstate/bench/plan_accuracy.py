@@ -143,15 +143,23 @@ def measure_memory(cfg: dict, timeout: float = 300, default_malloc: bool = False
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _adamw_state_keys() -> tuple[str, ...]:
+    """The state keys ts.AdamW keeps (its rule's), which every configuration here trains with."""
+    from tierstate import AdamW
+
+    return tuple(spec.name for spec in AdamW.rule.state_specs(AdamW.rule.defaults()))
+
+
 def predicted_memory(cfg: dict, report: dict):
     """The planner's plan for a memory configuration, from the parameter sizes the child saw."""
     from tierstate.placement.model_spec import TransformerShape, from_param_numels
-    from tierstate.placement.planner import Hardware, Placement, PlanRequest, evaluate
+    from tierstate.placement.plan_inputs import Hardware, Placement, PlanRequest
+    from tierstate.placement.planner import evaluate
 
     spec = from_param_numels(report["numels"], name="demo GPT", shape=TransformerShape(*report["shape"]))
     req = PlanRequest(spec, device="cpu", param_dtype=cfg["param_dtype"], moment_dtype=cfg["moment_dtype"],
                       subgroup_numel=cfg["subgroup_numel"], buffer_count=cfg["buffer_count"],
-                      micro_batch=cfg["batch"], seq_len=cfg["seq"])
+                      micro_batch=cfg["batch"], seq_len=cfg["seq"], state_keys=_adamw_state_keys())
     placement = Placement(0.0, 0.0, 1.0) if cfg["offload"] == "nvme" else Placement(0.0, 1.0, 0.0)
     return evaluate(req, placement, Hardware.conservative())
 
@@ -176,7 +184,8 @@ def run_time_benchmark(numel: int, tensors: int, rounds: int, nvme_dir: str | No
     import tierstate as ts
     from tierstate.placement import probe
     from tierstate.placement.model_spec import from_param_numels
-    from tierstate.placement.planner import Hardware, Placement, PlanRequest, predict_time
+    from tierstate.placement.cost_model import predict_time
+    from tierstate.placement.plan_inputs import Hardware, Placement, PlanRequest
 
     torch.manual_seed(0)
     sizes = [numel // tensors] * tensors
@@ -195,7 +204,7 @@ def run_time_benchmark(numel: int, tensors: int, rounds: int, nvme_dir: str | No
         for _ in range(2):  # first step creates the state; the second fills the NVMe write-back cache
             opt.step()
         req = PlanRequest(spec, device="cpu", param_dtype=c["param_dtype"], moment_dtype=c["moment_dtype"],
-                          subgroup_numel=subgroup_numel, buffer_count=buffer_count)
+                          subgroup_numel=subgroup_numel, buffer_count=buffer_count, state_keys=_adamw_state_keys())
         runs[name] = dict(opt=opt, req=req, placement=Placement(0.0, c["cpu"], 1.0 - c["cpu"]), measured=[],
                           predicted=[], keep=params)
     for _ in range(rounds):
@@ -230,9 +239,9 @@ def run_memory_benchmark(nvme_dir: str | None) -> list[dict]:
         cfg = memory_config(name, nvme_dir)
         report = measure_memory(cfg)
         default = measure_memory(cfg, default_malloc=True)
-        from tierstate.placement.planner import Tier
+        from tierstate.placement import TierKind
         plan = predicted_memory(cfg, report)
-        predicted = plan.tier_total(Tier.HOST)
+        predicted = plan.tier_total(TierKind.HOST)
         rows.append({"config": name, "params": sum(report["numels"]), "measured_mib": report["peak_growth_bytes"] / 2**20,
                      "default_malloc_mib": default["peak_growth_bytes"] / 2**20,
                      "predicted_mib": predicted / 2**20, "error": predicted / report["peak_growth_bytes"] - 1,

@@ -1,7 +1,11 @@
 """Who lives where: the offload policy, the sub-group layout, the planner and ``offload="auto"``.
 
-The policy, the layout and the planner are arithmetic, testable without a tensor or a file;
-the probe (:mod:`tierstate.placement.probe`) is the part that measures the machine.
+Arithmetic, testable without a tensor or a file: the policy (:mod:`.offload`), the layout
+(:mod:`.layout`, with :class:`TierKind`, the one tier enum), the model shapes
+(:mod:`.model_spec`) and the planner (its inputs :mod:`.plan_inputs`, its cost model
+:mod:`.cost_model`, its search :mod:`.planner`). :mod:`.auto` reads this machine's budgets for
+``offload="auto"``; the probe (:mod:`.probe`) is the part that measures the machine. Nothing
+here imports the optimizer: callers pass the optimizer's state keys.
 """
 from .layout import Layout, Segment, SubGroup, TierKind, plan_layout, tier_sizes
 from .offload import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, OFFLOAD_MODES, Offload, default_nvme_root

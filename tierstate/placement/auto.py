@@ -27,7 +27,8 @@ from typing import Sequence
 
 from .model_spec import from_param_numels
 from .offload import Offload, default_nvme_root
-from .planner import Budgets, Hardware, PlanError, PlanRequest, choose, gib
+from .plan_inputs import Budgets, Hardware, PlanError, PlanRequest, gib
+from .planner import choose
 
 _log = logging.getLogger("tierstate")
 HOST_FRACTION = 0.8  # headroom for the data loader, activations and the allocator's slack
@@ -61,7 +62,8 @@ def _hardware() -> Hardware:
                                                    "run `tierstate probe` to measure this machine)")
 
 
-def _existing_ancestor(path) -> str:
+def existing_ancestor(path) -> str:
+    """``path`` or its nearest existing parent: the filesystem a folder not made yet would be on."""
     path = os.path.abspath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -107,16 +109,36 @@ def offload_from_plan(plan) -> Offload:
                    subgroup_numel=plan.request.subgroup_numel, buffer_count=plan.request.buffer_count)
 
 
-def choose_offload(params: Sequence, allow_device_tier: bool = True) -> Offload:
+def _tensors(params: Sequence) -> list:
+    """The tensors of ``params``: tensors, or param-group dicts whose ``"params"`` is a tensor or
+    a sequence of them (what an optimizer accepts)."""
+    out = []
+    for item in params:
+        if isinstance(item, dict):
+            group = item.get("params", ())
+            out.extend([group] if hasattr(group, "requires_grad") else group)
+        else:
+            out.append(item)
+    return out
+
+
+def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_keys: Sequence[str]) -> Offload:
     """The :class:`Offload` that the planner predicts fastest within this machine's budgets.
 
-    ``allow_device_tier=False`` keeps the state off the device even on CUDA (the optimizer
-    passes it for ``step_in_backward=True``, which updates the host tiers only).
+    ``params`` are the optimizer's parameters or its param-group dicts. ``state_keys`` are the
+    optimizer's per-element state keys besides the master (its rule's ``state_specs`` names,
+    e.g. ``("exp_avg", "exp_avg_sq")``; the union of every group's when they differ, a repeat
+    counted once); "auto" keeps them in fp32. ``allow_device_tier=False`` keeps the state off the device even on CUDA (the
+    optimizer passes it for ``step_in_backward=True``, which updates the host tiers only).
     Raises ValueError (naming what is missing) when no placement fits.
     """
     import psutil
 
-    trainable = [p for p in params if getattr(p, "requires_grad", False)]
+    if isinstance(state_keys, (str, bytes)):
+        raise TypeError(f"state_keys={state_keys!r}: must be a sequence of key names, e.g. ('exp_avg', "
+                        "'exp_avg_sq'), not one string")
+    state_keys = tuple(dict.fromkeys(state_keys))  # the union of the groups' keys: each counted once
+    trainable = [p for p in _tensors(params) if getattr(p, "requires_grad", False)]
     if not trainable:
         _log.info("tierstate: offload='auto' chose Offload(cpu=1.0): no trainable parameters")
         return Offload(cpu=1.0)
@@ -125,14 +147,14 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True) -> Offload:
     dtypes = {str(p.dtype) for p in trainable}
     param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
     req = PlanRequest(from_param_numels([p.numel() for p in trainable]), device="cuda" if on_cuda else "cpu",
-                      param_dtype=param_dtype)
+                      param_dtype=param_dtype, state_keys=state_keys)
     # The parameters (and any gradients) already exist: they are in use, not in the available figure.
     existing = sum(p.numel() * p.element_size() for p in trainable if p.device.type == "cpu")
     existing += sum(p.grad.numel() * p.grad.element_size() for p in trainable
                     if p.grad is not None and p.grad.device.type == "cpu")
     fraction = _host_fraction()
     available = psutil.virtual_memory().available
-    nvme_root = _existing_ancestor(default_nvme_root())
+    nvme_root = existing_ancestor(default_nvme_root())
     st = os.statvfs(nvme_root)
     device_bytes, search_device = None, False
     if on_cuda:

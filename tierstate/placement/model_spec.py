@@ -159,9 +159,11 @@ def _numels_on_meta(build) -> list[int]:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"the factory returned {type(p).__name__} among its parameters; return an nn.Module "
                             "or an iterable of tensors")
-        if id(p) in seen or not p.requires_grad:  # tied weights are one parameter, as in model.parameters()
+        # tied weights are one parameter, as in model.parameters(); tensors hash by identity, and
+        # holding them keeps a generator's freed tensor from handing its address to the next one
+        if p in seen or not p.requires_grad:
             continue
-        seen.add(id(p))
+        seen.add(p)
         numels.append(p.numel())
     return numels
 

@@ -13,7 +13,8 @@ a ``NullHandler`` so that an application that configures no logging sees nothing
 """
 from .health import HealthWarning
 from .phases import CHANNELS, PHASES, register_phase
-from .recorder import TRACE_ENV, Telemetry
+from .recorder import Telemetry
+from .trace_env import TRACE_ENV
 from .stats import Bandwidth, StepStats
 from .trace import TraceFormatError, load_trace, validate_trace
 

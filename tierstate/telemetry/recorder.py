@@ -1,13 +1,13 @@
 """One optimizer's telemetry: phase timing, bytes, counters, gauges, traces, health.
 
-Cost model (measured by ``python -m tierstate.telemetry.overhead``): a phase is a small
-object, two ``perf_counter`` calls and one tuple appended to a per-thread buffer, no
-lock; buffers are folded into the step's totals (and the trace, while tracing) at
-``end_step``, or by a thread itself every 4096 records. That is 3-4 µs per phase all
-included on the 2-core dev machine at load 4-11; ``record_function`` is entered only
-while the torch profiler runs (torch's own module flag, a global read). A step with 200
-phases pays ~1 ms, about 1 % of a 100 ms step, which is why telemetry stays on by
-default.
+Cost model: a phase is a small object, two ``perf_counter`` calls and one tuple appended
+to a per-thread buffer, no lock (:mod:`.spans`); buffers are folded into the step's totals
+(and the trace, while tracing) at ``end_step``, or by a thread itself every 4096 records.
+That is 3-4 µs per phase, the fold included, on a 2-core VM with other work running;
+``record_function`` is entered only while the torch profiler runs (torch's own module
+flag, a global read). A step with 200 phases pays ~1 ms, about 1 % of a 100 ms step, which
+is why telemetry stays on by default (``tierstate bench overhead`` times the optimizer with
+telemetry on against off).
 
 [Note: critical path vs lanes]
 The thread that calls :meth:`Telemetry.begin_step` owns the *main lane*. A phase on the
@@ -21,7 +21,6 @@ counts toward the step that consumes it, and bytes per step add up over a run.
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import math
@@ -29,30 +28,23 @@ import os
 import tempfile
 import threading
 import time
-from collections import defaultdict
 from typing import Any
 
-import torch.autograd.profiler as _torch_profiler
-
 from .health import HealthMonitor, HealthWarning
-from .phases import (_PHASES as _phase_table, CHANNEL_PHASES, CHANNELS, DIRECTIONS, OTHER,
-                     PCIE_DIRECTIONS, PHASES, RENAMED_PHASES, TIERS)
-from .stats import Bandwidth, StepStats, bandwidth_of, union_length
+from .phases import _PHASES as _phase_table, CHANNEL_PHASES, CHANNELS, DIRECTIONS, OTHER, PCIE_DIRECTIONS, PHASES, TIERS
+from .rss import proc_statm_rss, psutil_process
+from .spans import _NULL_SPAN, DRAIN_AT, MAIN_LANE, Accumulators, _raise_unknown_phase, _Span, _ThreadState
+from .stats import StepStats, bandwidth_of, union_length
+from .totals import accumulate, empty_totals
 from .trace import TraceRecorder
+from .trace_env import TRACE_ENV, expand_env_trace_path, live
 
 _log = logging.getLogger("tierstate")
 _perf_counter = time.perf_counter
 
-TRACE_ENV = "TIERSTATE_TRACE"
 # Health warnings repeat at most this often per subject (channel, directory, budget).
 WARN_INTERVAL_S = 300.0
 
-_MAIN_LANE = "main"
-# Telemetry objects with a trace to write at exit. Strong references on purpose: an
-# optimizer dropped before exit still leaves its trace file.
-_live: set = set()
-_env_trace_uses = 0                 # how many Telemetry objects took TIERSTATE_TRACE
-_env_lock = threading.Lock()
 
 
 def _bytes_key(tier: str, direction: str) -> str:
@@ -68,112 +60,6 @@ def _bytes_key(tier: str, direction: str) -> str:
 
 _BYTES_KEYS = {(t, d): f"{t}/{d}" for t in TIERS for d in DIRECTIONS
                if d not in PCIE_DIRECTIONS or t == "device"}
-
-
-# A thread drains its own record buffer into the step's accumulators once it holds this
-# many records (~4096 x 100 B), so a thread that records outside of steps (a checkpoint
-# writer) cannot grow memory without bound.
-_DRAIN_AT = 4096
-
-
-class _ThreadState:
-    """Per-thread recording state: the lane name, the open-phase stack (a linked list of
-    spans through ``up``) and the buffer of finished records, appended without a lock
-    and drained by :meth:`Telemetry._drain`."""
-
-    __slots__ = ("lane", "top", "buf", "thread")
-
-    def __init__(self) -> None:
-        self.thread = threading.current_thread()
-        self.lane = _MAIN_LANE if self.thread is threading.main_thread() else self.thread.name
-        self.top: _Span | None = None
-        # (phase, lane, start, end, self_s)
-        self.buf: list[tuple[str, str, float, float, float]] = []
-
-
-class _Span:
-    """One open phase on one thread (``with tel.phase(...)``); ``child_s`` collects the
-    time of phases nested in it on the same lane."""
-
-    __slots__ = ("tel", "name", "lane", "start", "child_s", "up", "rf", "state")
-
-    def __init__(self, tel: "Telemetry", name: str, lane: str | None):
-        # a plain dict lookup: the MappingProxy's ``in`` costs ~3x more on the hot path
-        if name not in _phase_table or name == OTHER:
-            _raise_unknown_phase(name)
-        self.tel = tel
-        self.name = name
-        self.lane = lane
-
-    def __enter__(self) -> "_Span":
-        try:
-            state = self.tel._local.state
-        except AttributeError:
-            state = self.tel._thread_state()
-        self.state = state
-        if self.lane is None:
-            self.lane = state.lane
-        self.up = state.top
-        state.top = self
-        self.child_s = 0.0
-        if _torch_profiler._is_profiler_enabled:
-            self.rf = _torch_profiler.record_function(f"tierstate::{self.name}")
-            self.rf.__enter__()
-        else:
-            self.rf = None
-        self.start = _perf_counter()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        end = _perf_counter()
-        if self.rf is not None:
-            self.rf.__exit__(exc_type, exc, tb)
-        state, up, lane = self.state, self.up, self.lane
-        state.top = up
-        elapsed = end - self.start
-        if up is not None and up.lane == lane:
-            up.child_s += elapsed
-        buf = state.buf
-        buf.append((self.name, lane, self.start, end, elapsed - self.child_s))
-        if len(buf) >= _DRAIN_AT:
-            self.tel._drain()
-
-
-def _raise_unknown_phase(name: str) -> None:
-    if name == OTHER:
-        raise ValueError("phase 'other' is computed (step time in no phase) and cannot be "
-                         "recorded; pick the phase that covers the work")
-    if name in RENAMED_PHASES:
-        raise ValueError(f"phase {name!r} is now called {RENAMED_PHASES[name]!r}; record that name")
-    raise ValueError(f"unknown phase {name!r}; use one of "
-                     f"{[p for p in PHASES if p != OTHER]} or register it with "
-                     "tierstate.telemetry.register_phase(name, description)")
-
-
-class _NullSpan:
-    __slots__ = ()
-
-    def __enter__(self) -> "_NullSpan":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        return None
-
-
-_NULL_SPAN = _NullSpan()
-
-
-class _Accumulators:
-    """Everything booked between two ``end_step`` calls (guarded by Telemetry._lock)."""
-
-    __slots__ = ("critical", "lanes", "bytes", "counters", "intervals")
-
-    def __init__(self) -> None:
-        self.critical: dict[str, float] = defaultdict(float)
-        self.lanes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.bytes: dict[str, int] = defaultdict(int)
-        self.counters: dict[str, int] = defaultdict(int)
-        self.intervals: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
 
 class Telemetry:
@@ -221,22 +107,22 @@ class Telemetry:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._threads: list[_ThreadState] = []
-        self._acc = _Accumulators()
+        self._acc = Accumulators()
         self._gauges: dict[str, float] = {}
         self._rss_set = False
-        self._main_lane = _MAIN_LANE
+        self._main_lane = MAIN_LANE
         self._step: int | None = None
         self._step_start = math.inf          # no step open: nothing is critical path
         self._steps_ended = 0
         self._aborted = 0
-        self._totals: dict[str, Any] = _empty_totals()
+        self._totals: dict[str, Any] = empty_totals()
         self._health = HealthMonitor()
         self._warned_at: dict[tuple[str, str], float] = {}
         self._trace: TraceRecorder | None = None
         self._process = None   # psutil, only where /proc/self/statm is unavailable
         env_path = os.environ.get(TRACE_ENV)
         if env_path and self.enabled:
-            self.start_trace(_expand_env_trace_path(env_path))
+            self.start_trace(expand_env_trace_path(env_path))
 
     # -- phases ----------------------------------------------------------------------
 
@@ -279,7 +165,7 @@ class Telemetry:
         if top is not None and top.lane == lane:
             top.child_s += seconds
         state.buf.append((name, lane, start, end, float(seconds)))
-        if len(state.buf) >= _DRAIN_AT:
+        if len(state.buf) >= DRAIN_AT:
             self._drain()
 
     def _thread_state(self) -> _ThreadState:
@@ -391,7 +277,7 @@ class Telemetry:
         start = self._step_start
         self._drain()
         with self._lock:
-            acc, self._acc = self._acc, _Accumulators()
+            acc, self._acc = self._acc, Accumulators()
             step = self._step
             self._step = None
             self._step_start = math.inf
@@ -427,7 +313,7 @@ class Telemetry:
             gauges=dict(self._gauges), skipped=bool(skipped), main_lane=self._main_lane)
         self.last = stats
         self._steps_ended += 1
-        _accumulate(self._totals, stats)
+        accumulate(self._totals, stats)
         trace = self._trace
         if trace is not None:
             trace.add_slice(self._main_lane, "step", start, end, cat="step",
@@ -533,7 +419,7 @@ class Telemetry:
         for name, value in self._gauges.items():
             trace.add_counter(name, trace.origin, value)
         self._trace = trace
-        _live.add(self)
+        live.add(self)
 
     def stop_trace(self) -> str:
         """Stop recording, write the trace file and return its path."""
@@ -543,7 +429,7 @@ class Telemetry:
                                "start_trace(path) first")
         self._drain()
         self._trace = None
-        _live.discard(self)
+        live.discard(self)
         if trace.dropped:
             _log.warning("trace %s dropped %d events past max_trace_events=%d",
                          trace.path, trace.dropped, trace.max_events)
@@ -559,38 +445,12 @@ class Telemetry:
                                            for c in CHANNELS}}}
 
     def _host_rss(self) -> int:
-        rss = _proc_statm_rss()
+        rss = proc_statm_rss()
         if rss is not None:
             return rss
         if self._process is None:
-            self._process = _psutil_process()
+            self._process = psutil_process()
         return self._process.memory_info().rss
-
-
-def _psutil_process():
-    import psutil
-    return psutil.Process()
-
-
-_statm: tuple[int, int] | None = None   # (pid, fd) of an open /proc/self/statm
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _proc_statm_rss() -> int | None:
-    """Resident set size from ``/proc/self/statm`` via a kept-open fd (~2 µs; psutil's
-    memory_info() opens the file each time, ~15 µs). None where /proc is missing.
-    The fd is reopened after a fork, since /proc/self was resolved at open time."""
-    global _statm
-    pid = os.getpid()
-    if _statm is None or _statm[0] != pid:
-        try:
-            _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
-        except OSError:
-            return None
-    try:
-        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _trace_step_args(stats: StepStats) -> dict[str, Any]:
@@ -599,63 +459,3 @@ def _trace_step_args(stats: StepStats) -> dict[str, Any]:
             "bandwidth": {k: b.as_dict() for k, b in stats.bandwidth.items()}}
 
 
-def _empty_totals() -> dict[str, Any]:
-    return {"steps": 0, "step": 0, "wall_s": 0.0, "phases": defaultdict(float),
-            "lanes": defaultdict(lambda: defaultdict(float)), "bytes": defaultdict(int),
-            "counters": defaultdict(int), "gauges": {}, "gauge_max": {},
-            "bandwidth": {}}
-
-
-def _accumulate(t: dict[str, Any], s: StepStats) -> None:
-    t["steps"] += 1
-    t["step"] = s.step
-    t["wall_s"] += s.wall_s
-    for k, v in s.phases.items():
-        t["phases"][k] += v
-    for lane, p in s.lanes.items():
-        for k, v in p.items():
-            t["lanes"][lane][k] += v
-    for k, v in s.bytes.items():
-        t["bytes"][k] += v
-    for k, v in s.counters.items():
-        t["counters"][k] += v
-    if s.skipped and not s.counters.get("skipped_steps"):
-        t["counters"]["skipped_steps"] += 1
-    t["gauges"] = dict(s.gauges)
-    for k, v in s.gauges.items():
-        t["gauge_max"][k] = max(v, t["gauge_max"].get(k, v))
-    for ch in CHANNELS:
-        b: Bandwidth | None = s.bandwidth.get(ch.name)
-        if b is None:
-            continue
-        nb, busy, _ = t["bandwidth"].get(ch.name, (0, 0.0, ch.peak_key))
-        t["bandwidth"][ch.name] = (nb + b.nbytes, busy + b.busy_s, ch.peak_key)
-
-
-def _expand_env_trace_path(template: str) -> str:
-    """``TIERSTATE_TRACE`` with ``{pid}``/``{rank}`` filled in and, for the n-th
-    Telemetry in this process (n >= 1), ``.n`` inserted before the extension."""
-    global _env_trace_uses
-    rank = os.environ.get("RANK", "0")
-    try:
-        path = template.format(pid=os.getpid(), rank=rank)
-    except (KeyError, IndexError, ValueError) as e:
-        raise ValueError(f"{TRACE_ENV}={template!r}: only {{pid}} and {{rank}} may appear "
-                         f"in braces ({e})") from None
-    with _env_lock:
-        n = _env_trace_uses
-        _env_trace_uses += 1
-    if n:
-        stem, ext = os.path.splitext(path)
-        path = f"{stem}.{n}{ext or '.json'}"
-    return path
-
-
-@atexit.register
-def _write_open_traces() -> None:
-    for tel in list(_live):
-        try:
-            path = tel.stop_trace()
-            _log.info("tierstate trace written to %s at exit", path)
-        except Exception as e:  # exit must not fail because one trace could not be saved
-            _log.error("could not write the tierstate trace at exit: %s", e)

@@ -5,6 +5,11 @@
     tierstate plan 13B --compare "a100-80g,mem=80GiB,price=1.9/h" --compare "h100,mem=80GiB,price=3.5/h,speed=2" \\
         --price 0.9/h
     tierstate plan mypkg.models:build_model --placement 0,0.6,0.4
+    tierstate plan 1.3B --optimizer sgd --momentum 0.9
+
+The optimizer's state per parameter comes from its own update rule (the keys its
+``state_specs`` name for the hyper-parameters given), so the plan prices what that optimizer
+allocates.
 
 Rates come from the saved hardware profile (``tierstate probe``), else conservative defaults
 (the output says which). Budgets not given are read from this machine now: 80% of the
@@ -21,13 +26,20 @@ import re
 import sys
 from dataclasses import replace
 
-from .model_spec import ModelSpec, parse_count, resolve_model
-from .planner import (DTYPE_BYTES, OPTIMIZER_MOMENTS, Budgets, Hardware, Kind, Placement, Plan, PlanError,
-                      PlanRequest, Tier, choose, evaluate, gib)
+from .optim import SGD, Adagrad, Adam, AdamW, Lion
+from .placement.auto import HOST_FRACTION, existing_ancestor
+from .placement.cost_model import BUDGET_NAMES, Kind
+from .placement.layout import TIER_ORDER, TierKind
+from .placement.model_spec import ModelSpec, parse_count, resolve_model
+from .placement.plan_inputs import DTYPE_BYTES, Budgets, Hardware, Placement, PlanError, PlanRequest, gib
+from .placement.planner import Plan, choose, evaluate
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 1 << 10, "M": 10**6, "MB": 10**6, "MIB": 1 << 20,
                "G": 10**9, "GB": 10**9, "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TIB": 1 << 40}
-HOST_FRACTION = 0.8
+# --optimizer NAME -> the optimizer whose rule says what state it keeps
+OPTIMIZERS = {cls.rule.name: cls for cls in (AdamW, Adam, SGD, Lion, Adagrad)}
+# hyper-parameters that change which state keys a rule keeps: --flag -> param-group key
+STATE_FLAGS = {"--amsgrad": "amsgrad", "--momentum": "momentum"}
 
 
 def parse_size(text: str, name: str = "size") -> int:
@@ -81,7 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                    "the profile saw one, else cpu)")
     parser.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), help="default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adamw")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
+                        help="the tierstate optimizer whose state is priced (default adamw)")
+    parser.add_argument("--amsgrad", action="store_true", default=None,
+                        help="adam/adamw with amsgrad=True (one more moment, max_exp_avg_sq)")
+    parser.add_argument("--momentum", type=float, help="sgd's momentum (> 0 keeps a momentum_buffer; default 0)")
     parser.add_argument("--micro-batch", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -106,8 +122,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def state_keys_of(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The per-element state keys ``--optimizer`` keeps with the hyper-parameters given, from its
+    update rule: (moments, keys kept in fp32). ValueError naming a flag that optimizer does not
+    take, or a bad value."""
+    rule = OPTIMIZERS[args.optimizer].rule
+    group = rule.defaults()
+    for flag, key in STATE_FLAGS.items():
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if key not in group:
+            takes = sorted(name for name, cls in OPTIMIZERS.items() if key in cls.rule.defaults())
+            raise ValueError(f"{flag}: {args.optimizer} has no {key}; it applies to --optimizer {'/'.join(takes)}")
+        group[key] = value
+    rule.validate(group)
+    specs = rule.state_specs(group)
+    return tuple(s.name for s in specs if s.moment), tuple(s.name for s in specs if not s.moment)
+
+
 def _load_hardware(path: str | None) -> tuple[Hardware, dict | None]:
-    from . import probe
+    from .placement import probe
 
     try:
         profile = probe.load_profile(path)  # ValueError when the file is not a profile
@@ -124,13 +159,6 @@ def _load_hardware(path: str | None) -> tuple[Hardware, dict | None]:
                                                  f"({profile.get('created_at', '?')})"), profile
 
 
-def _existing_ancestor(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    return path
-
-
 def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budgets, list[str]]:
     """Turn parsed arguments into planner inputs; the list says where each default came from."""
     import psutil
@@ -143,11 +171,13 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
     profile_has_cuda = bool(profile and "skipped" not in (profile["measurements"].get("cuda") or {"skipped": 1}))
     device = args.device or ("cuda" if profile_has_cuda else "cpu")
     streaming = {"auto": None, "on": True, "off": False}[args.grad_streaming]
+    moments, fp32_keys = state_keys_of(args)
     req = PlanRequest(model, device=device, param_dtype=args.param_dtype or ("bf16" if device == "cuda" else "fp32"),
                       moment_dtype=args.moment_dtype, optimizer=args.optimizer, grad_streaming=streaming,
                       pin_memory=not args.no_pin_memory, subgroup_numel=args.subgroup_numel,
                       buffer_count=args.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
-                      grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing)
+                      grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
+                      state_keys=moments, fp32_state_keys=fp32_keys)
     sources = [f"rates: {hw.source}"]
     if args.host_mem:
         host = parse_size(args.host_mem, "--host-mem")
@@ -160,13 +190,13 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
         if os.path.exists(disk_dir) and not os.path.isdir(disk_dir):
             raise ValueError(f"--nvme-dir {disk_dir!r} is a file, not a folder; give the folder NVMe state would go in")
     else:  # where offload="nvme" would put its files: priced by the disk it would land on
-        from .offload import default_nvme_root
+        from .placement.offload import default_nvme_root
 
         disk_dir = str(default_nvme_root())
     if args.disk:
         disk = parse_size(args.disk, "--disk")
     else:
-        st = os.statvfs(_existing_ancestor(disk_dir))
+        st = os.statvfs(existing_ancestor(disk_dir))
         disk = st.f_bavail * st.f_frsize
         where = "" if args.nvme_dir else " (the default NVMe folder; --nvme-dir or --disk to set)"
         sources.append(f"disk budget: free space under {disk_dir}{where}")
@@ -218,7 +248,7 @@ def compare(plan: Plan, options: list[dict], price: tuple[float, str] | None) ->
             rows.append({"option": opt["name"], "fits": False, "why": str(exc)})
             continue
         rows.append({"option": opt["name"], "fits": True, "placement": "all on the device (no offload)",
-                     "device_bytes": alt.tier_total(Tier.DEVICE), **cost(alt.time.total, opt["price"])})
+                     "device_bytes": alt.tier_total(TierKind.DEVICE), **cost(alt.time.total, opt["price"])})
     return rows
 
 
@@ -233,16 +263,16 @@ def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None) 
     console.print(f"placement: [bold]Offload(gpu={p.gpu:g}, cpu={p.cpu:g}, nvme={p.nvme:g})[/bold] - {plan.reason}")
     table = Table(title="memory by tier")
     table.add_column("state")
-    for tier in Tier:
-        table.add_column(tier.value, justify="right")
+    for tier in TIER_ORDER:
+        table.add_column(BUDGET_NAMES[tier], justify="right")
     table.add_column("note")
     for kind in Kind:
-        cells = [plan.bytes_of(tier, kind) for tier in Tier]
+        cells = [plan.bytes_of(tier, kind) for tier in TIER_ORDER]
         if any(cells):
             pinned = any(m.pinned for m in plan.memory if m.kind is kind)
             notes = "; ".join(sorted({m.note for m in plan.memory if m.kind is kind and m.note}))
             table.add_row(kind.value, *[gib(c) if c else "" for c in cells], ("pinned; " if pinned else "") + notes)
-    table.add_row("[bold]total[/bold]", *[f"[bold]{gib(plan.tier_total(t))}[/bold]" for t in Tier],
+    table.add_row("[bold]total[/bold]", *[f"[bold]{gib(plan.tier_total(t))}[/bold]" for t in TIER_ORDER],
                   f"pinned {gib(plan.pinned_total())}")
     b = plan.budgets
     table.add_row("budget", *[gib(v) if v is not None else "-" for v in (b.device, b.host, b.disk)], "")
