@@ -29,7 +29,7 @@ from dataclasses import replace
 from .optim import SGD, Adagrad, Adam, AdamW, Lion
 from .placement.auto import HOST_FRACTION, existing_ancestor
 from .placement.cost_model import BUDGET_NAMES, Kind
-from .placement.layout import TIER_ORDER, TierKind
+from .placement.layout import TIER_ORDER
 from .placement.model_spec import ModelSpec, parse_count, resolve_model
 from .placement.plan_inputs import DTYPE_BYTES, Budgets, Hardware, Placement, PlanError, PlanRequest, gib
 from .placement.planner import Plan, choose, evaluate
@@ -248,7 +248,7 @@ def compare(plan: Plan, options: list[dict], price: tuple[float, str] | None) ->
             rows.append({"option": opt["name"], "fits": False, "why": str(exc)})
             continue
         rows.append({"option": opt["name"], "fits": True, "placement": "all on the device (no offload)",
-                     "device_bytes": alt.tier_total(TierKind.DEVICE), **cost(alt.time.total, opt["price"])})
+                     "device_bytes": alt.budget_total("device"), **cost(alt.time.total, opt["price"])})
     return rows
 
 

@@ -246,6 +246,6 @@ def test_placement_imports_no_package_that_imports_it():
         top = path.relative_to(root).parts[0].removesuffix(".py")
         if top != "placement" and "placement" in imported(path, package_of(path)):
             users.add(top)
-    assert {"optim", "tiers", "pipeline", "checkpoint"} <= users  # the scan sees real imports
+    assert {"optim", "tiers", "pipeline"} <= users  # the scan sees real imports (checkpoint goes through tiers)
     below = {p.name: imported(p, "tierstate.placement") for p in (root / "placement").glob("*.py")}
     assert not {name: sorted(mods & users) for name, mods in below.items() if mods & users}

@@ -93,9 +93,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "offload='auto' needs the placement planner (tierstate.placement.auto), which is not "
                 f"available in this build ({exc}); pass offload='cpu' or 'nvme' or a tierstate.Offload(...)"
             ) from exc
-        # the per-element state the planner prices: the rule's keys for these arguments
-        return choose_offload(params, allow_device_tier=allow_device_tier,
-                              state_keys=tuple(spec.name for spec in self.rule.state_specs(defaults)))
+        # the per-element state the planner prices: the rule's keys for every group's arguments
+        groups = [defaults | g if isinstance(g, dict) else defaults for g in params]
+        keys = [spec.name for g in groups for spec in self.rule.state_specs(g)]
+        return choose_offload(params, allow_device_tier=allow_device_tier, state_keys=keys)
 
     # -- what the engine holds, as torch code and tools ask for it -------------------------------
     @property

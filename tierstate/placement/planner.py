@@ -32,6 +32,10 @@ class Plan:
     def tier_total(self, tier: TierKind) -> int:
         return sum(m.nbytes for m in self.memory if m.tier is tier)
 
+    def budget_total(self, name: str) -> int:
+        """Bytes planned against the budget called ``name`` ("device", "host" or "disk")."""
+        return sum(m.nbytes for m in self.memory if BUDGET_NAMES[m.tier] == name)
+
     def pinned_total(self) -> int:
         return sum(m.nbytes for m in self.memory if m.pinned)
 
