@@ -142,3 +142,35 @@ def test_kind_finder_sees_a_kind(tmp_path):
 def test_no_module_over_600_lines(path):
     n = len(path.read_text().splitlines())
     assert n <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {n} lines; split it by role (at most {MAX_LINES})"
+
+
+def _repo_root() -> Path | None:
+    """The checkout the suite runs from (the docs live there, not in the installed package)."""
+    here = Path(__file__).resolve()
+    root = here.parents[2]
+    return root if (root / "docs" / "architecture.md").is_file() else None
+
+
+def test_architecture_note_index_points_at_each_note():
+    """docs/architecture.md's [Note: ...] index names the file each note lives in, and lists every note."""
+    root = _repo_root()
+    if root is None:
+        pytest.skip("not run from a checkout (docs/ absent)")
+    doc = (root / "docs" / "architecture.md").read_text()
+    index = doc[doc.index("## The `[Note: ...]` index"):]
+    rows = [line.split("|")[1:3] for line in index.splitlines() if line.startswith("| ") and "`" in line]
+    listed = set()
+    for title, where in rows:
+        title, path = title.strip(), root / where.strip().strip("`")
+        assert path.is_file(), f"docs/architecture.md: {path} (for [Note: {title}]) does not exist"
+        assert f"[Note: {title}]" in path.read_text(), f"docs/architecture.md: [Note: {title}] is not in {path}"
+        listed.add(title)
+    import re
+
+    defined = set()
+    for path in [*(root / "src").rglob("*.py"), *(root / "csrc").rglob("*.[ch]*")]:
+        for line in path.read_text(errors="replace").splitlines():
+            m = re.match(r"^\s*(?:#|//)?\s*\[Note: ([^\]]+)\]\s*$", line)
+            if m:
+                defined.add(m.group(1))
+    assert defined - listed == set(), f"notes missing from docs/architecture.md's index: {sorted(defined - listed)}"

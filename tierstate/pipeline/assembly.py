@@ -94,6 +94,13 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     master_on_device = any(by_trainable[t].needs_master for t in heads)
     tiers = make_tiers(layout, dtypes, inits, offload, device, master_on_device=master_on_device, telemetry=telemetry)
     store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]))
-    grads = Gradients(trainable, heads, offload, device, telemetry)
-    weights = WeightsOut(store, trainable, heads, device)
+    grads = None
+    try:
+        grads = Gradients(trainable, heads, offload, device, telemetry)
+        weights = WeightsOut(store, trainable, heads, device)
+    except BaseException:  # (e.g. pinned memory refused) the tiers' files go now, not at collection
+        if grads is not None:
+            grads.close()
+        store.close()
+        raise
     return Parts(device, store, trainable, shards, heads, grads, weights)
