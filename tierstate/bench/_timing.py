@@ -34,10 +34,11 @@ def interleave(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
                 before_timed()
             flip = alternate and timed and (rnd - warmup) % 2 == 1
             for name in (names[::-1] if flip else names):
+                call = calls[name]
                 if gap_ms > 0:
                     time.sleep(gap_ms / 1e3)  # let the previous variant's spinning threads sleep
                 t0 = time.perf_counter()
-                calls[name]()
+                call()
                 elapsed = time.perf_counter() - t0
                 if timed:
                     times[name].append(elapsed)

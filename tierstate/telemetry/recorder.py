@@ -1,6 +1,6 @@
 """One optimizer's telemetry: phase timing, bytes, counters, gauges, traces, health.
 
-Cost model (measured by ``python -m tierstate.telemetry.overhead``): a phase is a small
+Cost model (measured by ``tierstate bench overhead --per-call``): a phase is a small
 object, two ``perf_counter`` calls and one tuple appended to a per-thread buffer, no
 lock; buffers are folded into the step's totals (and the trace, while tracing) at
 ``end_step``, or by a thread itself every 4096 records. That is 3-4 µs per phase all
