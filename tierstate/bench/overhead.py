@@ -35,6 +35,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._timing import interleave
+
 # GPT-2 small (n_layer=12, n_embd=768, vocab 50257, 1024 positions): the tensors of one block
 # and the embeddings, element counts only.
 _BLOCK = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072, 3072 * 768, 768]
@@ -195,16 +197,9 @@ def main(args: argparse.Namespace) -> int:
             opt.telemetry.enabled = True
 
     variants = {"kernel": kernel, "opt": opt.step, "opt-no-telemetry": without_telemetry}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for rep in range(args.warmup + args.reps):
-        # reversed every other round: what ran just before a variant (caches, the memory
-        # bandwidth phase) must not favour one variant
-        order = list(variants.items()) if rep % 2 == 0 else list(reversed(variants.items()))
-        for name, fn in order:
-            t0 = time.perf_counter()
-            fn()
-            if rep >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+    # reversed every other round: what ran just before a variant (caches, the memory bandwidth
+    # phase) must not favour one variant
+    times = interleave(variants, args.reps, args.warmup, f"{total / 1e6:.0f}M params", alternate=True)
     med = {name: statistics.median(v) for name, v in times.items()}
     print(f"{len(shapes)} tensors, {total / 1e6:.1f}M bf16 params, {kernels.backend_info()['threads']} threads, "
           f"{args.reps} interleaved rounds")
