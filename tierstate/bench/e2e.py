@@ -74,22 +74,25 @@ CPU_VARIANTS = ("cpu", "cpu_bwd", "cpu_bf16", "cpu_bf16_bwd")
 TIME_TARGETS = tuple((f"{m} vs plain torch", m, "torch", 1.3) for m in NVME_VARIANTS)
 
 
-def modes_option(modes: tuple[str, ...], elsewhere: str = "") -> Callable[[str], list[str]]:
-    """The ``--modes`` argument type over ``modes``; ``elsewhere`` is added to the message of a
-    mode it does not know (where such modes are run instead)."""
+def modes_option(modes: tuple[str, ...], elsewhere: dict[str, str] | None = None) -> Callable[[str], list[str]]:
+    """The ``--modes`` argument type over ``modes``; ``elsewhere`` maps modes run by another
+    command to where, said when one of them is asked for."""
+    elsewhere = elsewhere or {}
+
     def parse(text: str) -> list[str]:
         names = [m.strip() for m in text.split(",") if m.strip()]
         unknown = [m for m in names if m not in modes]
         if unknown or not names:
+            where = "".join(dict.fromkeys(f"; {m}: {elsewhere[m]}" for m in unknown if m in elsewhere))
             raise argparse.ArgumentTypeError(
-                f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(modes)}"
-                + (f"{elsewhere}" if unknown and elsewhere else ""))
+                f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(modes)}{where}")
         return list(dict.fromkeys(names))
     return parse
 
 
-_PEER_MODES_HINT = ("; DeepSpeed's modes (ds_z2_cpu, ds_z3_nvme) are compared by benchmarks/e2e.py in the "
-                    "source tree: python benchmarks/e2e.py --modes ...")
+# DeepSpeed's modes: compared by a script of the source tree, which runs these modes too.
+_PEER_MODES = {m: "run by benchmarks/e2e.py in the source tree (python benchmarks/e2e.py --modes ...)"
+               for m in ("ds_z2_cpu", "ds_z3_nvme")}
 
 
 def _positive(text: str) -> int:
@@ -115,7 +118,7 @@ def _non_negative(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...] = MODES,
                   modes_type: Callable[[str], list[str]] | None = None) -> None:
     """Options of the end-to-end benchmark, ``--modes`` among ``modes`` (parsed by ``modes_type``)."""
-    parser.add_argument("--modes", type=modes_type or modes_option(modes, _PEER_MODES_HINT), default=None,
+    parser.add_argument("--modes", type=modes_type or modes_option(modes, _PEER_MODES), default=None,
                         help=f"comma list of modes to run (default: all of {','.join(modes)}, less the "
                              "bf16-parameter ones under --precision fp32)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
