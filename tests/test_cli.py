@@ -108,12 +108,27 @@ def test_dispatch_runs_the_chosen_module(tmp_path, monkeypatch):
 
 
 def test_bench_step_offload_nvme_selects_the_nvme_step_benchmark() -> None:
-    from tierstate import cli
+    """One command, one module: ``--offload`` is its own option, parsed with the others."""
+    module, args = cli.parse(["bench", "step", "--offload", "nvme", "--params", "1M"])
+    assert module.__name__ == "tierstate.bench.step"
+    assert args.offload == "nvme" and args.params == [1_000_000]
+    module, args = cli.parse(["bench", "step", "--offload=cpu"])
+    assert module.__name__ == "tierstate.bench.step" and args.offload == "cpu"
+    assert cli.parse(["bench", "step"])[1].offload == "cpu"  # the default
 
-    chosen, argv = cli._step_bench_for_tier(cli.COMMANDS[3], ["bench", "step", "--offload", "nvme", "--params", "1M"])
-    assert chosen.module == "tierstate.bench.nvme_step" and argv == ["bench", "step", "--params", "1M"]
-    chosen, argv = cli._step_bench_for_tier(cli.COMMANDS[3], ["bench", "step", "--offload=cpu"])
-    assert chosen.module == "tierstate.bench.step" and argv == ["bench", "step"]
+
+def test_bench_step_refuses_another_tier_and_the_other_tier_s_options(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.parse(["bench", "step", "--offload", "gpu"])
+    assert exit.value.code == 2
+    assert "--offload" in capsys.readouterr().err
+    # an option of the NVMe step given to the CPU one (and back) is a usage error naming both,
+    # before anything runs
+    for argv, option in ((["--params", "1M"], "--params"), (["--offload", "nvme", "--sizes", "1M"], "--sizes"),
+                         (["--gap-ms", "0", "--offload", "nvme"], "--gap-ms")):
+        assert cli.main(["bench", "step", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert option in err and "--offload" in err and out == "", err
 
 
 def _leaf_commands(parser=None, prefix=()):
@@ -136,7 +151,7 @@ def test_the_parser_walk_finds_every_registered_command():
     assert sorted(_leaf_commands()) == sorted(c.words for c in cli.COMMANDS)
 
 
-# `bench step --offload nvme` swaps in another module with its own options: a variant to check too
+# `bench step --offload nvme` has options of its own, listed in the same help
 _HELP_CASES = [list(words) for words in _leaf_commands()] + [["bench", "step", "--offload", "nvme"], []]
 
 

@@ -33,7 +33,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("demo",), "tierstate.demo.cli", "train a small GPT with offloaded optimizer state and show what happened"),
     Command(("probe",), "tierstate.placement.probe", "measure this machine's memory, PCIe and disk bandwidth"),
     Command(("plan",), "tierstate.plan_cli", "show where a model's optimizer state would be placed"),
-    Command(("bench", "step"), "tierstate.bench.step", "time optimizer steps against their bandwidth floor"),
+    Command(("bench", "step"), "tierstate.bench.step",
+            "time optimizer steps against their floor: memory bandwidth (--offload cpu) or the disk (nvme)"),
     Command(("bench", "io"), "tierstate.bench.io", "time the NVMe tier's reads and writes"),
     Command(("bench", "e2e"), "tierstate.bench.e2e", "time end-to-end training steps"),
     Command(("bench", "overhead"), "tierstate.bench.overhead", "the optimizer's cost on top of its kernels, incl. telemetry"),
@@ -67,8 +68,6 @@ def parse(argv: Sequence[str]) -> tuple[ModuleType, argparse.Namespace]:
     and its arguments. Bad arguments exit with status 2 and argparse's message (``SystemExit``)."""
     argv = list(argv)
     chosen = _chosen_command(argv)
-    if chosen is not None and chosen.words == ("bench", "step"):
-        chosen, argv = _step_bench_for_tier(chosen, argv)
     module = None
     if chosen is not None:
         try:
@@ -90,30 +89,6 @@ def _chosen_command(argv: list[str]) -> Command | None:
     return None
 
 
-# `tierstate bench step --offload nvme` times the NVMe tier's step (its own options and
-# floor: disk bandwidth); `--offload cpu`, the default, times the host kernels.
-_NVME_STEP = Command(("bench", "step"), "tierstate.bench.nvme_step",
-                     "time the NVMe tier's optimizer step against max(disk time, CPU step)")
-
-
-def _step_bench_for_tier(command: Command, argv: list[str]) -> tuple[Command, list[str]]:
-    """Pick the step benchmark of the tier named by ``--offload`` and drop that option."""
-    rest, tier, i = [], "cpu", 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--offload" and i + 1 < len(argv):
-            tier, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--offload="):
-            tier = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    if tier not in ("cpu", "nvme"):
-        raise SystemExit(f"tierstate bench step: error: --offload {tier!r}: choose cpu or nvme")
-    return (_NVME_STEP if tier == "nvme" else command), rest
-
-
 def _load(command: Command) -> ModuleType:
     module = importlib.import_module(command.module)
     missing = [name for name in ("add_arguments", "main") if not callable(getattr(module, name, None))]
@@ -132,8 +107,6 @@ def _build_parser(chosen: Command | None, module: ModuleType | None) -> argparse
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for command in COMMANDS:
-        if chosen is not None and command.words == chosen.words:
-            command = chosen  # a tier variant (bench step --offload nvme) stands in for its command
         if len(command.words) == 1:
             sub = top.add_parser(command.words[0], help=command.summary, description=command.summary)
         else:

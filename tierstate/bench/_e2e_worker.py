@@ -2,20 +2,19 @@
 
     python -m tierstate.bench._e2e_worker --mode nvme --out result.json [--layers 12] ...
 
-A process per configuration makes ``ru_maxrss`` that configuration's own peak RSS, and
-lets the DeepSpeed configurations run under a different interpreter (the peers' venv)
-than the tierstate ones. The orchestrator, :mod:`tierstate.bench.e2e`, starts these
-processes, alternates their order and aggregates what they write.
+A process per configuration makes ``ru_maxrss`` that configuration's own peak RSS. The
+orchestrator, :mod:`tierstate.bench.e2e`, starts these processes, alternates their order
+and aggregates what they write. :func:`measure` is the timed training loop for any
+optimizer: ``benchmarks/_e2e_deepspeed_worker.py`` (in the source tree) runs DeepSpeed's
+engine through it for the peer comparison.
 
 The training step is the same for every mode: fp32 parameters, forward and loss under
 ``torch.autocast("cpu", bfloat16)``, ``loss.backward()``, optimizer step, gradients set
-to None. DeepSpeed runs its own bf16 mode instead of autocast (bf16 model, fp32 master in
-its optimizer), as a DeepSpeed user would. With ``--precision fp32`` (for CPUs without
-bf16 matrix units, where a bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3)
-every mode runs in fp32: no autocast, DeepSpeed with bf16 off, and the ``*_bf16*`` modes
-refuse. Each phase is timed with ``perf_counter`` around the call that does it:
-``fwd`` = model call with loss, ``bwd`` = backward, ``opt`` = optimizer step plus
-``zero_grad`` (DeepSpeed: ``engine.step()``, which zeroes).
+to None. With ``--precision fp32`` (for CPUs without bf16 matrix units, where a bf16
+matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3) every mode runs in fp32: no
+autocast, and the ``*_bf16*`` modes refuse. Each phase is timed with ``perf_counter``
+around the call that does it: ``fwd`` = model call with loss, ``bwd`` = backward, ``opt``
+= optimizer step plus ``zero_grad``.
 """
 from __future__ import annotations
 
@@ -24,10 +23,11 @@ import json
 import os
 import resource
 import shutil
-import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,13 +47,12 @@ TIERSTATE_MODES = ("cpu", "nvme", "cpu_bwd", "nvme_bwd", "cpu_bf16", "nvme_bf16"
 BF16_PARAM_MODES = ("cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
 # Modes that update the state during backward (step_in_backward=True).
 IN_BACKWARD_MODES = ("cpu_bwd", "nvme_bwd", "cpu_bf16_bwd", "nvme_bf16_bwd")
-NVME_MODES = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd", "ds_z3_nvme")
-DEEPSPEED_MODES = ("ds_z2_cpu", "ds_z3_nvme")
-MODES = (*TORCH_MODES, *TIERSTATE_MODES, *DEEPSPEED_MODES)
+NVME_MODES = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd")
+MODES = (*TORCH_MODES, *TIERSTATE_MODES)
 # The training precision of a run: "bf16" (autocast, or bf16 parameters) or "fp32" (no bf16 anywhere).
 PRECISIONS = ("bf16", "fp32")
 
-# The optimizer every mode runs (the peers' reference run used the same).
+# The optimizer every mode runs (benchmarks/e2e.py's DeepSpeed modes use the same).
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -120,46 +119,6 @@ def _native_kernels(mode: str) -> str:
     return info["isa"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _deepspeed_engine(model: torch.nn.Module, args: argparse.Namespace, swap_dir: Path | None):
-    """A single-process DeepSpeed engine (no launcher) in the configuration the peers measured."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
-    if args.mode == "ds_z2_cpu":
-        zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
-                "contiguous_gradients": True, "overlap_comm": False}
-        aio = None
-    else:
-        zero = {"stage": 3, "overlap_comm": False,
-                "offload_optimizer": {"device": "nvme", "nvme_path": str(swap_dir), "pin_memory": False,
-                                      "buffer_count": 4}}
-        aio = {"block_size": 1 << 20, "queue_depth": 32, "intra_op_parallelism": 1,
-               "single_submit": False, "overlap_events": True}
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
-        "bf16": {"enabled": args.precision == "bf16"},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                  "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": zero,
-        "steps_per_print": 10**9,
-    }
-    if aio is not None:
-        config["aio"] = aio
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return engine, deepspeed.__version__
-
-
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -169,90 +128,103 @@ def _current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Build the model and optimizer of ``args.mode``, train ``warmup + steps`` steps, return figures."""
-    if args.precision == "fp32" and args.mode in BF16_PARAM_MODES:
-        raise ValueError(f"--mode {args.mode} trains bf16 parameters; with --precision fp32 use one of "
-                         f"{', '.join(m for m in MODES if m not in BF16_PARAM_MODES)}")
+@dataclass
+class Harness:
+    """How one mode trains: the three timed calls, and what it reports besides the times."""
+
+    forward: Callable[[], torch.Tensor]  # the model call with its loss
+    backward: Callable[[torch.Tensor], None]
+    optimizer_step: Callable[[], None]  # the step and zeroing the gradients
+    stats: Callable[[], dict] | None = None  # per-step telemetry (phases, lanes, bytes), if any
+    close: Callable[[], None] | None = None
+    info: dict = field(default_factory=dict)  # figures about the setup, merged into the result
+
+
+def _tierstate_harness(args: argparse.Namespace, model: torch.nn.Module, tokens: torch.Tensor,
+                       scratch: Path | None) -> Harness:
+    """The plain-torch and tierstate modes: fp32 parameters under bf16 autocast, or bf16 parameters."""
+    info: dict = {}
+    stats = close = None
+    if args.mode in TORCH_MODES:
+        if args.mode == TORCH_RETAIN_MODE:
+            from .. import host_allocator
+            host_allocator.retain_freed_memory()
+            info["host_allocator"] = host_allocator.policy()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                fused=True)
+    else:
+        info["kernels"] = _native_kernels(args.mode)
+        opt = _tierstate_optimizer(model, args, scratch)
+        info["tier_bytes"] = opt.tier_bytes()
+        info["host_allocator"] = opt.host_allocator
+        if args.mode in NVME_MODES:
+            from .. import io as tio
+            info["io_backend"] = tio.default_engine().backend
+
+        def stats() -> dict:
+            d = opt.stats().as_dict()
+            return {"phases": d["phases"], "lanes": d["lanes"], "bytes": d["bytes"]}
+
+        close = opt.close
+
+    if args.mode in BF16_PARAM_MODES or args.precision == "fp32":
+        def forward():
+            return model(input_ids=tokens, labels=tokens).loss
+    else:
+        def forward():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(input_ids=tokens, labels=tokens).loss
+
+    def backward(loss):
+        loss.backward()
+
+    def optimizer_step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Harness(forward, backward, optimizer_step, stats=stats, close=close, info=info)
+
+
+def measure(args: argparse.Namespace, harness: Callable[..., Harness], uses_disk: bool,
+            bf16_params: bool = False) -> dict:
+    """Build the model, set up ``harness(args, model, tokens, scratch)``, train ``warmup + steps``
+    steps and return the figures. ``uses_disk``: the mode gets a scratch folder of its own under
+    ``args.nvme_dir``, removed afterwards; ``bf16_params``: the model is cast to bf16 first."""
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     t_setup = time.perf_counter()
     model = build_model(args)
-    if args.mode in BF16_PARAM_MODES:
+    if bf16_params:
         model.to(torch.bfloat16)
     nparams = sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     scratch = None
-    if args.mode in NVME_MODES:
+    if uses_disk:
         root = Path(args.nvme_dir)
         root.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"e2e-{args.mode}-", dir=root))
-    info: dict = {}
     try:
-        if args.mode in DEEPSPEED_MODES:
-            engine, version = _deepspeed_engine(model, args, scratch)
-            info["deepspeed"] = version
-            info["optimizer"] = type(engine.optimizer).__name__
-
-            def forward():
-                return engine(input_ids=tokens, labels=tokens).loss
-
-            backward, optimizer_step, opt = engine.backward, engine.step, None
-        else:
-            if args.mode in TORCH_MODES:
-                if args.mode == TORCH_RETAIN_MODE:
-                    from .. import host_allocator
-                    host_allocator.retain_freed_memory()
-                    info["host_allocator"] = host_allocator.policy()
-                opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                                        weight_decay=WEIGHT_DECAY, fused=True)
-            else:
-                info["kernels"] = _native_kernels(args.mode)
-                opt = _tierstate_optimizer(model, args, scratch)
-                info["tier_bytes"] = opt.tier_bytes()
-                info["host_allocator"] = opt.host_allocator
-                if args.mode in NVME_MODES:
-                    from .. import io as tio
-                    info["io_backend"] = tio.default_engine().backend
-
-            if args.mode in BF16_PARAM_MODES or args.precision == "fp32":
-                def forward():
-                    return model(input_ids=tokens, labels=tokens).loss
-            else:
-                def forward():
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        return model(input_ids=tokens, labels=tokens).loss
-
-            def backward(loss):
-                loss.backward()
-
-            def optimizer_step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
+        h = harness(args, model, tokens, scratch)
         setup_s = time.perf_counter() - t_setup
         rss_after_setup = _current_rss_bytes()
         steps = []
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            loss = forward()
+            loss = h.forward()
             t1 = time.perf_counter()
-            backward(loss)
+            h.backward(loss)
             t2 = time.perf_counter()
-            optimizer_step()
+            h.optimizer_step()
             t3 = time.perf_counter()
             record = {"fwd": t1 - t0, "bwd": t2 - t1, "opt": t3 - t2, "total": t3 - t0,
                       "loss": float(loss.detach().float()), "warmup": i < args.warmup}
-            if opt is not None and args.mode in TIERSTATE_MODES:
-                stats = opt.stats().as_dict()
-                record["phases"] = stats["phases"]
-                record["lanes"] = stats["lanes"]
-                record["bytes"] = stats["bytes"]
+            if h.stats is not None:
+                record.update(h.stats())
             steps.append(record)
             print(f"[{args.mode}] step {i} fwd {record['fwd']:.3f}s bwd {record['bwd']:.3f}s "
                   f"opt {record['opt']:.3f}s loss {record['loss']:.3f}", file=sys.stderr, flush=True)
-        if opt is not None and hasattr(opt, "close"):
-            opt.close()
+        if h.close is not None:
+            h.close()
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -260,22 +232,36 @@ def run(args: argparse.Namespace) -> dict:
         "mode": args.mode, "status": "ok", "nparams": nparams, "steps": steps,
         "peak_rss_bytes": _peak_rss_bytes(), "rss_after_setup_bytes": rss_after_setup, "setup_s": setup_s,
         "threads": args.threads, "precision": args.precision, "torch": torch.__version__, "python": sys.executable,
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), **info,
+        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), **h.info, "info_keys": sorted(h.info),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=MODES, required=True)
+def run(args: argparse.Namespace) -> dict:
+    """Train ``args.mode`` (one of :data:`MODES`) for ``warmup + steps`` steps; return its figures."""
+    if args.precision == "fp32" and args.mode in BF16_PARAM_MODES:
+        raise ValueError(f"--mode {args.mode} trains bf16 parameters; with --precision fp32 use one of "
+                         f"{', '.join(m for m in MODES if m not in BF16_PARAM_MODES)}")
+    return measure(args, _tierstate_harness, uses_disk=args.mode in NVME_MODES,
+                   bf16_params=args.mode in BF16_PARAM_MODES)
+
+
+def worker_parser(modes: tuple[str, ...], description: str) -> argparse.ArgumentParser:
+    """The options a worker process takes (the orchestrator passes them through), ``--mode`` among ``modes``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--mode", choices=modes, required=True)
     parser.add_argument("--out", required=True, help="where to write the result as JSON")
     parser.add_argument("--steps", type=int, default=6, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                        help="bf16: autocast / bf16 parameters / DeepSpeed bf16 (default); fp32: none of them")
+                        help="bf16: autocast / bf16 parameters (default); fp32: none of them")
     parser.add_argument("--nvme-dir", default=tempfile.gettempdir(), help="folder for nvme-mode state files")
     add_model_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = worker_parser(MODES, __doc__.split("\n\n")[0]).parse_args(argv)
     result = run(args)
     Path(args.out).write_text(json.dumps(result))
     return 0

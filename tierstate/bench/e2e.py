@@ -1,7 +1,7 @@
-"""``tierstate bench e2e``: a whole training step of GPT-2 small, tierstate against the alternatives.
+"""``tierstate bench e2e``: a whole training step of GPT-2 small, tierstate against plain torch.
 
-    python -m tierstate.bench.e2e [--modes torch,cpu,nvme,...,ds_z2_cpu,ds_z3_nvme] [--steps 6]
-                                  [--warmup 2] [--repeats 2] [--json out.json] [--nvme-dir DIR]
+    tierstate bench e2e [--modes torch,cpu,nvme,...] [--steps 6] [--warmup 2] [--repeats 2]
+                        [--json out.json] [--nvme-dir DIR] [--tiny]
 
 GPT-2 124M built from a transformers config (random init, nothing downloaded), batch
 2 x 256 random tokens, labels = inputs. Modes:
@@ -18,41 +18,37 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
 ``cpu_bwd``       ``cpu`` with ``step_in_backward=True``
 ``nvme_bwd``      ``nvme`` with ``step_in_backward=True``
 ``cpu_bf16``      bf16 parameters, no autocast, fp32 master in the optimizer (how a
-                  tierstate user trains in mixed precision; DeepSpeed's bf16 mode)
+                  tierstate user trains in mixed precision)
 ``nvme_bf16``     the same with the state in files
 ``cpu_bf16_bwd``  ``cpu_bf16`` with ``step_in_backward=True``: sub-groups updated
                   during backward as their gradients become final
 ``nvme_bf16_bwd`` ``nvme_bf16`` with ``step_in_backward=True``: the NVMe I/O and the
                   updates overlap forward and backward
-``ds_z2_cpu``     DeepSpeed ZeRO-2, optimizer offloaded to the CPU (its bf16 mode)
-``ds_z3_nvme``    DeepSpeed ZeRO-3, optimizer offloaded to NVMe (its bf16 mode)
 ================  ================================================================
 
 ``--precision fp32`` (what ``auto`` picks on a CPU without bf16 matrix units, where a
-bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3) drops autocast and
-DeepSpeed's bf16 mode, so every mode trains in fp32; the ``*_bf16*`` modes are then left out.
+bf16 matmul ran 45-76x slower than an fp32 one on an AVX2 Zen 3) drops autocast, so every
+mode trains in fp32; the ``*_bf16*`` modes are then left out.
 
-Each issue target names "tierstate nvme" or "tierstate cpu"; it is evaluated for every
-variant of that mode that ran, so the report shows which configuration meets it.
+Each target names "tierstate nvme" or "tierstate cpu"; it is evaluated for every variant of
+that mode that ran, so the report shows which configuration meets it.
 
 Each run of a mode is a process of its own (:mod:`tierstate.bench._e2e_worker`), so its
-peak RSS is its own. DeepSpeed modes run under ``--peers-python`` (default: this
-interpreter if it imports deepspeed, else ``.peers-venv/bin/python`` next to the
-package); where deepspeed does not import they are reported "not importable" and the
-rest still runs.
+peak RSS is its own. The comparison with DeepSpeed ZeRO-2/3 (modes run under a peers'
+interpreter) is ``benchmarks/e2e.py`` in the source tree, which runs these same modes
+through this module and adds its own.
 
 [Note: why modes alternate]
-This machine's memory bandwidth switches between two levels ~1.7x apart over seconds to
-minutes, and the forward and backward of a CPU model are bandwidth-bound. A mode run
-entirely inside a slow phase would look 1.7x worse than its neighbour, so the modes run
-round-robin ``--repeats`` times, in reversed order every other round, and the report
-gives the median over all timed steps with the min-max, plus each target's ratio per
-round (modes of one round ran minutes apart at most).
+Memory bandwidth on the 2-vCPU reference VM switches between two levels ~1.7x apart over
+seconds to minutes, and the forward and backward of a CPU model are bandwidth-bound. A
+mode run entirely inside a slow phase would look 1.7x worse than its neighbour, so the
+modes run round-robin ``--repeats`` times, in reversed order every other round, and the
+report gives the median over all timed steps with the min-max, plus each target's ratio
+per round (modes of one round ran minutes apart at most).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -60,36 +56,43 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..telemetry.progress import progress
-from ._e2e_worker import BF16_PARAM_MODES, DEEPSPEED_MODES, MODES, TIERSTATE_MODES, add_model_arguments
+from ._e2e_worker import BF16_PARAM_MODES, MODES, TIERSTATE_MODES, add_model_arguments
 
 _GIB = 2**30
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the tierstate package
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the tierstate package
+# How a worker process of this package's modes is started, after the interpreter.
+WORKER = ("-m", "tierstate.bench._e2e_worker")
 
-# Figures measured on this machine kind (peers/RESULTS.md section 4, bf16, two runs), used only
-# to put a number next to a target when DeepSpeed cannot run here: not a verdict (bf16 runs only).
-REFERENCE_STEP_S = {"torch": (1.17, 1.34), "ds_z2_cpu": (1.54, 2.09), "ds_z3_nvme": (3.02, 3.25)}
-
-
-# (name, numerator mode, denominator mode, limit): step-time ratios the NVMe issue sets,
+# (name, numerator mode, denominator mode, limit): step-time ratios the NVMe target sets,
 # for each tierstate variant of the numerator's mode.
-_NVME_VARIANTS = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd")
-_CPU_VARIANTS = ("cpu", "cpu_bwd", "cpu_bf16", "cpu_bf16_bwd")
-TIME_TARGETS = tuple(
-    [(f"{m} vs DeepSpeed ZeRO-3 NVMe", m, "ds_z3_nvme", 0.5) for m in _NVME_VARIANTS]
-    + [(f"{m} vs plain torch", m, "torch", 1.3) for m in _NVME_VARIANTS]
-    + [(f"{m} vs DeepSpeed ZeRO-2 CPU", m, "ds_z2_cpu", 0.8) for m in _CPU_VARIANTS])
+NVME_VARIANTS = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd")
+CPU_VARIANTS = ("cpu", "cpu_bwd", "cpu_bf16", "cpu_bf16_bwd")
+TIME_TARGETS = tuple((f"{m} vs plain torch", m, "torch", 1.3) for m in NVME_VARIANTS)
 
 
-def _modes(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(MODES)}")
-    return list(dict.fromkeys(names))
+def modes_option(modes: tuple[str, ...], elsewhere: dict[str, str] | None = None) -> Callable[[str], list[str]]:
+    """The ``--modes`` argument type over ``modes``; ``elsewhere`` maps modes run by another
+    command to where, said when one of them is asked for."""
+    elsewhere = elsewhere or {}
+
+    def parse(text: str) -> list[str]:
+        names = [m.strip() for m in text.split(",") if m.strip()]
+        unknown = [m for m in names if m not in modes]
+        if unknown or not names:
+            where = "".join(dict.fromkeys(f"; {m}: {elsewhere[m]}" for m in unknown if m in elsewhere))
+            raise argparse.ArgumentTypeError(
+                f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(modes)}{where}")
+        return list(dict.fromkeys(names))
+    return parse
+
+
+# DeepSpeed's modes: compared by a script of the source tree, which runs these modes too.
+_PEER_MODES = {m: "run by benchmarks/e2e.py in the source tree (python benchmarks/e2e.py --modes ...)"
+               for m in ("ds_z2_cpu", "ds_z3_nvme")}
 
 
 def _positive(text: str) -> int:
@@ -112,13 +115,14 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of the end-to-end benchmark."""
-    parser.add_argument("--modes", type=_modes, default=None,
-                        help=f"comma list of modes to run (default: all of {','.join(MODES)}, less the "
+def add_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...] = MODES,
+                  modes_type: Callable[[str], list[str]] | None = None) -> None:
+    """Options of the end-to-end benchmark, ``--modes`` among ``modes`` (parsed by ``modes_type``)."""
+    parser.add_argument("--modes", type=modes_type or modes_option(modes, _PEER_MODES), default=None,
+                        help=f"comma list of modes to run (default: all of {','.join(modes)}, less the "
                              "bf16-parameter ones under --precision fp32)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="bf16: autocast, bf16 parameters, DeepSpeed's bf16 mode; fp32: none of them; auto "
+                        help="bf16: autocast and bf16 parameters; fp32: neither; auto "
                              "(default): bf16 unless this CPU's bf16 matmul is much slower than its fp32 one")
     parser.add_argument("--steps", type=_positive, default=6, help="timed steps per run (default 6)")
     parser.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
@@ -130,9 +134,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tierstate cache dir); each run makes and removes its own sub-folder")
     parser.add_argument("--threads", type=_positive, default=2,
                         help="torch and tierstate threads per run (default 2: this machine's cores)")
-    parser.add_argument("--peers-python", default=None,
-                        help="interpreter that imports deepspeed, for the ds_* modes (default: this one if it "
-                             "can, else TIERSTATE_PEERS_PYTHON, else .peers-venv/bin/python)")
     parser.add_argument("--timeout", type=_positive, default=1800, help="seconds allowed per run (default 1800)")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer, 64-wide GPT-2 on 2 x 32 tokens, with 16 Ki-element sub-groups and a "
@@ -149,44 +150,17 @@ def _apply_tiny(args: argparse.Namespace) -> None:
 
 
 # -- running ----------------------------------------------------------------------------------
-def _child_env(threads: int) -> dict:
+def child_env(threads: int) -> dict:
+    """The environment of a worker process: this tierstate first on its path, ``threads`` threads."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(_PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.update(OMP_NUM_THREADS=str(threads), TIERSTATE_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return env
 
 
-def find_peers_python(explicit: str | None) -> str | None:
-    """The interpreter to run DeepSpeed modes with (see ``--peers-python``), or None."""
-    if explicit:
-        return explicit
-    if importlib.util.find_spec("deepspeed") is not None:
-        return sys.executable
-    env = os.environ.get("TIERSTATE_PEERS_PYTHON")
-    if env:
-        return env
-    venv = _PACKAGE_ROOT / ".peers-venv" / "bin" / "python"
-    return str(venv) if venv.exists() else None
-
-
-def probe_deepspeed(python: str | None, threads: int) -> tuple[bool, str]:
-    """(importable, what was found) for ``python``."""
-    if python is None:
-        return False, "not importable: no interpreter with deepspeed (set --peers-python or make .peers-venv)"
-    try:
-        done = subprocess.run([python, "-c", "import deepspeed; print(deepspeed.__version__)"],
-                              env=_child_env(threads), capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return False, f"not importable: {python}: {exc}"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
-        return False, f"not importable under {python}: {last}"
-    return True, f"deepspeed {done.stdout.strip().splitlines()[-1]} under {python}"
-
-
-def _worker_command(python: str, mode: str, args: argparse.Namespace, out: Path, nvme_dir: Path) -> list[str]:
-    cmd = [python, "-m", "tierstate.bench._e2e_worker", "--mode", mode, "--out", str(out),
+def _worker_command(launch: list[str], mode: str, args: argparse.Namespace, out: Path, nvme_dir: Path) -> list[str]:
+    cmd = [*launch, "--mode", mode, "--out", str(out),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--nvme-dir", str(nvme_dir), "--layers", str(args.layers), "--embd", str(args.embd),
            "--heads", str(args.heads), "--vocab", str(args.vocab), "--batch", str(args.batch),
@@ -198,13 +172,15 @@ def _worker_command(python: str, mode: str, args: argparse.Namespace, out: Path,
     return cmd
 
 
-def run_one(mode: str, python: str, args: argparse.Namespace, nvme_dir: Path, workdir: Path, tag: str) -> dict:
-    """One run of ``mode`` in its own process; a failed run is returned with its error, not raised."""
+def run_one(mode: str, launch: list[str], args: argparse.Namespace, nvme_dir: Path, workdir: Path, tag: str,
+            env: dict | None = None) -> dict:
+    """One run of ``mode`` in its own process, started by ``launch`` (an interpreter and what it
+    runs) with :func:`child_env` plus ``env``; a failed run is returned with its error, not raised."""
     out = workdir / f"{mode}-{tag}.json"
-    cmd = _worker_command(python, mode, args, out, nvme_dir)
+    cmd = _worker_command(launch, mode, args, out, nvme_dir)
     t0 = time.perf_counter()
     try:
-        done = subprocess.run(cmd, env=_child_env(args.threads), capture_output=True, text=True,
+        done = subprocess.run(cmd, env={**child_env(args.threads), **(env or {})}, capture_output=True, text=True,
                               timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "status": f"failed: no result within --timeout {args.timeout} s"}
@@ -249,27 +225,31 @@ def summarize(mode: str, runs: list[dict]) -> dict:
         summary["phases_s"] = {k: statistics.median(s["phases"].get(k, 0.0) for s in with_phases) for k in names}
         moved = sorted({k for s in with_phases for k in s["bytes"]})
         summary["bytes_per_step"] = {k: statistics.median(s["bytes"].get(k, 0) for s in with_phases) for k in moved}
-    for key in ("deepspeed", "optimizer", "io_backend", "tier_bytes", "host_allocator", "kernels"):
-        if key in ok[0]:
-            summary[key] = ok[0][key]
+    for key in ok[0].get("info_keys", ()):  # what the worker's harness said about its setup
+        summary[key] = ok[0][key]
     return summary
 
 
-ISSUE_SHAPE = {"layers": 12, "embd": 768, "heads": 12, "vocab": 50257, "batch": 2, "seq": 256}
+# The model and batch the targets are set for: GPT-2 124M at 2 x 256 (the defaults).
+TARGET_SHAPE = {"layers": 12, "embd": 768, "heads": 12, "vocab": 50257, "batch": 2, "seq": 256}
 
 
-def is_issue_shape(args: argparse.Namespace) -> bool:
-    """Whether the run is the issue's GPT-2 124M at 2 x 256 (the only shape the targets are set for)."""
-    return all(getattr(args, k) == v for k, v in ISSUE_SHAPE.items())
+def is_target_shape(args: argparse.Namespace) -> bool:
+    """Whether the run is the targets' GPT-2 124M at 2 x 256 (the only shape they are set for)."""
+    return all(getattr(args, k) == v for k, v in TARGET_SHAPE.items())
 
 
-def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool, precision: str = "bf16") -> list[dict]:
-    """Each target of the issue: ratio of medians, per-round ratios, and whether it holds.
+def evaluate_targets(summaries: dict, rounds: list[dict], target_shape: bool, precision: str = "bf16",
+                     targets: tuple = TIME_TARGETS, reference: dict | None = None) -> list[dict]:
+    """Each of ``targets``: ratio of medians, per-round ratios, and whether it holds.
 
-    ``met`` is None where a side did not run, or where the model is not the issue's shape
-    (the ratios are still given, as information)."""
+    ``met`` is None where a side did not run, or where the model is not the targets' shape
+    (the ratios are still given, as information). ``reference``: step seconds (low, high)
+    measured elsewhere for a denominator mode that cannot run here, quoted next to the
+    target (bf16 runs of the targets' shape only), never as a verdict."""
+    reference = reference or {}
     out = []
-    for name, num, den, limit in TIME_TARGETS:
+    for name, num, den, limit in targets:
         if summaries.get(num, {}).get("status") is None:
             continue  # that variant was not asked for
         entry = {"target": name, "limit": limit, "numerator": num, "denominator": den}
@@ -283,9 +263,9 @@ def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool, pre
                     ma = statistics.median(s["total"] for s in _timed(ra))
                     mb = statistics.median(s["total"] for s in _timed(rb))
                     per_round.append(ma / mb)
-            entry.update(ratio=ratio, per_round=per_round, met=(ratio <= limit) if issue_shape else None)
-        elif a.get("status") == "ok" and den in REFERENCE_STEP_S and issue_shape and precision == "bf16":
-            lo, hi = REFERENCE_STEP_S[den]
+            entry.update(ratio=ratio, per_round=per_round, met=(ratio <= limit) if target_shape else None)
+        elif a.get("status") == "ok" and den in reference and target_shape and precision == "bf16":
+            lo, hi = reference[den]
             entry.update(ratio=None, met=None, reference_ratio=(a["total"]["median"] / hi, a["total"]["median"] / lo),
                          note=f"{den} {b.get('status', 'not run')}; against RESULTS.md's {lo}-{hi} s (another run)")
         else:
@@ -293,14 +273,14 @@ def evaluate_targets(summaries: dict, rounds: list[dict], issue_shape: bool, pre
                 f"{m} {summaries.get(m, {}).get('status', 'not run')}" for m in (num, den)
                 if summaries.get(m, {}).get("status") != "ok"))
         out.append(entry)
-    for m in _NVME_VARIANTS:
+    for m in NVME_VARIANTS:
         if summaries.get(m, {}).get("status") is None:
             continue
         a, b = summaries.get(m, {}), summaries.get("torch", {})
         entry = {"target": f"{m} peak RSS below plain torch's", "numerator": m, "denominator": "torch"}
         if a.get("status") == "ok" and b.get("status") == "ok":
             ra, rb = a["peak_rss_bytes"]["max"], b["peak_rss_bytes"]["min"]
-            entry.update(ratio=ra / rb, limit=1.0, met=(ra < rb) if issue_shape else None,
+            entry.update(ratio=ra / rb, limit=1.0, met=(ra < rb) if target_shape else None,
                          note=f"max over {m} runs vs min over torch runs")
         else:
             entry.update(ratio=None, met=None, limit=1.0, note="not measured")
@@ -359,7 +339,7 @@ def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
     lines.append("")
     for t in targets:
         if t["ratio"] is not None:
-            verdict = {True: "met", False: "MISSED", None: "no verdict (not the issue's model shape)"}[t["met"]]
+            verdict = {True: "met", False: "MISSED", None: "no verdict (not the targets' model shape)"}[t["met"]]
             rounds = " ".join(f"{r:.2f}" for r in t.get("per_round", []))
             lines.append(f"target {t['target']}: {t['ratio']:.2f} (limit {t['limit']}) {verdict}"
                          + (f"; per round {rounds}" if rounds else "") + (f"; {t['note']}" if t.get("note") else ""))
@@ -387,36 +367,35 @@ def resolve_precision(args: argparse.Namespace) -> str | None:
             "--precision bf16 forces it")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Runs the benchmark described by ``args`` (see :func:`add_arguments`); returns an exit code:
-    0 when every requested mode that can run here ran, 1 when a run failed."""
+def prepare(args: argparse.Namespace, modes: tuple[str, ...] = MODES) -> int | None:
+    """Settle ``args`` before any run (--tiny, the NVMe folder, the precision, the default modes
+    among ``modes``); returns an exit status to stop with, or None to go on."""
     if args.tiny:
         _apply_tiny(args)
     if args.nvme_dir is None:
         from ..placement import default_nvme_root
         args.nvme_dir = str(default_nvme_root())
-    nvme_dir = Path(args.nvme_dir)
     precision_note = resolve_precision(args)
     if precision_note:
         print(precision_note, flush=True)
     if args.modes is None:
-        args.modes = [m for m in MODES if args.precision == "bf16" or m not in BF16_PARAM_MODES]
+        args.modes = [m for m in modes if args.precision == "bf16" or m not in BF16_PARAM_MODES]
     elif args.precision == "fp32" and (bad := [m for m in args.modes if m in BF16_PARAM_MODES]):
         print(f"--modes: {', '.join(bad)} train bf16 parameters, which --precision fp32 rules out; leave them out "
               "or pass --precision bf16", file=sys.stderr)
         return 2
-    python_of = {m: sys.executable for m in args.modes}
-    unavailable = {}
-    if any(m in DEEPSPEED_MODES for m in args.modes):
-        peers = find_peers_python(args.peers_python)
-        ok, what = probe_deepspeed(peers, args.threads)
-        print(f"DeepSpeed: {what}", flush=True)
-        for m in DEEPSPEED_MODES:
-            if m in args.modes:
-                if ok:
-                    python_of[m] = peers
-                else:
-                    unavailable[m] = what
+    return None
+
+
+def run_modes(args: argparse.Namespace, launch: dict[str, list[str]], unavailable: dict[str, str] | None = None,
+              targets: tuple = TIME_TARGETS, reference: dict | None = None, env: dict | None = None) -> int:
+    """Run every mode of ``args.modes`` (settled by :func:`prepare`) ``args.repeats`` times, each
+    run started by ``launch[mode]`` (with ``env`` added to its environment), except those in
+    ``unavailable`` (mode -> why); :func:`evaluate_targets` gives ``targets`` and ``reference``; print the
+    report with ``targets`` and write ``--json``. Returns 0 when every run that could run here
+    ran, 1 when one failed."""
+    unavailable = unavailable or {}
+    nvme_dir = Path(args.nvme_dir)
     runnable = [m for m in args.modes if m not in unavailable]
     meta = {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "threads": args.threads,
             "batch": args.batch, "seq": args.seq, "layers": args.layers, "embd": args.embd, "vocab": args.vocab,
@@ -431,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
             rnd = {}
             for mode in order:
                 print(f"round {r + 1}/{args.repeats}: {mode} (load {os.getloadavg()[0]:.2f})", flush=True)
-                result = run_one(mode, python_of[mode], args, nvme_dir, Path(tmp), f"r{r}")
+                result = run_one(mode, launch[mode], args, nvme_dir, Path(tmp), f"r{r}", env)
                 if result["status"] != "ok":
                     print(f"  {mode}: {result['status']}", flush=True)
                 runs[mode].append(result)
@@ -445,11 +424,11 @@ def main(args: argparse.Namespace) -> int:
     nparams = next((s["nparams"] for s in summaries.values() if s.get("status") == "ok"), None)
     meta["nparams"] = nparams
     meta["nparams_text"] = f"{nparams / 1e6:.1f}M" if nparams else "(no run)"
-    meta["issue_shape"] = is_issue_shape(args)
-    targets = evaluate_targets(summaries, rounds, meta["issue_shape"], args.precision)
-    print(format_report(summaries, targets, meta), flush=True)
+    meta["issue_shape"] = is_target_shape(args)  # the JSON key readers of the report look up
+    evaluated = evaluate_targets(summaries, rounds, meta["issue_shape"], args.precision, targets, reference)
+    print(format_report(summaries, evaluated, meta), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "summaries": summaries, "targets": targets,
+        Path(args.json).write_text(json.dumps({"meta": meta, "summaries": summaries, "targets": evaluated,
                                                "runs": runs}, indent=1, default=str))
     failed = [m for m in runnable if any(r.get("status") != "ok" for r in runs[m])]
     for m in failed:
@@ -459,7 +438,16 @@ def main(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def main(args: argparse.Namespace) -> int:
+    """Runs the benchmark described by ``args`` (see :func:`add_arguments`); returns an exit code:
+    0 when every requested mode ran, 1 when a run failed, 2 for modes the precision rules out."""
+    stop = prepare(args)
+    if stop is not None:
+        return stop
+    return run_modes(args, {m: [sys.executable, *WORKER] for m in args.modes})
+
+
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="tierstate bench e2e", description=__doc__.split("\n\n")[0])
+    _parser = argparse.ArgumentParser(prog="python -m tierstate.bench.e2e", description=__doc__.split("\n\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -1,5 +1,15 @@
-"""``tierstate bench step``: the host optimizer step against its memory-bandwidth floor.
+"""``tierstate bench step``: an optimizer step against its floor, state in host RAM or on NVMe.
 
+    tierstate bench step [--offload cpu] [--sizes 25M,100M] [--threads 1,2] [--json [PATH]]
+    tierstate bench step --offload nvme [--params 100M,400M] [--dtype bf16] [--json [PATH]]
+
+``--offload nvme`` times the NVMe tier's step against max(disk time, CPU step), with
+options of its own (:mod:`tierstate.bench.step_nvme`); an option of one tier given to the
+other is refused. Both run their variants interleaved through one timing loop
+(:func:`tierstate.bench._timing.interleave`) and write ``--json`` alike: to PATH besides
+the tables, or, without a path, to standard output instead of them.
+
+``--offload cpu`` (the default): the host step against its memory-bandwidth floor.
 Mixed-precision AdamW (bf16 gradient in, bf16 weight out, fp32 master) measured in one
 process, interleaved round-robin so that every variant sees the same memory-bandwidth
 phase (on shared VMs it can move by ~1.7x within seconds), reported as medians:
@@ -34,19 +44,17 @@ v 4 + bf16 weight 2. GB/s = bytes/param * params / time, 1e9 B.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .. import kernels
-from ..placement.model_spec import parse_count
-from ..telemetry.progress import progress
+from . import step_nvme
+from ._timing import JSON_STDOUT, counts_arg, emit_json, interleave
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 VARIANTS = ("native", "native-bf16-moments", "torch-fused+casts", "torch-foreach+casts",
@@ -69,13 +77,6 @@ class Row:
     vs_floor: float  # time / floor time (same size, threads, run)
 
 
-def _parse_sizes(text: str) -> list[int]:
-    try:
-        return [parse_count(part) for part in text.split(",")]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _parse_ints(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
@@ -86,19 +87,42 @@ def _parse_ints(text: str) -> list[int]:
     return values
 
 
+# The options of each tier's step; one of them given with the other --offload is refused.
+CPU_OPTIONS = ("--sizes", "--threads", "--reps", "--variants", "--gap-ms")
+NVME_OPTIONS = ("--params", "--dtype", "--moment-dtype", "--param-numel", "--subgroup-numel", "--buffer-count",
+                "--nvme-dir", "--steps", "--probe-bytes")
+
+
+class _Noted(argparse.Action):
+    """Stores the value like argparse's default action and notes the option in ``given``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = [*getattr(namespace, "given", []), self.option_strings[0]]
+
+
+def _option(group, *names, **kwargs) -> None:
+    group.add_argument(*names, action=_Noted, **kwargs)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=_parse_sizes, default=_parse_sizes("25M,100M"),
-                        help="parameter counts, comma-separated (default: 25M,100M)")
-    parser.add_argument("--threads", type=_parse_ints, default=[1, 2],
-                        help="thread counts, comma-separated (default: 1,2)")
-    parser.add_argument("--reps", type=int, default=15, help="timed rounds per variant (default 15)")
+    """The options of ``tierstate bench step``: the tier, those both tiers take, each tier's own."""
+    parser.add_argument("--offload", choices=("cpu", "nvme"), default="cpu",
+                        help="where the optimizer state lives: host RAM (default) or NVMe files")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated subset of: {', '.join(VARIANTS)}")
-    parser.add_argument("--gap-ms", type=float, default=20.0,
-                        help="sleep before each timed call, longer than torch's OpenMP spin-wait "
-                             "(default 20; 0: back to back)")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", nargs="?", const=JSON_STDOUT, default=None,
+                        help="also write the figures as JSON to PATH; without PATH, print them instead of the tables")
+    cpu = parser.add_argument_group("--offload cpu", "the host step against its memory-bandwidth floor")
+    _option(cpu, "--sizes", type=counts_arg, default=counts_arg("25M,100M"),
+            help="parameter counts, comma-separated (default: 25M,100M)")
+    _option(cpu, "--threads", type=_parse_ints, default=[1, 2], help="thread counts, comma-separated (default: 1,2)")
+    _option(cpu, "--reps", type=int, default=15, help="timed rounds per variant (default 15)")
+    _option(cpu, "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    _option(cpu, "--gap-ms", type=float, default=20.0,
+            help="sleep before each timed call, longer than torch's OpenMP spin-wait (default 20; 0: back to back)")
+    parser.set_defaults(given=[])
+    step_nvme.add_arguments(parser.add_argument_group(
+        "--offload nvme", "the NVMe tier's step against max(disk time, CPU step)"), _option)
 
 
 def _deepspeed_adam() -> type | None:
@@ -176,18 +200,8 @@ def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int, g
     torch.set_num_threads(threads)
     kernels.set_num_threads(threads)
     steps = _build(n, variants)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    with torch.no_grad(), progress(warmup + reps, f"{n / 1e6:g}M params, {threads} threads") as advance:
-        for rnd in range(warmup + reps):
-            for name, step in steps.items():  # round-robin: each round sees one phase
-                if gap_ms > 0:
-                    time.sleep(gap_ms / 1e3)  # let the previous variant's spinning threads sleep
-                t0 = time.perf_counter()
-                step()
-                elapsed = time.perf_counter() - t0
-                if rnd >= warmup:
-                    times[name].append(elapsed)
-            advance()  # between rounds, outside every timed region
+    with torch.no_grad():
+        times = interleave(steps, reps, warmup, f"{n / 1e6:g}M params, {threads} threads", gap_ms=gap_ms)
     floor = statistics.median(times["floor"]) if "floor" in times else float("nan")
     rows = []
     for name, samples in times.items():
@@ -242,6 +256,20 @@ def _summary(rows: list[Row]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the step benchmark of ``args.offload``'s tier; returns the exit status (2: bad options)."""
+    other = NVME_OPTIONS if args.offload == "cpu" else CPU_OPTIONS
+    misplaced = [name for name in dict.fromkeys(getattr(args, "given", [])) if name in other]
+    if misplaced:
+        print(f"tierstate bench step: error: {', '.join(misplaced)}: an option of "
+              f"--offload {'nvme' if args.offload == 'cpu' else 'cpu'}, not of --offload {args.offload}; "
+              "pass that --offload or leave the option out", file=sys.stderr)
+        return 2
+    if args.offload == "nvme":
+        return step_nvme.main(args)
+    return _main_cpu(args)
+
+
+def _main_cpu(args: argparse.Namespace) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -254,20 +282,20 @@ def main(args: argparse.Namespace) -> int:
         print("note: deepspeed is not importable; its row is skipped", file=sys.stderr)
     info = kernels.backend_info()
     load1, load5, _ = os.getloadavg()
-    print(f"kernels: isa={info['isa']} native={info['native']}; torch {torch.__version__} "
-          f"(cpu capability {torch.backends.cpu.get_cpu_capability()}); load average {load1:.2f} {load5:.2f}; "
-          f"{args.gap_ms:g} ms gap before each timed call")
+    tables = args.json != JSON_STDOUT
+    if tables:
+        print(f"kernels: isa={info['isa']} native={info['native']}; torch {torch.__version__} "
+              f"(cpu capability {torch.backends.cpu.get_cpu_capability()}); load average {load1:.2f} {load5:.2f}; "
+              f"{args.gap_ms:g} ms gap before each timed call")
     rows: list[Row] = []
     for n in args.sizes:
         for threads in args.threads:
             rows.extend(measure(n, threads, variants, args.reps, args.warmup, args.gap_ms))
-    _print_table(rows)
-    for line in _summary(rows):
-        print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"backend": info, "load_average": [load1, load5], "rows": [asdict(r) for r in rows]},
-                      f, indent=2)
+    if tables:
+        _print_table(rows)
+        for line in _summary(rows):
+            print(line)
+    emit_json(args.json, {"backend": info, "load_average": [load1, load5], "rows": [asdict(r) for r in rows]})
     return 0
 
 

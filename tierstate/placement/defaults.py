@@ -8,7 +8,7 @@ from pathlib import Path
 # enough that each record streams at full disk speed (requests of >= 8 MiB), small enough
 # that each NVMe pool buffer holds 32-48 MiB of host RAM and that a 124M-parameter model
 # gives ~30 sub-groups to overlap I/O with updates (16 Mi gave 8: measured 1.29x the
-# floor vs 1.24x at 4 Mi in tierstate.bench.nvme_step on a loaded machine).
+# floor vs 1.24x at 4 Mi in `tierstate bench step --offload nvme` on a loaded machine).
 DEFAULT_SUBGROUP_NUMEL = 1 << 22
 
 # 16 buffers: with 4 Mi-element sub-groups a pool of 512 MiB (fp32 params: m and v) to

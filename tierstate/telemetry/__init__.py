@@ -6,7 +6,7 @@
 - Traces: Chrome/Perfetto trace-event JSON, via ``Telemetry.start_trace(path)`` or the
   ``TIERSTATE_TRACE=path`` environment variable; :func:`validate_trace` checks one.
 - ``tierstate report TRACE`` (``python -m tierstate.telemetry.report``) plots a trace.
-- ``python -m tierstate.telemetry.overhead`` measures the per-phase cost.
+- ``tierstate bench overhead --per-call`` measures the per-phase cost.
 
 Logging goes to ``logging.getLogger("tierstate")``, which ``tierstate/__init__.py`` gives
 a ``NullHandler`` so that an application that configures no logging sees nothing.

@@ -1,13 +1,13 @@
 """One optimizer's telemetry: phase timing, bytes, counters, gauges, traces, health.
 
-Cost model: a phase is a small object, two ``perf_counter`` calls and one tuple appended
-to a per-thread buffer, no lock (:mod:`.spans`); buffers are folded into the step's totals
-(and the trace, while tracing) at ``end_step``, or by a thread itself every 4096 records.
-That is 3-4 µs per phase, the fold included, on a 2-core VM with other work running;
-``record_function`` is entered only while the torch profiler runs (torch's own module
-flag, a global read). A step with 200 phases pays ~1 ms, about 1 % of a 100 ms step, which
-is why telemetry stays on by default (``tierstate bench overhead`` times the optimizer with
-telemetry on against off).
+Cost model (measured by ``tierstate bench overhead --per-call``): a phase is a small
+object, two ``perf_counter`` calls and one tuple appended to a per-thread buffer, no
+lock (:mod:`.spans`); buffers are folded into the step's totals (and the trace, while
+tracing) at ``end_step``, or by a thread itself every 4096 records. That is 3-4 µs per
+phase, the fold included, on a 2-core VM with other work running; ``record_function`` is
+entered only while the torch profiler runs (torch's own module flag, a global read). A
+step with 200 phases pays ~1 ms, about 1 % of a 100 ms step, which is why telemetry stays
+on by default (``tierstate bench overhead`` times the optimizer with telemetry on against off).
 
 [Note: critical path vs lanes]
 The thread that calls :meth:`Telemetry.begin_step` owns the *main lane*. A phase on the

@@ -9,19 +9,23 @@ import statistics
 import pytest
 
 from tierstate._native_loader import native_status
-from tierstate.bench import nvme_step
+from tierstate.bench import step, step_nvme
 
 pytestmark = pytest.mark.skipif(not native_status()[0], reason="the NVMe tier needs the native I/O engine")
 
 
-def _run(tmp_path, *extra: str) -> dict:
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    nvme_step.add_arguments(parser)
+    step.add_arguments(parser)
+    return parser.parse_args(["--offload", "nvme", *argv])
+
+
+def _run(tmp_path, *extra: str) -> dict:
     # 8 sub-groups of 256 Ki elements (fp32 m and v: 2 MiB records), a pool of 4 buffers
-    args = parser.parse_args(["--params", "2097152", "--param-numel", "524288", "--subgroup-numel", "262144",
+    args = _parse(["--params", "2097152", "--param-numel", "524288", "--subgroup-numel", "262144",
                               "--buffer-count", "4", "--steps", "3", "--warmup", "1", "--probe-bytes", "8M",
                               "--nvme-dir", str(tmp_path), *extra])
-    results = nvme_step.run(args)
+    results = step_nvme.run(args)
     assert len(results) == 1
     return results[0]
 
@@ -59,31 +63,27 @@ def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(t
     assert r["ratio_of_medians"] == pytest.approx(r["nvme_step_s"] / r["floor_s"])
     assert len(r["nvme_steps_s"]) == len(r["cpu_steps_s"]) == 3
     assert r["kernels"] not in ("reference", None)
-    table = nvme_step.format_table(r)
+    table = step_nvme.format_table(r)
     assert "8 x 256 Ki elems; pool 4 x 2 MiB" in table and "median of 4 probes" in table
     assert "2.0x the pool" in table
     json.dumps(r)  # --json prints it
 
 
 def test_sizes_run_one_after_the_other_and_json_lists_them(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    nvme_step.add_arguments(parser)
-    args = parser.parse_args(["--params", "1M,2M", "--param-numel", "524288", "--subgroup-numel", "262144",
+    args = _parse(["--params", "1M,2M", "--param-numel", "524288", "--subgroup-numel", "262144",
                               "--buffer-count", "2", "--steps", "1", "--warmup", "1", "--probe-bytes", "4M",
                               "--nvme-dir", str(tmp_path), "--json"])
     assert args.params == [1_000_000, 2_000_000]
-    assert nvme_step.main(args) == 0
+    assert step.main(args) == 0
     results = json.loads(capsys.readouterr().out)
     assert [r["params"] for r in results] == [1_000_000, 2_000_000]
     assert [r["subgroups"] for r in results] == [4, 8]
 
 
 def test_a_size_beyond_host_ram_is_refused_naming_params(tmp_path):
-    parser = argparse.ArgumentParser()
-    nvme_step.add_arguments(parser)
-    args = parser.parse_args(["--params", "1000T", "--nvme-dir", str(tmp_path)])
+    args = _parse(["--params", "1000T", "--nvme-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"--params 1000000000M needs about .* GiB of host RAM.*smaller --params"):
-        nvme_step.run(args)
+        step_nvme.run(args)
     assert list(tmp_path.iterdir()) == []  # refused before anything was made
 
 
@@ -114,14 +114,12 @@ def test_default_sizes_that_do_not_fit_are_skipped_and_said(tmp_path, monkeypatc
     skipped with a line naming it (here: as if 8 GiB were available, which fits 100M, not 400M)."""
     import psutil
 
-    parser = argparse.ArgumentParser()
-    nvme_step.add_arguments(parser)
-    args = parser.parse_args(["--nvme-dir", str(tmp_path)])
+    args = _parse(["--nvme-dir", str(tmp_path)])
     assert args.params is None
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=8 << 30))
-    assert nvme_step._sizes(args) == [100_000_000]
+    assert step_nvme._sizes(args) == [100_000_000]
     assert "skipping the default size 400M: --params 400M needs about 9.9 GiB" in capsys.readouterr().err
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 30))
-    assert nvme_step.main(args) == 2
+    assert step.main(args) == 2
     assert "no default size fits" in capsys.readouterr().err

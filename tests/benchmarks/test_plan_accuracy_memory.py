@@ -1,18 +1,22 @@
 """The planner's host-memory figure against the peak RSS of real training runs on this machine.
 
 Each configuration trains a ~25M-parameter GPT for 3 steps in a fresh interpreter (see
-tierstate/bench/plan_accuracy.py: baseline taken after tierstate and torch's kernels are
+benchmarks/plan_accuracy.py: baseline taken after tierstate and torch's kernels are
 loaded, peak from VmHWM, glibc's mmap threshold fixed so RSS tracks live tensors - see the
 note there) and the planner prices the same parameter tensors. Agreement within 10% is the
 bar (+0.9 % to +2.7 % measured on a 2-vCPU AVX-512 VM).
 """
 import pytest
+from benchmark_scripts import load
 
 import tierstate as ts
-from tierstate.bench.plan_accuracy import MEMORY_CONFIGS, measure_memory, memory_config, predicted_memory
 from tierstate.kernels import backend_info
 from tierstate.placement import TierKind
 from tierstate.placement.cost_model import Kind
+
+_plan_accuracy = load("plan_accuracy")
+MEMORY_CONFIGS, measure_memory = _plan_accuracy.MEMORY_CONFIGS, _plan_accuracy.measure_memory
+memory_config, predicted_memory = _plan_accuracy.memory_config, _plan_accuracy.predicted_memory
 
 pytestmark = pytest.mark.skipif(
     not backend_info()["native"],

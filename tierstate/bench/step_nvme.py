@@ -1,6 +1,6 @@
-"""``tierstate bench step --offload nvme``: the NVMe-tier optimizer step against its floor.
+"""The NVMe tier's half of ``tierstate bench step`` (``--offload nvme``): the step against its floor.
 
-    python -m tierstate.bench.nvme_step [--params 100M,400M] [--dtype bf16] [--json]
+    tierstate bench step --offload nvme [--params 100M,400M] [--dtype bf16] [--json [PATH]]
 
 For each size in ``--params``, one run measures, on the same folder and the same I/O
 engine (same block size):
@@ -8,7 +8,8 @@ engine (same block size):
 - the disk's sequential write and read bandwidth (records-sized requests, O_DIRECT,
   overwriting a file first written once, as the tier's files are after the first step),
   probed before the first timed step and after each one: the disk drifts by 10-20 %
-  within seconds here, so each step is priced against the two probes around it;
+  within seconds on the reference VM, so each step is priced against the two probes
+  around it;
 - the CPU step time: ``ts.AdamW(offload="cpu")`` on a copy of the same parameters and
   gradients, interleaved with the NVMe steps so both see the same memory-bandwidth
   phase of the machine;
@@ -23,13 +24,13 @@ target is <= 1.15.
 The two default sizes are two regimes of the default pool (16 x 4 Mi elements): at 100M
 parameters two thirds of the state stays in the pool and each step streams 8 of its 24
 records each way, so the step's fixed costs before its first write (the gradient-norm
-pass over all gradients, ~20 ms here) weigh ~9 % of the floor; at 400M the state is six
-times the pool and 80 of 96 records stream, as they do for the models NVMe offload is for.
+pass over all gradients, ~20 ms on the reference VM) weigh ~9 % of the floor; at 400M the
+state is six times the pool and 80 of 96 records stream, as they do for the models NVMe
+offload is for.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,8 +40,7 @@ from pathlib import Path
 
 import torch
 
-from ..placement.model_spec import parse_count
-from ..telemetry.progress import progress
+from ._timing import JSON_STDOUT, count_arg, counts_arg, emit_json, interleave, load_average
 
 TARGET_RATIO = 1.15
 DEFAULT_SIZES = (100_000_000, 400_000_000)
@@ -48,46 +48,31 @@ DEFAULT_SIZES = (100_000_000, 400_000_000)
 _DISK_RATES = ("write_gbps", "read_gbps", "mixed_gbps")
 
 
-def _count(text: str) -> int:
-    """'100M' -> 100_000_000; '1.5G', '250k' and plain integers too."""
-    try:
-        return parse_count(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _counts(text: str) -> list[int]:
-    """'100M,400M' -> [100_000_000, 400_000_000]: one run per size."""
-    return [_count(part) for part in text.split(",") if part.strip()] or [_count(text)]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of the NVMe step benchmark."""
+def add_arguments(group, option) -> None:
+    """The options of the NVMe step, added to ``group`` with ``option`` (the command's
+    ``add_argument`` that notes which options were given: see :mod:`tierstate.bench.step`)."""
     from ..placement import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
 
-    parser.add_argument("--params", type=_counts, default=None,
-                        help="parameters, or a comma-separated list of sizes run one after the other "
-                             "(default 100M,400M: state 1.5x and 6x the default pool; a default size that "
-                             "does not fit in the host RAM available is skipped, and says so)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="parameter dtype; bf16 keeps an fp32 master in the tier (default fp32)")
-    parser.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="optimizer moments' dtype")
-    parser.add_argument("--param-numel", type=_count, default=4_000_000,
-                        help="elements per parameter tensor (the last one takes the rest; default 4M)")
-    parser.add_argument("--subgroup-numel", type=_count, default=DEFAULT_SUBGROUP_NUMEL,
-                        help=f"Offload.subgroup_numel (default {DEFAULT_SUBGROUP_NUMEL})")
-    parser.add_argument("--buffer-count", type=int, default=DEFAULT_BUFFER_COUNT,
-                        help=f"Offload.buffer_count (default {DEFAULT_BUFFER_COUNT}, the library's)")
-    parser.add_argument("--nvme-dir", default=None,
-                        help="folder for the state files and the disk probe (default: a temporary folder under "
-                             "TIERSTATE_NVME_DIR or the tierstate cache dir)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and size (default 5)")
-    parser.add_argument("--probe-bytes", type=_count, default=256 << 20,
-                        help="bytes each way per disk probe, at least the step's (default 256 MiB); the disk "
-                             "is probed before the first timed step and after each one")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--json", action="store_true",
-                        help="print a JSON list, one object per size, instead of the tables")
+    option(group, "--params", type=counts_arg, default=None,
+           help="parameters, or a comma-separated list of sizes run one after the other "
+                "(default 100M,400M: state 1.5x and 6x the default pool; a default size that "
+                "does not fit in the host RAM available is skipped, and says so)")
+    option(group, "--dtype", choices=("fp32", "bf16"), default="fp32",
+           help="parameter dtype; bf16 keeps an fp32 master in the tier (default fp32)")
+    option(group, "--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="optimizer moments' dtype")
+    option(group, "--param-numel", type=count_arg, default=4_000_000,
+           help="elements per parameter tensor (the last one takes the rest; default 4M)")
+    option(group, "--subgroup-numel", type=count_arg, default=DEFAULT_SUBGROUP_NUMEL,
+           help=f"Offload.subgroup_numel (default {DEFAULT_SUBGROUP_NUMEL})")
+    option(group, "--buffer-count", type=int, default=DEFAULT_BUFFER_COUNT,
+           help=f"Offload.buffer_count (default {DEFAULT_BUFFER_COUNT}, the library's)")
+    option(group, "--nvme-dir", default=None,
+           help="folder for the state files and the disk probe (default: a temporary folder under "
+                "TIERSTATE_NVME_DIR or the tierstate cache dir)")
+    option(group, "--steps", type=int, default=5, help="timed steps per variant and size (default 5)")
+    option(group, "--probe-bytes", type=count_arg, default=256 << 20,
+           help="bytes each way per disk probe, at least the step's (default 256 MiB); the disk "
+                "is probed before the first timed step and after each one")
 
 
 def _gbps(nbytes: float, seconds: float) -> float:
@@ -176,14 +161,6 @@ def _params(n: int, per: int, dtype: torch.dtype, seed: int) -> list[torch.nn.Pa
     return out
 
 
-def _timed_step(opt) -> tuple[float, dict]:
-    t0 = time.perf_counter()
-    opt.step()
-    wall = time.perf_counter() - t0
-    stats = opt.stats()
-    return wall, {"bytes": dict(stats.bytes), "nvme_wait": stats.phases.get("nvme_wait", 0.0)}
-
-
 # torch, Python, the disk probe's buffers: peak RSS less the estimate below was 0.40-0.42 GiB
 # at 100M and 400M fp32 parameters (3.15 and 9.86 GiB measured with /usr/bin/time)
 _BASE_BYTES = 512 << 20
@@ -258,34 +235,28 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
         cpu_params = _params(params, args.param_numel, dtype, seed=0)
         nvme_opt = ts.AdamW(nvme_params, lr=1e-3, offload=offload)
         cpu_opt = ts.AdamW(cpu_params, lr=1e-3, offload=ts.Offload(cpu=1.0, moment_dtype=moment))
-        tier = nvme_opt.tiers[ts.placement.TierKind.NVME]
-        for _ in range(args.warmup):
-            cpu_opt.step()
-            nvme_opt.step()
-        # The disk's speed drifts by 10-20 % within seconds here (reads 1.7-3.2 GB/s across
-        # runs), so it is probed before the first timed step and after each one, and each step
-        # is priced at the mean of the probes on either side of it.
+        tier = next(t for t in nvme_opt.tiers.values() if t.does_io)  # all state is in the one I/O tier
+        # The disk's speed drifts by 10-20 % within seconds on the reference VM (reads 1.7-3.2
+        # GB/s across runs), so it is probed before the first timed step and after each one, and
+        # each step is priced at the mean of the probes on either side of it.
         pool = tier.pool_nbytes // tier.record_nbytes
         probe_bytes = max(tier.record_nbytes * max(1, len(tier.subgroups) - pool), args.probe_bytes)
-        disks = []
+        disks, reads, writes, waits = [], [], [], []
 
         def probe_disk() -> None:
             disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
 
-        probe_disk()
-        cpu_times, nvme_times, reads, writes, waits = [], [], [], [], []
-        with progress(args.steps, f"cpu and nvme steps, {params / 1e6:.0f}M") as advance:
-            for i in range(args.steps):
-                pair = [(cpu_opt, cpu_times), (nvme_opt, nvme_times)]
-                for opt, times in (pair if i % 2 == 0 else pair[::-1]):
-                    wall, info = _timed_step(opt)
-                    times.append(wall)
-                    if opt is nvme_opt:
-                        reads.append(info["bytes"].get("nvme/read", 0))
-                        writes.append(info["bytes"].get("nvme/write", 0))
-                        waits.append(info["nvme_wait"])
-                probe_disk()
-                advance()  # after each pair of timed steps and its probe
+        def after_round() -> None:
+            stats = nvme_opt.stats()  # the NVMe optimizer's last step, whichever ran second
+            reads.append(dict(stats.bytes).get("nvme/read", 0))
+            writes.append(dict(stats.bytes).get("nvme/write", 0))
+            waits.append(stats.phases.get("nvme_wait", 0.0))
+            probe_disk()
+
+        times = interleave({"cpu": cpu_opt.step, "nvme": nvme_opt.step}, args.steps, args.warmup,
+                           f"cpu and nvme steps, {params / 1e6:.0f}M", alternate=True,
+                           before_timed=probe_disk, after_round=after_round)
+        cpu_times, nvme_times = times["cpu"], times["nvme"]
         read_bytes, write_bytes = statistics.median(reads), statistics.median(writes)
         disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks) for k in _DISK_RATES},
                     probes=len(disks), per_probe=[{k: d[k] for k in _DISK_RATES} for d in disks])
@@ -338,20 +309,13 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
     result["ratio_of_medians"] = result["nvme_step_s"] / result["floor_s"]
     result["achieved_gbps"] = _gbps(read_bytes + write_bytes, result["nvme_step_s"])
     result["target_ratio"] = TARGET_RATIO
-    result["uptime"] = _load_average()
+    result["uptime"] = load_average()
     return result
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     """Benchmark each size of ``args.params`` (default: :data:`DEFAULT_SIZES`) in turn; one result per size."""
     return [run_size(args, params) for params in _sizes(args)]
-
-
-def _load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def _binary(n: int) -> str:
@@ -396,7 +360,8 @@ def format_table(r: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run and print (a table per size, or ``--json``: a list with one object per size); returns the exit status."""
+    """Run and print (a table per size; ``--json``: a list with one object per size, to a
+    path or instead of the tables); returns the exit status."""
     for name in ("steps", "buffer_count"):
         if getattr(args, name) < (1 if name == "steps" else 2):
             print(f"--{name.replace('_', '-')} must be at least {1 if name == 'steps' else 2}", file=sys.stderr)
@@ -409,14 +374,7 @@ def main(args: argparse.Namespace) -> int:
     results = []
     for params in sizes:
         results.append(run_size(args, params))
-        if not args.json:
+        if args.json != JSON_STDOUT:
             print(("\n" if len(results) > 1 else "") + format_table(results[-1]), flush=True)
-    if args.json:
-        print(json.dumps(results, indent=2))
+    emit_json(args.json, results)
     return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tierstate.bench.nvme_step", description=__doc__.split("\n")[0])
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))

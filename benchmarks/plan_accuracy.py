@@ -1,8 +1,11 @@
 """How well the planner predicts real runs on this machine: memory and optimizer step time.
 
-    python -m tierstate.bench.plan_accuracy                 # time table (probe, then interleaved rounds)
-    python -m tierstate.bench.plan_accuracy --memory        # also the peak-RSS table
-    python -m tierstate.bench.plan_accuracy --rounds 9 --numel 50M --nvme-dir /mnt/nvme/ts
+    python benchmarks/plan_accuracy.py                 # time table (probe, then interleaved rounds)
+    python benchmarks/plan_accuracy.py --memory        # also the peak-RSS table
+    python benchmarks/plan_accuracy.py --rounds 9 --numel 50M --nvme-dir /mnt/nvme/ts
+
+Run from a source checkout with tierstate installed (the tests of the planner's memory
+figure, ``tests/benchmarks/test_plan_accuracy_memory.py``, use its memory runs).
 
 Time: every configuration gets its own optimizer over the same parameter shapes, with fixed
 gradients, and ``opt.step()`` is timed round-robin (one step of each per round) so that all
@@ -134,9 +137,12 @@ def measure_memory(cfg: dict, timeout: float = 300, default_malloc: bool = False
     """Run one memory configuration in a fresh interpreter; returns the child's report.
 
     ``default_malloc=False`` fixes glibc's mmap threshold (see the note above)."""
+    import tierstate
+
     env = dict(os.environ) if default_malloc else {**os.environ, **MMAP_THRESHOLD_ENV}
-    env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    proc = subprocess.run([sys.executable, "-m", "tierstate.bench.plan_accuracy", "--child", json.dumps(cfg)],
+    # the child imports the tierstate this process did (the script's own folder is not a package)
+    env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(tierstate.__file__))))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"memory run {cfg} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -259,7 +265,7 @@ def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tierstate.bench.plan_accuracy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/plan_accuracy.py", description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--numel", default="48M", help="parameters per time configuration (default 48M)")
     parser.add_argument("--tensors", type=int, default=8)
