@@ -164,6 +164,8 @@ SYNOPSES = {
         "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB --json --compare h100,mem=80GiB,price=3.5/h"],
     "tierstate bench step [--offload nvme]": ["tierstate bench step", "tierstate bench step --offload nvme"],
     "tierstate report TRACE": ["tierstate report trace.json"],
+    "python benchmarks/compare_builds.py --before OLD/.venv/bin/python --after .venv/bin/python": [
+        "python benchmarks/compare_builds.py --before /opt/old/.venv/bin/python --after .venv/bin/python"],
     "python benchmarks/e2e.py --steps 6 --warmup 2 --repeats 2 [--modes torch,cpu,nvme,ds_z2_cpu,ds_z3_nvme]": [
         "python benchmarks/e2e.py --steps 6 --warmup 2 --repeats 2 --modes torch,cpu,nvme,ds_z2_cpu,ds_z3_nvme"],
     "tierstate bench e2e --steps 6 --warmup 2 --repeats 2 [--modes torch,cpu,nvme]": [
