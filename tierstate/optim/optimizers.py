@@ -1,7 +1,8 @@
 """The public optimizers: torch's names and arguments, one shared offload engine.
 
 Each class only names its rule and its arguments; everything else is
-:class:`~tierstate.optim.base.OffloadOptimizer`.
+:class:`~tierstate.optim.base.OffloadOptimizer` (the torch face) and :mod:`tierstate.pipeline`
+(the step).
 """
 from __future__ import annotations
 

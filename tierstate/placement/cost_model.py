@@ -6,8 +6,8 @@ Pure arithmetic over a :class:`~tierstate.placement.plan_inputs.PlanRequest`, a
 :mod:`.planner` searches the placements it prices.
 
 [Note: what the memory accounting mirrors]
-Every figure follows what :class:`~tierstate.optim.base.OffloadOptimizer` allocates, so a
-test can hold the two against each other:
+Every figure follows what an optimizer allocates (:mod:`tierstate.pipeline.assembly`), so
+a test can hold the two against each other:
 
 - host tier: one arena per state key over the host range (``master`` fp32 only when the
   parameters are low precision or on an accelerator; moments in ``moment_dtype``);
@@ -47,7 +47,7 @@ from .layout import TierKind, tier_sizes
 from .plan_inputs import DTYPE_BYTES, Budgets, Hardware, Placement, PlanError, PlanRequest, gib, pow2_ceil
 
 GRAD_ALIGN = 64  # bytes per gradient slice in the host gradient arena (tiers/host.py packed_arena)
-GRAD_BUCKET_BYTES = 32 << 20  # CUDA gradient-stream bucket (optim/grad_stream.py)
+GRAD_BUCKET_BYTES = 32 << 20  # CUDA gradient-stream bucket (pipeline/grad_stream.py)
 RECORD_ALIGN = 4096  # O_DIRECT: every key of an NVMe record starts on a page
 ADAM_KERNEL_BYTES = 28  # fp32 Adam: read w, g, m, v (16 B) + write w, m, v (12 B)
 BACKWARD_SHARE = 2.0 / 3.0  # backward is ~2x forward: the share of compute a gradient copy can hide behind
