@@ -1,9 +1,9 @@
 """NvmeTier: optimizer state in files, streamed through a fixed pool of aligned host buffers.
 
-The record format and the stripes over files are in :mod:`tierstate.tiers.nvme_records`,
-each buffer's lifecycle, its I/O on the engine's futures and the checksums in
-:mod:`tierstate.tiers.nvme_pool`, failed I/O in :mod:`tierstate.tiers.nvme_ledger`, the
-folders in :mod:`tierstate.tiers.rundir`; this module holds the cache policy.
+This module holds the cache policy. The record format and the stripes over files are in
+:mod:`tierstate.tiers.nvme_records`; each buffer's lifecycle, its I/O on the engine's
+futures and the checksums in :mod:`tierstate.tiers.nvme_pool`; [Note: what a failed I/O
+leaves] in :mod:`tierstate.tiers.nvme_ledger`; the folders in :mod:`tierstate.tiers.rundir`.
 
 [Note: the buffer pool is a write-back cache]
 ``Offload.buffer_count`` buffers, each the size of the largest record, are the tier's
@@ -134,7 +134,7 @@ class NvmeTier:
             self._finalizer()
             raise
         self._resident: dict[int, Buffer] = {}  # sub-group index -> the buffer holding it
-        self._writes: dict = {}  # sub-group index -> its latest write-back in flight
+        self._writes: dict[int, object] = {}  # sub-group index -> its latest write-back (nvme_pool's op)
         self._plan: list[SubGroup] = []
         self._plan_pos = 0
         self._evict_needed = False  # the plan lets read-ahead evict records it needs later
@@ -471,8 +471,9 @@ class NvmeTier:
 
     def close(self) -> None:
         """Wait for the I/O in flight, remove the files and unlock the folders. Idempotent."""
-        self._pool = []
+        self._pool = self._io.buffers = []
         self._resident.clear()
+        self._writes.clear()
         self._finalizer()
 
     def __repr__(self) -> str:

@@ -32,13 +32,12 @@ that the file is still as long as the records it holds (``fstat``): a record tru
 away, overwritten by another process (even with bytes that look valid), torn, or hit by
 a bit flip raises :class:`~tierstate.io.StateLostError` at the read, and never reaches
 an update. The CRC runs without the GIL, in the variant chosen at run time
-(:func:`tierstate.io.crc32c_isas`): on the reference VM (2 Zen 4 cores) AVX-512
-VPCLMULQDQ folding does 16-18 GB/s per core, the ``crc32`` instruction 11. A write's
-CRC is taken when it is queued, a read's when its completion is collected. It reads
-every record moved once more from memory, which competes with the update kernels: on
-the reference VM, ``tierstate bench step --offload nvme`` alternating with a build
-without it, the step took +2 % at 400M parameters (1.03-1.12x the disk floor) and +5 %
-at 100M (benchmarks/README.md has the runs).
+(:func:`tierstate.io.crc32c_isas`; AVX-512 VPCLMULQDQ folding does 16-18 GB/s per Zen 4
+core, the ``crc32`` instruction 11), on the thread that calls into the tier: a write's
+when it is queued (the bytes the record must read back as), a read's when its
+completion is collected. It costs one more pass over every record moved, which competes
+with the update kernels for memory bandwidth: +2 % step time at 400M parameters and
++5 % at 100M (``tierstate bench step --offload nvme``, benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -239,8 +238,8 @@ class Pool:
                 return
             if buf.inflight is not None:
                 buf.inflight.wait()
-            else:  # its read waits for a write from another buffer
-                buf.queued[0].after.wait()
+            else:  # its read waits for a write from another buffer (started when queued: a
+                buf.queued[0].after.wait()  # buffer is DIRTY only when idle, so a write never queues)
 
     def wait_op(self, op: _Op) -> None:
         """Block until ``op`` is finished and collected."""

@@ -48,7 +48,7 @@ def _identity() -> dict:
 
 
 def new_marker(folder: Path, *, made_dirs: list[str] | None = None, files: tuple[str, ...] = (LOCK_NAME,)) -> dict:
-    """The marker this process writes into ``folder`` (see the note): who we are, and the
+    """The marker this process writes into ``folder`` ([Note: run folder lifecycle]): who we are, and the
     files and folders we created (``made_dirs``: the folder and those of its parents that
     the run created, deepest first)."""
     return {"magic": MAGIC, **_identity(), "created": time.time(), "folder": str(folder),
