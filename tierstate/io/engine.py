@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
+import weakref
 from typing import Any
 
 from tierstate._native_loader import native, native_status
@@ -84,12 +86,14 @@ class Engine:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
         mod = _require_native()
+        self._pid = os.getpid()
         try:
             self._native = mod.IOEngine(threads or 0, queue_depth, block_size, backend)
         except OSError as exc:
             raise from_oserror(exc, None, None, f"starting the {backend} I/O backend") from exc
         if self._native.backend_note:
             say_once("uring", "tierstate.io: %s", self._native.backend_note)
+        _live.add(self)
 
     @property
     def backend(self) -> str:
@@ -113,9 +117,18 @@ class Engine:
     def block_size(self) -> int:
         return self._native.block_size
 
+    def check_owner(self) -> None:
+        """Raise unless this process created the engine (see [Note: engines and fork])."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"this I/O engine was created by pid {self._pid}, and process {os.getpid()} is a "
+                               "fork of it: its worker threads exist only in that process. Open files anew in "
+                               "the child (they use the child's own default engine) or create an Engine there")
+
     def close(self) -> None:
-        """Finishes the queued work and stops the workers. Idempotent."""
-        self._native.shutdown()
+        """Finishes the queued work and stops the workers. Idempotent; does nothing in a
+        forked child (the workers are the parent's)."""
+        if os.getpid() == self._pid:
+            self._native.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -137,6 +150,28 @@ def uring_available(queue_depth: int = DEFAULT_QUEUE_DEPTH) -> tuple[bool, str]:
 
 _default: Engine | None = None
 _default_lock = threading.Lock()
+
+# [Note: engines and fork]
+# fork() copies an engine's queue and rings but none of its worker threads. In the child,
+# destroying that copy blocks for ever (its queue's condition variable still counts the
+# parent's idle workers as waiters) and work queued on it never runs. So a child gives
+# every inherited engine's native object one reference that is never dropped (a few KiB
+# left to the exit; module teardown would otherwise release a plain list of them),
+# refuses I/O on it (Engine.check_owner, called by every submit), and creates its own
+# default engine on first use.
+_live: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _default, _default_lock
+    import ctypes
+
+    for engine in list(_live):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(engine._native))
+    _default, _default_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_engine() -> Engine:

@@ -185,6 +185,7 @@ class File:
     def _submit(self, write: bool, buf: Any, offset: int, size: int | None) -> IOFuture:
         if self._native.closed:
             raise ValueError(f"I/O on closed file {self._path!r}")
+        self._engine.check_owner()
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"offset={offset!r}: expected a file offset >= 0")
         address, nbytes, keepalive = buffer_span(buf, writable=not write)
