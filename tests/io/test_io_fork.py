@@ -51,9 +51,9 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("backend", available_backends())
 def test_forked_child_exits_without_touching_the_parents_engine(tmp_path, backend):
-    """A child forked while the engine's workers wait for work exits normally (it used to hang
-    destroying the copy of a queue whose waiters exist only in the parent), and a submit on
-    the inherited engine raises instead of queueing work no thread will ever run."""
+    """A child forked while the engine's workers wait for work exits normally (destroying its
+    copy of the queue, whose waiters exist only in the parent, would block for ever), and a
+    submit on the inherited engine raises instead of queueing work no thread will ever run."""
     proc = subprocess.Popen([sys.executable, "-c", CHILD, backend, str(tmp_path / "f.bin")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -24,6 +24,11 @@ flight) and needed again soon in buffer B is not read before A's write lands. Wr
 never wait on anything, so nothing can deadlock. Completed requests are collected by
 :meth:`Pool.progress`, which every call into the tier runs first and which then starts
 the reads they held back; :meth:`Pool.wait` blocks on the request a buffer waits for.
+A read held back behind a write thus starts at the next call into the tier rather than
+the instant the write lands; the disk stays busy meanwhile with the other buffers'
+requests. Against one Python thread per buffer running the same operations, the step
+(``tierstate bench step --offload nvme``, reference VM, interleaved runs) took 195 ms
+against 199 at 100M parameters (medians of 8) and 1655 ms against 1718 at 400M (of 3).
 
 [Note: checksums]
 The tier keeps, in RAM, the CRC-32C of every record as it was last written (4 bytes per
