@@ -182,7 +182,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             grad_scaler: passed by ``torch.amp.GradScaler.step``; do not pass it yourself.
 
         What an I/O failure of the NVMe tier leaves (see [Note: what a failed I/O leaves] in
-        :mod:`tierstate.tiers.nvme`):
+        :mod:`tierstate.tiers.nvme_ledger`):
 
         - a failed *write* (``DiskFullError`` on a full or thinly provisioned disk, EIO): the
           step completes in memory, parameters and state exactly as after it; the error

@@ -26,7 +26,7 @@ optimizer raises the write's error once the step is complete. A failed read (EIO
 checksum mismatch, a truncated file) surfaces from ``acquire`` as
 :class:`~tierstate.io.StateLostError` and ends the loop there: the sub-groups updated
 before it stay updated (they are released once their completions are done), the rest are
-untouched, and the state is to be reloaded from a checkpoint (tierstate.tiers.nvme,
+untouched, and the state is to be reloaded from a checkpoint (tierstate.tiers.nvme_ledger,
 [Note: what a failed I/O leaves]).
 """
 from __future__ import annotations
