@@ -26,7 +26,7 @@ import re
 import sys
 from dataclasses import replace
 
-from .optim import SGD, Adagrad, Adam, AdamW, Lion
+from . import optim
 from .placement.auto import HOST_FRACTION, existing_ancestor
 from .placement.cost_model import BUDGET_NAMES, Kind
 from .placement.layout import TIER_ORDER
@@ -36,8 +36,9 @@ from .placement.planner import Plan, choose, evaluate
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 1 << 10, "M": 10**6, "MB": 10**6, "MIB": 1 << 20,
                "G": 10**9, "GB": 10**9, "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TIB": 1 << 40}
-# --optimizer NAME -> the optimizer whose rule says what state it keeps
-OPTIMIZERS = {cls.rule.name: cls for cls in (AdamW, Adam, SGD, Lion, Adagrad)}
+# --optimizer NAME -> the optimizer whose rule says what state it keeps: every optimizer the package
+# exports, so a new rule is priced without an edit here
+OPTIMIZERS = {cls.rule.name: cls for cls in (getattr(optim, name) for name in optim.__all__) if hasattr(cls, "rule")}
 # hyper-parameters that change which state keys a rule keeps: --flag -> param-group key
 STATE_FLAGS = {"--amsgrad": "amsgrad", "--momentum": "momentum"}
 
