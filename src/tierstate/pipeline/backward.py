@@ -71,7 +71,7 @@ from .. import kernels
 from ..placement import SubGroup
 from ..tiers import Slot
 from .decision import Scaling
-from .loop import run_subgroups
+from .loop import run_subgroups, update_planned
 
 if TYPE_CHECKING:
     from .engine import StepEngine, StepResult
@@ -230,7 +230,8 @@ class BackwardDriver:
         self.executor.lane = None if self.inline else _LANE  # the worker's phases go to its own trace lane
         if not self.inline:
             telemetry = _Lane(telemetry, _LANE)
-        run_subgroups([(sg, segs)], {sg.tier: store.tier_of(sg)}, lambda tier: self.executor, telemetry)
+        # the I/O tiers read ahead along plan_next()'s order: this sub-group is part of that plan
+        update_planned(store.tier_of(sg), sg, segs, self.executor, telemetry)
         self.done.append(sg)
 
     def _update_waiting(self, block: bool) -> None:

@@ -44,6 +44,29 @@ def _priority(tier) -> tuple[bool, bool]:
     return (not tier.on_device, not tier.does_io)
 
 
+def _submit(tier, sg: SubGroup, segments: Sequence[Segment], executor: Executor, telemetry):
+    """Acquire ``sg`` (a wait is booked under the tier's ``wait_phase``) and hand it to ``executor``;
+    the completion it returns. A failed submit releases the sub-group before it raises."""
+    with telemetry.phase(tier.wait_phase) if tier.wait_phase else nullcontext():
+        views = tier.acquire(sg)
+    try:
+        return executor.submit(sg, segments, views)
+    except BaseException:
+        tier.release(sg, dirty=True)  # a failed update may have written part: the tier's truth
+        raise
+
+
+def update_planned(tier, sg: SubGroup, segments: Sequence[Segment], executor: Executor, telemetry) -> None:
+    """Update one sub-group whose tier was told the plan already (the in-backward driver's order):
+    acquire, submit, wait for the completion, release. Unlike :func:`run_subgroups` it does not
+    call ``schedule``, which would replace the tier's read-ahead plan with this one sub-group."""
+    completion = _submit(tier, sg, segments, executor, telemetry)
+    try:
+        completion.wait()
+    finally:
+        tier.release(sg, dirty=True)
+
+
 def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping, executor_for: Callable,
                   telemetry) -> None:
     """Update every listed segment once, sub-group by sub-group.
@@ -69,14 +92,7 @@ def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping
             if not queue:
                 order.remove(kind)
             tier = tiers[kind]
-            with telemetry.phase(tier.wait_phase) if tier.wait_phase else nullcontext():
-                views = tier.acquire(sg)
-            try:
-                completion = executor_for(tier).submit(sg, segments[sg.index], views)
-            except BaseException:
-                tier.release(sg, dirty=True)  # a failed update may have written part: the tier's truth
-                raise
-            held.append((tier, sg, completion))
+            held.append((tier, sg, _submit(tier, sg, segments[sg.index], executor_for(tier), telemetry)))
             # release whatever is done, in any order: a device launch still running must not keep
             # an I/O tier's buffer from its pool (the next acquire may need it back)
             for item in [h for h in held if h[2].done()]:
@@ -91,4 +107,4 @@ def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping
                 done_tier.release(done_sg, dirty=True)
 
 
-__all__ = ["Executor", "run_subgroups"]
+__all__ = ["Executor", "run_subgroups", "update_planned"]
