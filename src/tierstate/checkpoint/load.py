@@ -134,6 +134,10 @@ def _checked_groups(opt, manifest: dict, file: str) -> list[dict]:
         if missing:
             raise ValueError(f"{file}: param_groups[{gi}] lacks {missing[0]!r}, which {type(opt).__name__} needs "
                              f"(its default is {needed[missing[0]]!r}); nothing was loaded. {FIX}")
+        if store_of(opt) is not None:
+            # as load_state_dict: torch's implementation switches (fused=True of a torch run saved
+            # with save_optimizer) say how torch computed, not what; they become this optimizer's
+            group = opt.loaded_group(group)
         try:
             _validate_group(opt, {**group, "params": current["params"]})
         except (TypeError, ValueError) as exc:

@@ -8,6 +8,7 @@ of how a step runs: the math is a rule (:mod:`tierstate.rules`), the state lives
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,6 +24,7 @@ from .params import checked_group, params_list, refuse_nothing_to_train
 from .state_view import publish, publish_step
 
 NONFINITE_POLICIES = ("skip", "raise")
+_log = logging.getLogger("tierstate")
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -157,9 +159,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._engine.backward_open:
             # step_in_backward=True already applied part of this step during backward; dropping
             # the gradients now would leave the state half stepped, so the step is completed.
-            import logging
-
-            logging.getLogger("tierstate").warning(
+            _log.warning(
                 "tierstate: zero_grad() after a backward whose updates already ran (step_in_backward=True)"
                 " without step(); completing the step first")
             try:
