@@ -111,6 +111,14 @@ def test_the_layers_run_one_way():
     assert not graph["kernels"] & {"optim", "pipeline", "tiers", "rules"}
 
 
+def test_placement_imports_no_package_that_imports_it():
+    """Data flows one way: placement is below optim, tiers and pipeline (which import it)."""
+    graph = _graph()
+    users = {unit for unit, deps in graph.items() if "placement" in deps}
+    assert {"optim", "tiers", "pipeline"} <= users  # the scan sees real imports (checkpoint goes through tiers)
+    assert not graph["placement"] & users, f"placement imports {sorted(graph['placement'] & users)}"
+
+
 def _kind_names(path: Path) -> list[tuple[int, str]]:
     """(line, text) of each place naming a tier kind: ``TierKind.X``, or the kind enum imported."""
     found = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 
 from ..pipeline import Scaling
+from ..pipeline.decision import found_inf_by_unscale
 
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
@@ -25,12 +26,10 @@ def scaling_of(opt, grad_scaler, host_copies: bool) -> Scaling:
         return Scaling(1.0 / float(opt.grad_scale), bool(float(getattr(opt, "found_inf", 0.0))), None, True)
     if grad_scaler is None or not grad_scaler.is_enabled():
         return Scaling()
-    from torch.amp.grad_scaler import OptState
-
     record = grad_scaler._per_optimizer_states[id(opt)]  # GradScaler's own keying
     # Gradients read from param.grad were unscaled in place by scaler.unscale_(opt);
     # host copies made by the gradient stream never were.
-    if record["stage"] is OptState.UNSCALED and not host_copies:
-        prior = any(bool(v.item()) for v in record["found_inf_per_device"].values())
-        return Scaling(1.0, prior, record, True)
+    found = found_inf_by_unscale(record)
+    if found is not None and not host_copies:
+        return Scaling(1.0, found, record, True)
     return Scaling(1.0 / grad_scaler.get_scale(), False, record, True)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ..dist import local_tensor, shard_groups
-from ..placement import Layout, Offload, plan_layout
+from ..placement import Offload, plan_layout
 from ..tiers import (Slot, StateStore, device_heads, device_tier_on_cpu_allowed, make_tiers, tier_fractions)
 from .grads import Gradients
 from .weights import WeightsOut
@@ -39,10 +39,6 @@ class Parts:
     heads: dict[int, int]  # trainable index -> elements at its head in a tier on the compute device
     grads: Gradients
     weights: WeightsOut
-
-    @property
-    def layout(self) -> Layout:
-        return self.store.layout
 
     def close(self) -> None:
         self.grads.close()

@@ -19,6 +19,16 @@ from .. import kernels
 from ..dist import shard_key
 
 
+def found_inf_by_unscale(record: dict) -> bool | None:
+    """Whether ``scaler.unscale_(opt)`` found an inf in ``param.grad`` (it unscaled them in place),
+    from the scaler's per-optimizer ``record``; None when unscale_ has not run this step."""
+    from torch.amp.grad_scaler import OptState
+
+    if record["stage"] is not OptState.UNSCALED:
+        return None
+    return any(bool(v.item()) for v in record["found_inf_per_device"].values())
+
+
 @dataclass
 class Scaling:
     """What a loss scaler says about this step's gradients (built by the torch face from
@@ -41,13 +51,8 @@ class Scaling:
         ``scaler.unscale_(opt)`` unscales in place what it finds in ``param.grad``: with the
         device tier that includes the device part's gradients even when the host part's were
         streamed away (and so are still scaled)."""
-        if self.record is None:
-            return self.inv_scale, False
-        from torch.amp.grad_scaler import OptState
-
-        if self.record["stage"] is OptState.UNSCALED:
-            return 1.0, any(bool(v.item()) for v in self.record["found_inf_per_device"].values())
-        return self.inv_scale, False
+        found = None if self.record is None else found_inf_by_unscale(self.record)
+        return (self.inv_scale, False) if found is None else (1.0, found)
 
     def report(self, finite: bool) -> None:
         """Tell the scaler whether this step's gradients were finite (its ``update()`` reads it)."""

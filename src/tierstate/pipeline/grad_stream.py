@@ -26,6 +26,13 @@ from torch import Tensor
 from ..tiers import packed_arena
 
 
+def dense(grad: Tensor) -> Tensor:
+    """``grad``, refused when sparse: the kernels read a flat dense gradient."""
+    if grad.is_sparse:
+        raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
+    return grad
+
+
 class GradStream:
     def __init__(self, params: Sequence[Tensor], *, keep_device_grads: bool, pin_memory: bool,
                  bucket_bytes: int = 32 << 20, telemetry=None) -> None:
@@ -60,8 +67,7 @@ class GradStream:
         grad = param.grad
         if grad is None:
             return
-        if grad.is_sparse:
-            raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
+        dense(grad)
         if self.is_cuda:
             # The same tensor may come back (two backward passes without a flush): it already
             # holds the sum, so it is queued once.

@@ -19,9 +19,7 @@ from torch import Tensor
 from ..dist import is_dtensor, local_tensor
 from ..placement import Offload
 from ..tiers import Slot
-from .grad_stream import GradStream
-
-_SPARSE = "tierstate optimizers do not support sparse gradients (use dense embeddings)"
+from .grad_stream import GradStream, dense
 
 
 class Gradients:
@@ -76,9 +74,7 @@ class Gradients:
         g = s.param.grad
         if g is None:
             return None
-        g = local_tensor(g)
-        if g.is_sparse:
-            raise TypeError(_SPARSE)
+        g = dense(local_tensor(g))
         if g.device.type != "cpu":
             with self.telemetry.phase("grad_transfer"):
                 g = g.detach().to("cpu")
@@ -91,11 +87,7 @@ class Gradients:
         if s.trainable not in self.device_heads:
             return self.host_grad(s)
         g = s.param.grad
-        if g is None:
-            return None
-        if g.is_sparse:
-            raise TypeError(_SPARSE)
-        return g.detach().reshape(-1)
+        return None if g is None else dense(g).detach().reshape(-1)
 
     def split(self, active: list) -> tuple[dict[int, tuple[Tensor, int]], dict[int, Tensor]]:
         """Split a step's ``(slot, gradient)`` pairs between the host tiers and the device tier.

@@ -51,9 +51,6 @@ class StateStore:
     def tier_of(self, sg: SubGroup) -> Tier:
         return self.tiers[sg.tier]
 
-    def subgroup(self, index: int) -> SubGroup:
-        return self.layout.subgroups[index]
-
     def segments(self, s: Slot) -> tuple[Segment, ...]:
         return self.layout.segments_of(s.trainable) if s.trainable is not None else ()
 
@@ -236,9 +233,6 @@ class StateStore:
         s.pending_pieces.clear()
 
     # -- the tiers as a whole ------------------------------------------------------------------
-    def io_tiers(self) -> list[Tier]:
-        return [t for t in self.tiers.values() if t.does_io]
-
     def settle(self) -> None:
         for tier in self.tiers.values():
             tier.settle()
@@ -249,10 +243,6 @@ class StateStore:
 
     def lost_error(self) -> BaseException | None:
         return next((e for t in self.tiers.values() if (e := t.lost_error()) is not None), None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tiers.values())
 
     def nbytes_by_tier(self) -> dict[str, int]:
         return {kind.value: tier.nbytes for kind, tier in self.tiers.items()}
