@@ -102,3 +102,18 @@ def test_read_write_gathered_and_close(tmp_path):
     assert p.shape == (0,)  # a forward now fails with a shape error, not a read of freed memory
     with pytest.raises(RuntimeError):
         m(batches(1)[0])
+
+
+def test_optimizer_stats_carry_weight_streaming(tmp_path):
+    m = gpt2(n_layer=4)
+    ws = ts.offload_weights(m, "nvme", nvme_dir=tmp_path / "w", prefetch=0)
+    opt = ts.AdamW(m.parameters(), lr=1e-2, offload="nvme", nvme_dir=tmp_path / "s")
+    for ids in batches(2):
+        m(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    d = opt.stats().as_dict()
+    # a pool of 2 images for 4 blocks: each step reads every block at least once
+    assert d["counters"]["weight_fetch_bytes"] >= sum(ws.block_bytes())
+    assert "weight_prefetch_misses" in d["counters"] and d["gauges"]["weight_window_bytes"] > 0
+    ws.close()

@@ -294,6 +294,8 @@ class StepEngine:
         """Upload the stepped parameters' weights (CUDA) and set the gauges."""
         tel = self.telemetry
         self.parts.weights.upload(stepped, tel)
+        if self.parts.weights.streamed:
+            self.parts.weights.report_streaming(tel)
         for tier_name, nbytes in self.tier_bytes().items():
             tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
         if self.device.type == "cuda":
