@@ -41,3 +41,12 @@ def twin(kind: str, dtype=torch.float32, **kw):
 def batches(n: int, seed: int = 1, bs: int = 2, seq: int = 12):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (bs, seq), generator=g) for _ in range(n)]
+
+
+def offload(model, *args, **kw):
+    """ts.offload_weights onto the CPU: these tests compare against CPU references, also on a
+    machine with a GPU (where the default compute device would be CUDA)."""
+    import tierstate as ts
+
+    kw.setdefault("device", "cpu")
+    return ts.offload_weights(model, *args, **kw)

@@ -31,7 +31,7 @@ def main(n_layer: int, folder: str) -> None:
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(cfg)
     before_model = rss("VmRSS")
-    ws = ts.offload_weights(model, "nvme", nvme_dir=f"{folder}/w", prefetch=1, init=model._init_weights)
+    ws = ts.offload_weights(model, "nvme", device="cpu", nvme_dir=f"{folder}/w", prefetch=1, init=model._init_weights)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = ts.AdamW(model.parameters(), lr=1e-3, step_in_backward=True,

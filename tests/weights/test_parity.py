@@ -15,7 +15,7 @@ from torch import nn
 import tierstate as ts
 from tierstate.weights import streamed
 
-from _models import batches, twin
+from _models import batches, offload, twin
 
 STEPS = 10
 
@@ -63,7 +63,7 @@ def make_opt(model, tmp_path, name, **kw):
 def streamer(model, tier, tmp_path, **kw):
     if tier == "split":
         tier = ts.Offload(cpu=0.5, nvme=0.5)
-    return ts.offload_weights(model, tier, nvme_dir=tmp_path / "w" if tier != "cpu" else None, **kw)
+    return offload(model, tier, nvme_dir=tmp_path / "w" if tier != "cpu" else None, **kw)
 
 
 CASES = [("cpu", None), ("split", None), ("nvme", None), ("nvme", "non-reentrant"), ("nvme", "reentrant")]
@@ -194,7 +194,7 @@ class Twice(nn.Module):
 
 def test_module_called_twice(tmp_path):
     ref, model = Twice(), Twice()
-    ws = ts.offload_weights(model, "nvme", nvme_dir=tmp_path / "w")
+    ws = offload(model, "nvme", nvme_dir=tmp_path / "w")
     ref_opt, opt = make_opt(ref, tmp_path, "a"), make_opt(model, tmp_path, "b")
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, 50, (2, 8), generator=g) for _ in range(3)]

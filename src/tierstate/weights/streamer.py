@@ -140,6 +140,8 @@ class WeightStreamer:
             for pl in b.places:
                 _registry[pl.param] = StreamedParam(self, b.index, pl)
         _generation[0] += 1
+        self._telemetries: "weakref.WeakSet" = weakref.WeakSet()
+        self.window.report = self._report
         self.hooks = BlockHooks(self)
         self._finalizer = weakref.finalize(self, _close_homes, self._homes)
 
@@ -196,6 +198,15 @@ class WeightStreamer:
         self.window.fill_home(block.index, byte_view(storage, block.nbytes))
         storage.resize_(0)
 
+    def attach_telemetry(self, telemetry) -> None:
+        """Book this streamer's waits and reads (phases ``weight_wait``, ``weight_fetch`` on lane
+        ``weights``) in ``telemetry`` too; an optimizer over streamed parameters attaches its own."""
+        self._telemetries.add(telemetry)
+
+    def _report(self, phase: str, seconds: float, start: float) -> None:
+        for tel in list(self._telemetries):
+            tel.add_phase_time(phase, seconds, lane="weights", start=start)
+
     # -- what the hooks call -------------------------------------------------------------------
     def _use(self, b: int) -> None:
         upcoming = self.order.note(b)
@@ -203,6 +214,10 @@ class WeightStreamer:
         self.window.materialize(b, up)
         for u in upcoming:
             self.window.prefetch(u, up)
+        if self.window.cuda and upcoming:
+            # the next block's copy up runs on the side stream while this one computes; it is
+            # released after its own use, or at the end of backward if the order was wrong
+            self.window.materialize(upcoming[0], up)
 
     def _enter_forward(self, b: int) -> None:
         with self._lock:

@@ -93,6 +93,9 @@ class Window:
             for _ in range(min(prefetch + 2, len(nvme))):
                 self._free.append(self._new_buffer())
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        # (phase, seconds, start) -> None: the streamer books waits and reads in the telemetry of
+        # the optimizers that update these weights (see WeightStreamer.attach_telemetry)
+        self.report = lambda phase, seconds, start: None
 
     # -- buffers -------------------------------------------------------------------------------
     def _new_buffer(self) -> Tensor:
@@ -157,7 +160,9 @@ class Window:
                 st.dirty = True  # the bytes are still in the image: nothing is lost, the next eviction retries
                 raise
             finally:
-                self.counters.stall_seconds += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.counters.stall_seconds += waited
+                self.report("weight_wait", waited, t0)
 
     # -- images --------------------------------------------------------------------------------
     def prefetch(self, b: int, upcoming: set[int]) -> None:
@@ -210,6 +215,8 @@ class Window:
             now = time.perf_counter()
             self.counters.stall_seconds += now - t0
             self.counters.fetch_seconds += now - st.fetch_started
+            self.report("weight_wait", now - t0, t0)
+            self.report("weight_fetch", now - st.fetch_started, st.fetch_started)
         self.counters.fetch_bytes += home.record_nbytes[b]
         return st.image
 
