@@ -219,3 +219,16 @@ def test_save_and_load_optimizer_with_streamed_weights(tmp_path):
     train(ref, ref_opt, batches(2, seed=7))
     train(model, opt, batches(2, seed=7))
     assert_same(ref, ref_opt, model, opt, ws)
+
+
+def test_weights_streamed_after_the_optimizer_was_built(tmp_path):
+    """The optimizer re-assembles when its parameters start streaming (state carried over)."""
+    ref, model = twin("gpt2", torch.bfloat16)
+    ref_opt, opt = make_opt(ref, tmp_path, "a"), make_opt(model, tmp_path, "b")
+    train(ref, ref_opt, batches(2))
+    train(model, opt, batches(2))
+    ws = streamer(model, "nvme", tmp_path)
+    train(ref, ref_opt, batches(2, seed=3))
+    train(model, opt, batches(2, seed=3))
+    assert_same(ref, ref_opt, model, opt, ws)
+    assert opt.state_store.slot_of(ws.named_streamed()[0][1]) is not None

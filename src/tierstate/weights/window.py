@@ -175,8 +175,14 @@ class Window:
             buf = self._free.pop()
         else:
             victim = self._victim(upcoming | {b})
-            if victim is None or self.state[victim].dirty or self.state[victim].write is not None:
-                return  # a read ahead that would wait on a write-back is not worth it
+            if victim is None:
+                return
+            vst = self.state[victim]
+            if vst.dirty:  # start its write-back now; a later read-ahead takes the buffer
+                self._write_back(victim)
+                return
+            if vst.write is not None and not vst.write.done():
+                return  # a read ahead never waits on a write-back
             buf = self._evict(victim)
         st.image = buf
         st.fetch = home.read(b, buf)
