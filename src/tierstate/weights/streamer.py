@@ -68,10 +68,11 @@ class StreamedParam:
         return s
 
     @contextlib.contextmanager
-    def for_update(self) -> Iterator[Tensor]:
-        """A flat view of the parameter's values in host memory; changes reach the compute copy."""
+    def for_update(self, refresh: bool = False) -> Iterator[Tensor]:
+        """A flat view of the parameter's values in host memory; changes reach the compute copy
+        at the block's next use (``refresh``: at once)."""
         s = self.streamer
-        with s._lock, s.window.image_for_update(self.block) as image:
+        with s._lock, s.window.image_for_update(self.block, refresh) as image:
             yield _flat(image, self.place)
 
     @contextlib.contextmanager
@@ -301,7 +302,7 @@ class WeightStreamer:
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"write_param: value has shape {tuple(value.shape)}, parameter {h.place.name!r} "
                              f"has {tuple(param.shape)}")
-        with h.for_update() as flat:
+        with h.for_update(refresh=True) as flat:  # inside gathered() the parameter shows it at once
             flat.copy_(value.detach().reshape(-1).to(device="cpu", dtype=param.dtype))
 
     def named_streamed(self) -> list[tuple[str, Tensor]]:
