@@ -121,8 +121,11 @@ class Window:
             return self._new_buffer()
         return self._evict(victim)
 
-    def _victim(self, avoid: set[int]) -> int | None:
-        best = None
+    def _victim(self, avoid: set[int], clean_only: bool = False) -> int | None:
+        """The image to reuse: one nothing holds or reads into, outside ``avoid``; a clean one
+        (its bytes on disk, no write in flight) before a changed one, then the least recently
+        used."""
+        best, best_key = None, None
         for b, st in enumerate(self.state):
             if st.image is None or st.fetch is not None or st.image_holds or b in avoid:
                 continue
@@ -130,8 +133,12 @@ class Window:
                 continue
             if st.materialized and self.cuda and st.upload is not None and not st.upload.query():
                 continue
-            if best is None or st.last_use < self.state[best].last_use:
-                best = b
+            busy = st.dirty or (st.write is not None and not st.write.done())
+            if clean_only and busy:
+                continue
+            key = (busy, st.last_use)
+            if best_key is None or key < best_key:
+                best, best_key = b, key
         return best
 
     def _evict(self, b: int) -> Tensor:
@@ -175,15 +182,12 @@ class Window:
         if self._free:
             buf = self._free.pop()
         else:
-            victim = self._victim(upcoming | {b})
-            if victim is None:
+            victim = self._victim(upcoming | {b}, clean_only=True)
+            if victim is None:  # a read ahead never waits on a write-back: start one for later
+                changed = self._victim(upcoming | {b})
+                if changed is not None and self.state[changed].dirty:
+                    self._write_back(changed)
                 return
-            vst = self.state[victim]
-            if vst.dirty:  # start its write-back now; a later read-ahead takes the buffer
-                self._write_back(victim)
-                return
-            if vst.write is not None and not vst.write.done():
-                return  # a read ahead never waits on a write-back
             buf = self._evict(victim)
         st.image = buf
         st.fetch = home.read(b, buf)
@@ -326,6 +330,10 @@ class Window:
         block.storage.resize_(0)
         st.materialized = False
         self._materialized_bytes -= block.nbytes
+        if st.dirty and not st.image_holds and st.write is None:
+            # write-behind: the block's backward is over and its updates (during backward) are
+            # most likely in, so its buffer can be clean by the time a read-ahead wants it
+            self._write_back(b)
 
     @property
     def materialized_bytes(self) -> int:
