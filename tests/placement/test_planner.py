@@ -209,3 +209,24 @@ def test_memory_is_reported_on_the_layout_tiers_with_the_budget_names():
     assert set(out["totals"]) == {"device", "host", "disk", "pinned"}
     assert out["totals"]["disk"] == plan.tier_total(TierKind.NVME) == 500 * 8
     assert {m["tier"] for m in out["memory"]} == {"host", "disk"}
+
+
+def test_activation_checkpointing_prices_the_recomputed_forward():
+    """Checkpointing runs each block's forward again in backward (the embedding and head are not
+    recomputed): 2 FLOPs per block parameter per token plus the blocks' attention (4 s h per
+    token per layer), on top of the plain step's 6 per parameter + 12 s h L."""
+    plain = predict_time(adamw(LLAMA7B, device="cuda", micro_batch=1, seq_len=2048), Placement(0, 1, 0), HW)
+    ckpt = predict_time(adamw(LLAMA7B, device="cuda", micro_batch=1, seq_len=2048, activation_checkpointing=True),
+                        Placement(0, 1, 0), HW)
+    tokens = 2048
+    extra = (2 * 202_383_360 * 32 + 4 * 32 * 4096 * 2048) * tokens / HW.device_flops
+    assert plain.compute == pytest.approx((6 * N7 + 12 * 32 * 4096 * 2048) * tokens / HW.device_flops)
+    assert ckpt.compute == pytest.approx(plain.compute + extra)
+    # the gradient copy hides behind backward, which now holds the recompute: 3/4 of the compute
+    assert ckpt.grad_d2h_exposed == pytest.approx(max(0.0, ckpt.grad_d2h - 0.75 * ckpt.compute))
+    assert ckpt.total == pytest.approx(ckpt.compute + ckpt.grad_d2h_exposed + ckpt.optimizer + ckpt.weight_h2d)
+    count_only = ModelSpec("n", (N7,))  # blocks unknown: a third more, as if everything were recomputed
+    base = predict_time(adamw(count_only, device="cuda", micro_batch=1, seq_len=2048), Placement(0, 1, 0), HW)
+    more = predict_time(adamw(count_only, device="cuda", micro_batch=1, seq_len=2048, activation_checkpointing=True),
+                        Placement(0, 1, 0), HW)
+    assert more.compute == pytest.approx(base.compute * 4 / 3)

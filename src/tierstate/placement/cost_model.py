@@ -27,7 +27,8 @@ a test can hold the two against each other:
 
 [Note: the step-time model]
 One training step = compute (6 FLOPs per parameter per token, plus attention, at the
-measured matmul rate) + the gradient copy to the host that backward could not hide
+measured matmul rate; under activation checkpointing plus the blocks' forward again, 2 FLOPs per
+block parameter per token) + the gradient copy to the host that backward could not hide
 (backward is taken as 2/3 of compute) + the optimizer step + the weight upload. The
 optimizer step is the gradient pass (global norm and inf check: one read of every
 gradient) plus the sub-group pipeline, in which the CPU update and the NVMe reads/writes
@@ -254,13 +255,20 @@ def predict_time(req: PlanRequest, placement: Placement, hw: Hardware) -> StepTi
         shape = req.model.shape
         if shape is not None:
             flops += 12.0 * shape.n_layer * shape.hidden * req.seq_len * tokens  # attention scores and mix
+        if req.activation_checkpointing:  # backward recomputes each block's forward (a third of its compute)
+            if req.model.blocks_known and shape is not None:
+                flops += (2.0 * sum(req.model.block_numels) + 4.0 * shape.n_layer * shape.hidden * req.seq_len) * tokens
+            else:
+                flops *= 4.0 / 3.0
         compute = flops / (hw.device_flops if req.on_accelerator else hw.host_flops)
 
     d2h = h2d = 0.0
     if req.on_accelerator:
         d2h = req.grad_accum * (n_host + n_nvme) * pb / hw.d2h
         h2d = (n_host + n_nvme) * (pb if req.param_dtype != "fp32" else 4) / hw.h2d
-    d2h_exposed = max(0.0, d2h - BACKWARD_SHARE * compute) if compute is not None else d2h
+    # the recomputed forward runs inside backward: with checkpointing backward is 3 of 4 parts
+    share = 0.75 if req.activation_checkpointing else BACKWARD_SHARE
+    d2h_exposed = max(0.0, d2h - share * compute) if compute is not None else d2h
     device_update = 0.0
     if n_dev:
         device_update = n_dev * (per_param + state) / max(hw.device_bandwidth, 1.0)
