@@ -28,7 +28,7 @@ with ``compute_s`` one block's forward (the shortest compute a fetch must hide b
 is taken as 2x forward, as in :mod:`.cost_model`). The planner asks for that depth, capped at
 ``max_prefetch``, and takes less only when the memory does not allow it.
 
-[Note: the time model]
+[Note: the weight time model]
 Per micro-batch each streamed block is fetched twice: for its forward, and for its backward
 (under activation checkpointing the recomputation runs right before the backward, on the same
 fetch). With ``d`` fetches in flight, a streamed block takes ``max(c, s, fetch_s / d)`` where
