@@ -230,3 +230,20 @@ def test_activation_checkpointing_prices_the_recomputed_forward():
     more = predict_time(adamw(count_only, device="cuda", micro_batch=1, seq_len=2048, activation_checkpointing=True),
                         Placement(0, 1, 0), HW)
     assert more.compute == pytest.approx(base.compute * 4 / 3)
+
+
+def test_with_weights_offloaded_the_state_plan_leaves_weights_and_activations_to_the_weight_plan():
+    """The compute copy and the activations are priced by the weight plan; param.grad (CPU, no
+    gradient streaming) lives for the parameters outside the blocks and two blocks, since a
+    released block's gradient leaves with it."""
+    plain = adamw(LLAMA7B, device="cpu", param_dtype="fp32", micro_batch=1, seq_len=512)
+    offloaded = adamw(LLAMA7B, device="cpu", param_dtype="fp32", micro_batch=1, seq_len=512, weights_offloaded=True)
+    before = memory_breakdown(plain, Placement(0, 0, 1))
+    after = memory_breakdown(offloaded, Placement(0, 0, 1))
+    assert _bytes(before, TierKind.HOST, Kind.PARAM) == 4 * N7 and _bytes(after, TierKind.HOST, Kind.PARAM) == 0
+    assert _bytes(before, TierKind.HOST, Kind.ACTIVATIONS) > 0 and _bytes(after, TierKind.HOST, Kind.ACTIVATIONS) == 0
+    assert _bytes(before, TierKind.HOST, Kind.GRAD) == 4 * N7
+    assert _bytes(after, TierKind.HOST, Kind.GRAD) == 4 * (262_148_096 + 2 * 202_383_360)
+    for kind in (Kind.MOMENTS, Kind.NVME_BUFFER_POOL, Kind.FIRST_STEP_TEMPORARY):  # the state itself unchanged
+        assert _bytes(before, TierKind.HOST, kind) == _bytes(after, TierKind.HOST, kind)
+        assert _bytes(before, TierKind.NVME, kind) == _bytes(after, TierKind.NVME, kind)
