@@ -44,7 +44,7 @@ the two plans' times for the joint step.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
 from .plan_inputs import Hardware, PlanError, gib, pow2_ceil
@@ -248,16 +248,16 @@ def _desired_prefetch(inp: _Inputs, fetch_s: float) -> int:
     return min(inp.max_prefetch, max(1, math.ceil(fetch_s / inp.compute_s - 1e-9)))
 
 
-def _homes(inp: _Inputs, streamed: list[int], window: int) -> tuple[list[str], int, int, str] | str:
-    """Tiers of the streamed blocks (``cpu`` homes first while host RAM allows, on CUDA), with the
-    host bytes and pinned bytes; or why they do not fit."""
+def _homes(inp: _Inputs, streamed: list[int], window: int) -> tuple[list[str], int] | str:
+    """Tiers of the streamed blocks (on CUDA ``cpu`` homes first, while host RAM allows) and the
+    pinned host bytes they take (homes and NVMe staging); or why they do not fit."""
     blocks, hw = inp.blocks, inp.hw
     nvme_ok = hw.disk_read > 0 and hw.disk_write > 0
     if inp.compute == "cpu":
-        return [NVME] * len(streamed), 0, 0, ""
+        return [NVME] * len(streamed), 0
     home_cost = [pow2_ceil(blocks[i]) for i in streamed]
     if inp.tier in ("auto", CPU) and sum(home_cost) <= inp.host_budget:
-        return [CPU] * len(streamed), sum(home_cost), sum(home_cost), ""
+        return [CPU] * len(streamed), sum(home_cost)
     if inp.tier == CPU:
         return (f"pinned host homes for {len(streamed)} blocks need {gib(sum(home_cost))} of host RAM, "
                 f"host_memory_budget {gib(inp.host_budget)}")
@@ -274,7 +274,7 @@ def _homes(inp: _Inputs, streamed: list[int], window: int) -> tuple[list[str], i
             used += cost
         else:
             tiers.append(NVME)
-    return tiers, used, used, ""
+    return tiers, used
 
 
 def _evaluate(inp: _Inputs, n_resident: int, prefetch: int, reason: str = "") -> _Candidate | str:
@@ -288,10 +288,11 @@ def _evaluate(inp: _Inputs, n_resident: int, prefetch: int, reason: str = "") ->
     window = min(prefetch + 2, n_s)
     largest = max((blocks[i] for i in streamed), default=0)
     window_bytes = window * largest
-    homes = _homes(inp, streamed, window) if n_s else ([], 0, 0, "")
+    homes = _homes(inp, streamed, window) if n_s else ([], 0)
     if isinstance(homes, str):
         return homes
-    stream_tiers, host_bytes, pinned, _ = homes
+    stream_tiers, pinned = homes
+    host_bytes = pinned
     tier_of = tuple([RESIDENT] * n_resident + stream_tiers)
     resident_blocks = sum(blocks[:n_resident])
     compute_peak = inp.resident + resident_blocks + window_bytes + inp.activations
@@ -478,8 +479,6 @@ def _infeasible(inp: _Inputs, refusals: dict[tuple[int, int], str]) -> str:
 
 def _explain(inp: _Inputs, best: _Candidate, candidates: list[_Candidate],
              refusals: dict[tuple[int, int], str], wanted: dict[int, int]) -> WeightPlan:
-    from dataclasses import replace
-
     p, n, k = best.plan, len(inp.blocks), best.n_resident
     where = "on the device" if inp.compute == "cuda" else "in host RAM"
     ms = lambda c: f"{c.key_time * 1e3:.1f} ms"  # noqa: E731
