@@ -41,35 +41,46 @@ def test_everything_fits_stays_resident():
 
 
 def test_host_ram_too_small_on_cpu_streams_from_nvme_with_a_window_of_the_largest_block():
-    # CPU, 4 blocks of B, RAM for 3B. All resident needs 4B; 3 resident + the last block 4B;
-    # 2 resident + a window of 2: 4B; 1 resident + window 2 (on demand): 3B fits; 0 resident +
-    # prefetch 1 (window 3): 3B fits. A fetch (disk, 0.2 s) is shorter than a forward (1 s), so
+    # CPU, 5 blocks of B, RAM for 4B. A streamed block takes RAM twice: a host image (one of the
+    # prefetch + 2 in the pool) and the copy it runs from (1 block). So: all resident 5B;
+    # 4 resident + 1 + 1 image 6B; 3 resident + 1 + 2 images 6B; 2 resident + 1 + 2 images 5B;
+    # 1 resident + 1 + 2 images (on demand) 4B fits; 0 resident + 1 + 3 images (prefetch 1) 4B
+    # fits, prefetch 2 would need 5B. A fetch (disk, 0.2 s) is shorter than a forward (1 s), so
     # depth 1 hides it. Predicted, per step:
-    #   1 resident, on demand: 3.0 + 3 x (1.2 + 2.2) + write-back 3 x 0.4 = 14.4 s
-    #   0 resident, prefetch 1: 4 x 3.0 + fill 0.2 (forward) + 0.2 (backward) + 4 x 0.4 = 14.0 s: wins
-    p = plan([B] * 4, compute="cpu", compute_memory_budget=3 * B, host_memory_budget=3 * B,
+    #   1 resident, on demand: 3.0 + 4 x (1.2 + 2.2) + write-back 4 x 0.4 = 18.2 s
+    #   0 resident, prefetch 1: 5 x 3.0 + fill 0.2 (forward) + 0.2 (backward) + 5 x 0.4 = 17.4 s: wins
+    p = plan([B] * 5, compute="cpu", compute_memory_budget=4 * B, host_memory_budget=4 * B,
              compute_seconds_per_block=1.0)
-    assert p.tier_of == (NVME,) * 4
+    assert p.tier_of == (NVME,) * 5
     assert (p.prefetch, p.window_blocks, p.window_bytes) == (1, 3, 3 * B)
-    assert p.host_peak_bytes == 3 * B and p.pinned_bytes == 0 and p.disk_bytes == 4 * B
-    assert (p.disk_read_bytes, p.disk_write_bytes, p.pcie_bytes) == (8 * B, 4 * B, 0)
-    assert p.step_seconds == pytest.approx(14.0)
-    assert p.compute_seconds == pytest.approx(12.0)
-    assert p.disk_seconds == pytest.approx(8 * 0.2 + 4 * 0.4)
+    assert (p.materialized_blocks, p.materialized_bytes) == (1, B)
+    assert p.host_peak_bytes == p.compute_peak_bytes == 4 * B and p.pinned_bytes == 0 and p.disk_bytes == 5 * B
+    assert (p.disk_read_bytes, p.disk_write_bytes, p.pcie_bytes) == (10 * B, 5 * B, 0)
+    assert p.step_seconds == pytest.approx(17.4)
+    assert p.compute_seconds == pytest.approx(15.0)
+    assert p.disk_seconds == pytest.approx(10 * 0.2 + 5 * 0.4)
     assert p.bottleneck == "compute"
-    assert "1 block resident: leaves room for prefetch 0 only, 14400.0 ms predicted against 14000.0 ms" in p.rejected
+    assert "1 block resident: leaves room for prefetch 0 only, 18200.0 ms predicted against 17400.0 ms" in p.rejected
+    assert any(r.startswith("prefetch 2: needs 640 MiB of host RAM") for r in p.rejected)
 
 
-@pytest.mark.parametrize("host", [4 * B + B // 2, 5 * B])
+@pytest.mark.parametrize("host", [6 * B + B // 2, 7 * B, 8 * B, 9 * B])
 def test_window_bytes_are_window_blocks_times_the_largest_streamed_block(host):
-    blocks = [B, B, B, 2 * B]  # the largest last: every streamed set holds it
+    blocks = [B] * 7 + [2 * B]  # the largest last: every streamed set holds it
     p = plan(blocks, compute="cpu", compute_memory_budget=host, host_memory_budget=host,
              compute_seconds_per_block=0.5, resident_bytes=B // 4, activation_bytes=B // 4)
     streamed = [b for b, t in zip(blocks, p.tier_of) if t != RESIDENT]
     assert streamed and p.window_bytes == p.window_blocks * max(streamed) == p.window_blocks * 2 * B
+    assert p.materialized_bytes == 2 * B
     resident = sum(b for b, t in zip(blocks, p.tier_of) if t == RESIDENT)
-    assert p.host_peak_bytes == B // 4 + resident + p.window_bytes
+    assert p.host_peak_bytes == B // 4 + resident + 2 * B + p.window_bytes
     assert p.compute_peak_bytes == p.host_peak_bytes + B // 4 <= host
+
+
+def test_an_unaligned_block_takes_a_4_kib_aligned_image():
+    p = plan([B + 1] * 4, tier="nvme", compute_seconds_per_block=1.0, max_prefetch=0)
+    assert p.window_blocks == 2 and p.window_bytes == 2 * (B + 4096)
+    assert p.pinned_bytes == 2 * 2 * B  # each pinned buffer rounded up to a power of two
 
 
 @pytest.mark.parametrize("compute_s, max_prefetch, depth", [
@@ -104,10 +115,11 @@ def test_predicted_time_of_a_two_stage_fetch():
 
 
 def test_memory_too_small_for_the_wanted_depth_takes_less_and_says_why():
-    # wants depth 3 (fetch 0.3 / forward 0.1), but the device holds 4 blocks: window 4 -> prefetch 2
-    p = plan([B] * 8, tier="nvme", compute_seconds_per_block=0.1, compute_memory_budget=4 * B)
+    # wants depth 3 (fetch 0.3 / forward 0.1): 5 pinned images; host RAM holds 4 -> prefetch 2
+    p = plan([B] * 8, tier="nvme", compute_seconds_per_block=0.1, host_memory_budget=4 * B)
     assert (p.prefetch, p.window_blocks) == (2, 4)
-    assert any(r.startswith("prefetch 3 (what hides a fetch): needs 640 MiB of device memory") for r in p.rejected)
+    assert "prefetch 3 (what hides a fetch): needs 640 MiB of pinned host RAM (homes 0 MiB + 5 NVMe images " \
+           "640 MiB), host_memory_budget 512 MiB" in p.rejected
 
 
 @pytest.mark.parametrize("host", [0, B, 3 * B, 8 * B, 100 * B])
@@ -129,13 +141,15 @@ def test_cpu_tier_on_a_cpu_compute_device_is_refused_naming_the_argument():
 
 
 def test_cuda_splits_streamed_blocks_between_pinned_host_ram_and_nvme():
-    # Device: outside B + activations B + 2.5B: no room for a window of 3 or any resident block
-    # beside a window of 2, so all 8 stream, fetched on demand (prefetch 0, window 2). Host:
-    # pinned staging for 2 NVMe reads (2B) + room for 3 pinned homes (3B) of 5.5B.
+    # Device: outside B + activations B + room for 2.5B: the running block and the next one's
+    # copy up (2B) leave no room for a resident block, so all 8 stream. max_prefetch 0: NVMe
+    # blocks are read on demand into a pool of 2 pinned images (2B); of the 5.5B of host RAM
+    # the other 3.5B hold 3 pinned homes, the first 3 blocks.
     p = plan([B] * 8, resident_bytes=B, activation_bytes=B, compute_memory_budget=4 * B + B // 2,
-             host_memory_budget=5 * B + B // 2, compute_seconds_per_block=0.1)
+             host_memory_budget=5 * B + B // 2, compute_seconds_per_block=0.1, max_prefetch=0)
     assert p.tier_of == (CPU,) * 3 + (NVME,) * 5
     assert (p.prefetch, p.window_blocks, p.window_bytes) == (0, 2, 2 * B)
+    assert (p.materialized_blocks, p.materialized_bytes) == (2, 2 * B)
     assert p.pinned_bytes == p.host_peak_bytes == 5 * B
     assert p.disk_bytes == 5 * B and p.compute_peak_bytes == 4 * B
     assert (p.disk_read_bytes, p.disk_write_bytes, p.pcie_bytes) == (10 * B, 5 * B, 16 * B)
@@ -143,7 +157,22 @@ def test_cuda_splits_streamed_blocks_between_pinned_host_ram_and_nvme():
     # write-back 5 x 0.4: 2.6 + 3.4 + 2.0 = 8.0 s
     assert p.step_seconds == pytest.approx(8.0)
     assert p.bottleneck == "disk"  # 10 x 0.2 + 5 x 0.4 = 4.0 s, PCIe 1.6, compute 2.4
-    assert any(r.startswith("all 8 streamed blocks in pinned host RAM: needs 1.00 GiB") for r in p.rejected)
+    assert "all 8 streamed blocks in pinned host RAM: needs 1.00 GiB, host_memory_budget 704 MiB" in p.rejected
+
+
+def test_cuda_trades_pinned_homes_for_a_deeper_pool_when_that_is_faster():
+    # As above with prefetch allowed (a fetch from NVMe: 0.2 + 0.1 = 0.3 s, forward 0.1 s: wants 3).
+    # Host RAM 5.5B: prefetch 3 -> 5 images, no home (7.0 s); prefetch 2 -> 4 images + 1 home;
+    # prefetch 1 -> 3 images + 2 homes (7.0 s); prefetch 0 -> 2 images + 3 homes (8.0 s).
+    # Prefetch 2: the pinned block takes max(c, 0.1, 0.05) per pass, an NVMe one max(c, 0.2, 0.15):
+    # forward 0.1 + 7 x 0.2, backward 0.2 + 7 x 0.2, first fetches 0.1 + 0.3, write-back 7 x 0.4:
+    # 1.5 + 1.6 + 0.4 + 2.8 = 6.3 s: the fastest.
+    p = plan([B] * 8, resident_bytes=B, activation_bytes=B, compute_memory_budget=4 * B + B // 2,
+             host_memory_budget=5 * B + B // 2, compute_seconds_per_block=0.1)
+    assert p.tier_of == (CPU,) + (NVME,) * 7
+    assert (p.prefetch, p.window_blocks, p.pinned_bytes) == (2, 4, 5 * B)
+    assert p.step_seconds == pytest.approx(6.3)
+    assert "prefetch 3 (what hides a fetch): 7000.0 ms predicted against 6300.0 ms (8 on NVMe)" in p.rejected
 
 
 def test_cuda_prefers_pinned_homes_when_host_ram_holds_them_all():
@@ -211,9 +240,9 @@ def test_a_probe_profile_dict_and_none_are_accepted():
 
 def test_describe_and_as_dict_carry_the_decision():
     p = plan([B] * 8, resident_bytes=B, activation_bytes=B, compute_memory_budget=4 * B + B // 2,
-             host_memory_budget=5 * B + B // 2, compute_seconds_per_block=0.1)
+             host_memory_budget=5 * B + B // 2, compute_seconds_per_block=0.1, max_prefetch=0)
     text = "\n".join(p.describe())
-    assert "3 pinned host RAM [0-2]" in text and "5 NVMe [3-7]" in text and "window 2 blocks" in text
+    assert "3 pinned host RAM [0-2]" in text and "5 NVMe [3-7]" in text and "window 2 NVMe images" in text
     assert "bottleneck: disk" in text and "rejected: all 8 blocks resident" in text
     d = p.as_dict()
     assert d["blocks"] == {"resident": 0, "cpu": 3, "nvme": 5} and d["tier_of"][0] == "cpu"
@@ -230,7 +259,8 @@ def test_builtin_llama_7b_on_a_24_gib_cpu_box_streams_from_nvme():
                      activation_bytes=1 << 30, compute_seconds_per_block=2.0)
     assert p.streamed and CPU not in p.tier_of
     assert p.compute_peak_bytes <= 12 << 30
-    assert p.host_peak_bytes == spec.outside_numel * 4 + sum(blocks[:p.tier_of.count(RESIDENT)]) + p.window_bytes
+    assert p.host_peak_bytes == (spec.outside_numel * 4 + sum(blocks[:p.tier_of.count(RESIDENT)]) + blocks[0]
+                                 + p.window_bytes)
 
 
 def test_builtin_block_counts_add_up():

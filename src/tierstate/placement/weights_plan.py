@@ -9,19 +9,21 @@ offload="auto")`` follows and ``tierstate plan --offload-weights auto`` prints.
 - ``cpu``: a home in pinned host RAM, copied to the device around each use. Only for a CUDA
   compute device: on a CPU the weights already are in host RAM, and copying them from RAM to RAM
   buys nothing, so ``cpu`` is never chosen there;
-- ``nvme``: a file on the NVMe folder, read (on CUDA through a pinned staging buffer) around
-  each use; the compute copy is rewritten with the optimizer's update once per step.
+- ``nvme``: a record in a file on the NVMe folder, read into a host image (pinned on CUDA)
+  around each use; the compute copy is rewritten with the optimizer's update once per step.
 Resident blocks are the first ones in execution order: the forward pass starts on them, and
 their compute hides the first fetches of the streamed ones.
 
 [Note: the window and the prefetch depth]
-A streamed block is materialized while it runs; ``prefetch`` more are being fetched ahead of it,
-and one more slot lets backward overlap a released block's gradient hand-off with the next
-fetch, so the window is ``1 + prefetch + 1`` blocks (never more than the streamed blocks). Every
-slot is sized for the largest streamed block, so the window takes ``window_blocks * max block``
-bytes on the compute device (on CUDA also as pinned staging in host RAM when blocks come from
-NVMe: each staging buffer is its own pinned allocation, rounded to a power of two by torch's
-CachingHostAllocator, as each ``cpu`` home is).
+This mirrors the weight streamer (``tierstate.weights``). NVMe blocks are read into host
+*images* from a pool of ``prefetch + 2`` buffers of the largest NVMe record (4 KiB-aligned):
+the block in use, the one whose write-back may still be in flight, and ``prefetch`` read ahead
+(never more buffers than NVMe blocks). That pool is the window: ``window_blocks`` buffers,
+``window_bytes`` = ``window_blocks * the largest NVMe record``, in host RAM (pinned on CUDA).
+A ``cpu`` home is its own image. The compute device holds the streamed block that runs, and on
+CUDA also the next one, whose copy up overlaps this one's compute: ``materialized_blocks`` = 1
+on a CPU, 2 on CUDA, each the size of the largest streamed block. Every pinned allocation (each
+``cpu`` home, each pool buffer) is rounded up to a power of two by torch's CachingHostAllocator.
 A fetch of block ``i`` takes ``fetch_s`` = the sum of its stages (disk read, then the PCIe copy);
 it hides under the compute of the blocks before it when ``prefetch >= ceil(fetch_s / compute_s)``
 with ``compute_s`` one block's forward (the shortest compute a fetch must hide behind: backward
@@ -49,6 +51,8 @@ from typing import Sequence
 
 from .plan_inputs import Hardware, PlanError, gib, pow2_ceil
 
+RECORD_ALIGN = 4096  # an NVMe record's alignment (O_DIRECT), as the streamer's NVMe home keeps it
+
 RESIDENT, CPU, NVME = "resident", "cpu", "nvme"
 WEIGHT_TIERS = (RESIDENT, CPU, NVME)
 COMPUTE_DEVICES = ("cpu", "cuda")
@@ -58,7 +62,8 @@ DEFAULT_PREFETCH = 2
 BACKWARD_FACTOR = 2.0  # backward ~2x forward (two matmuls per forward one)
 FETCHES_PER_MICRO_BATCH = 2  # forward, backward (recompute shares the backward's fetch)
 # Candidates within 1% of the fastest predicted step are taken as equally fast; among them the
-# one moving fewest bytes (most blocks resident), then the shallower window, then less host RAM.
+# one moving fewest bytes (most blocks resident), then the deeper prefetch (never beyond the depth
+# that hides a fetch: it absorbs the jitter of fetch times the model does not see), then less RAM.
 TIE_TOLERANCE = 0.01
 
 
@@ -68,8 +73,8 @@ class WeightPlan:
 
     Fields the weight streamer follows: :attr:`tier_of` (per block, in execution order:
     ``"resident"``, ``"cpu"`` or ``"nvme"``), :attr:`prefetch` (blocks fetched ahead),
-    :attr:`window_blocks` (streamed blocks materialized at once, each slot sized for the largest
-    streamed block). The rest is the prediction: bytes moved per step per tier, seconds, the
+    :attr:`window_blocks` (the pool of host images NVMe blocks are read into: ``prefetch + 2``,
+    at most the NVMe blocks; 0 without NVMe blocks). The rest is the prediction: bytes moved per step per tier, seconds, the
     bottleneck, the memory it takes, and the alternatives that lost with why.
     """
 
@@ -78,11 +83,13 @@ class WeightPlan:
     resident_bytes: int  # parameters outside the blocks, always on the compute device
     tier_of: tuple[str, ...]
     prefetch: int
-    window_blocks: int
-    window_bytes: int  # window_blocks * the largest streamed block
-    host_peak_bytes: int  # host RAM the weights take at peak (window + pinned homes; on CPU also resident)
+    window_blocks: int  # host images of NVMe blocks (the streamer's pool)
+    window_bytes: int  # window_blocks * the largest NVMe record
+    materialized_blocks: int  # streamed blocks on the compute device at once: 1 on a CPU, 2 on CUDA
+    materialized_bytes: int  # materialized_blocks * the largest streamed block
+    host_peak_bytes: int  # host RAM the weights take at peak (pinned homes + window; on CPU also resident)
     pinned_bytes: int  # of host_peak_bytes: page-locked, power-of-two rounding included
-    compute_peak_bytes: int  # compute-device memory at peak: resident + window + activations
+    compute_peak_bytes: int  # compute-device memory at peak: resident + materialized + activations
     disk_bytes: int  # files on the NVMe folder: the nvme blocks' compute copy
     activation_bytes: int
     disk_read_bytes: int  # per training step (all micro-batches)
@@ -141,8 +148,9 @@ class WeightPlan:
         lines = [f"weights: {n} blocks: " + ", ".join(parts) + f"; outside the blocks {gib(self.resident_bytes)} "
                  f"resident - {self.reason}"]
         if self.streamed:
-            lines.append(f"window {self.window_blocks} blocks ({gib(self.window_bytes)}), prefetch {self.prefetch}; "
-                         f"one fetch {self.fetch_seconds * 1e3:.1f} ms")
+            pool = f"window {self.window_blocks} NVMe images ({gib(self.window_bytes)}), " if self.window_blocks else ""
+            lines.append(f"{pool}prefetch {self.prefetch}, {self.materialized_blocks} streamed on the compute device "
+                         f"({gib(self.materialized_bytes)}); one fetch {self.fetch_seconds * 1e3:.1f} ms")
         if self.compute == "cuda":
             lines.append(f"memory: device {gib(self.compute_peak_bytes)} (activations {gib(self.activation_bytes)} "
                          f"included), host RAM {gib(self.host_peak_bytes)} (pinned {gib(self.pinned_bytes)}), disk "
@@ -248,33 +256,56 @@ def _desired_prefetch(inp: _Inputs, fetch_s: float) -> int:
     return min(inp.max_prefetch, max(1, math.ceil(fetch_s / inp.compute_s - 1e-9)))
 
 
-def _homes(inp: _Inputs, streamed: list[int], window: int) -> tuple[list[str], int] | str:
-    """Tiers of the streamed blocks (on CUDA ``cpu`` homes first, while host RAM allows) and the
-    pinned host bytes they take (homes and NVMe staging); or why they do not fit."""
+def _record(nbytes: int) -> int:
+    """An NVMe record: the block's bytes rounded up to the 4 KiB O_DIRECT alignment."""
+    return (nbytes + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
+
+
+def _pool(inp: _Inputs, nvme: list[int], prefetch: int) -> tuple[int, int, int]:
+    """(buffers, bytes, host bytes taken) of the image pool for the NVMe blocks ``nvme``."""
+    if not nvme:
+        return 0, 0, 0
+    count = min(prefetch + 2, len(nvme))
+    record = _record(max(inp.blocks[i] for i in nvme))
+    taken = count * (pow2_ceil(record) if inp.compute == "cuda" else record)
+    return count, count * record, taken
+
+
+def _homes(inp: _Inputs, streamed: list[int], prefetch: int) -> tuple[list[str], int] | str:
+    """Tiers of the streamed blocks (on CUDA ``cpu`` homes first, while host RAM allows beside
+    the NVMe image pool) and the pinned host bytes of the homes; or why they do not fit."""
     blocks, hw = inp.blocks, inp.hw
-    nvme_ok = hw.disk_read > 0 and hw.disk_write > 0
-    if inp.compute == "cpu":
-        return [NVME] * len(streamed), 0
-    home_cost = [pow2_ceil(blocks[i]) for i in streamed]
-    if inp.tier in ("auto", CPU) and sum(home_cost) <= inp.host_budget:
-        return [CPU] * len(streamed), sum(home_cost)
-    if inp.tier == CPU:
-        return (f"pinned host homes for {len(streamed)} blocks need {gib(sum(home_cost))} of host RAM, "
-                f"host_memory_budget {gib(inp.host_budget)}")
-    if not nvme_ok:
+    if inp.compute == "cpu" or inp.tier == NVME:
+        tiers, homes = [NVME] * len(streamed), 0
+    else:
+        cost = [pow2_ceil(blocks[i]) for i in streamed]
+        if sum(cost) <= inp.host_budget:
+            return [CPU] * len(streamed), sum(cost)
+        if inp.tier == CPU:
+            return (f"pinned host homes for {_blocks(len(streamed))} need {gib(sum(cost))} of host RAM, "
+                    f"host_memory_budget {gib(inp.host_budget)}")
+        # the most leading blocks in pinned RAM such that the image pool for the rest still fits
+        prefix = [0]
+        for c in cost:
+            prefix.append(prefix[-1] + c)
+        suffix_max = [0] * (len(streamed) + 1)
+        for j in range(len(streamed) - 1, -1, -1):
+            suffix_max[j] = max(suffix_max[j + 1], blocks[streamed[j]])
+        n_cpu = 0
+        for j in range(len(streamed) - 1, -1, -1):
+            pool = min(prefetch + 2, len(streamed) - j) * pow2_ceil(_record(suffix_max[j]))
+            if prefix[j] + pool <= inp.host_budget:
+                n_cpu = j
+                break
+        tiers, homes = [CPU] * n_cpu + [NVME] * (len(streamed) - n_cpu), prefix[n_cpu]
+    if not (hw.disk_read > 0 and hw.disk_write > 0):
         return "no disk read/write rates in the profile for NVMe homes (run `tierstate probe --nvme-dir DIR`)"
-    staging = window * pow2_ceil(max(blocks[i] for i in streamed))
-    if staging > inp.host_budget:
-        return (f"pinned staging for NVMe reads ({window} x {gib(max(blocks[i] for i in streamed))}) needs "
-                f"{gib(staging)} of host RAM, host_memory_budget {gib(inp.host_budget)}")
-    tiers, used = [], staging
-    for i, cost in zip(streamed, home_cost):
-        if inp.tier == "auto" and used + cost <= inp.host_budget:
-            tiers.append(CPU)
-            used += cost
-        else:
-            tiers.append(NVME)
-    return tiers, used
+    return tiers, homes
+
+
+def _homes_text(plan: WeightPlan) -> str:
+    return ", ".join(f"{len(plan.blocks_on(t))} {label}" for t, label in ((CPU, "in pinned RAM"), (NVME, "on NVMe"))
+                     if plan.blocks_on(t))
 
 
 def _evaluate(inp: _Inputs, n_resident: int, prefetch: int, reason: str = "") -> _Candidate | str:
@@ -285,28 +316,35 @@ def _evaluate(inp: _Inputs, n_resident: int, prefetch: int, reason: str = "") ->
     streamed = list(range(n_resident, n))
     n_s = len(streamed)
     prefetch = min(prefetch, max(n_s - 1, 0))
-    window = min(prefetch + 2, n_s)
     largest = max((blocks[i] for i in streamed), default=0)
-    window_bytes = window * largest
-    homes = _homes(inp, streamed, window) if n_s else ([], 0)
+    materialized = min(2 if inp.compute == "cuda" else 1, n_s)
+    homes = _homes(inp, streamed, prefetch) if n_s else ([], 0)
     if isinstance(homes, str):
         return homes
-    stream_tiers, pinned = homes
-    host_bytes = pinned
+    stream_tiers, home_bytes = homes
     tier_of = tuple([RESIDENT] * n_resident + stream_tiers)
+    window, window_bytes, pool_taken = _pool(inp, [i for i in streamed if tier_of[i] == NVME], prefetch)
     resident_blocks = sum(blocks[:n_resident])
-    compute_peak = inp.resident + resident_blocks + window_bytes + inp.activations
-    where = "device memory" if inp.compute == "cuda" else "host RAM"
-    if inp.compute == "cpu":
-        host_bytes = inp.resident + resident_blocks + window_bytes  # the weights' RAM (activations apart)
-        budget = min(inp.compute_budget, inp.host_budget)
+    parts = [f"outside the blocks {gib(inp.resident)}", f"{_blocks(n_resident)} resident {gib(resident_blocks)}"]
+    if materialized:
+        parts.append(f"{materialized} streamed x {gib(largest)}")
+    if inp.compute == "cuda":
+        pinned = host_bytes = home_bytes + pool_taken
+        if host_bytes > inp.host_budget:
+            return (f"needs {gib(host_bytes)} of pinned host RAM (homes {gib(home_bytes)} + {window} NVMe images "
+                    f"{gib(pool_taken)}), host_memory_budget {gib(inp.host_budget)}")
+        compute_peak = inp.resident + resident_blocks + materialized * largest + inp.activations
+        where, budget = "device memory", inp.compute_budget
     else:
-        budget = inp.compute_budget
+        pinned = 0
+        host_bytes = inp.resident + resident_blocks + materialized * largest + window_bytes  # activations apart
+        compute_peak = host_bytes + inp.activations
+        where, budget = "host RAM", min(inp.compute_budget, inp.host_budget)
+        if window:
+            parts.append(f"{window} NVMe images x {gib(window_bytes // window)}")
     if compute_peak > budget:
-        window_part = f" + window {window} x {gib(largest)}" if window else ""
-        return (f"needs {gib(compute_peak)} of {where} (outside the blocks {gib(inp.resident)} + "
-                f"{_blocks(n_resident)} resident {gib(resident_blocks)}{window_part} + activations "
-                f"{gib(inp.activations)}), budget {gib(budget)}")
+        return (f"needs {gib(compute_peak)} of {where} ({' + '.join(parts)} + activations {gib(inp.activations)}), "
+                f"budget {gib(budget)}")
     nvme_bytes = sum(blocks[i] for i, t in zip(range(n), tier_of) if t == NVME)
     if nvme_bytes and inp.disk_budget is not None and nvme_bytes > inp.disk_budget:
         return f"needs {gib(nvme_bytes)} of disk for the NVMe blocks, disk_budget {gib(inp.disk_budget)}"
@@ -347,7 +385,8 @@ def _evaluate(inp: _Inputs, n_resident: int, prefetch: int, reason: str = "") ->
     plan = WeightPlan(
         compute=inp.compute, block_bytes=blocks, resident_bytes=inp.resident, tier_of=tier_of,
         prefetch=prefetch if n_s else 0, window_blocks=window, window_bytes=window_bytes,
-        host_peak_bytes=host_bytes, pinned_bytes=pinned if inp.compute == "cuda" else 0,
+        materialized_blocks=materialized, materialized_bytes=materialized * largest,
+        host_peak_bytes=host_bytes, pinned_bytes=pinned,
         compute_peak_bytes=compute_peak, disk_bytes=nvme_bytes, activation_bytes=inp.activations,
         disk_read_bytes=disk_read, disk_write_bytes=disk_write, pcie_bytes=pcie, fetch_seconds=fetch_s,
         compute_seconds=compute_total, disk_seconds=disk_s, pcie_seconds=pcie_s, step_seconds=step,
@@ -371,7 +410,8 @@ def plan_weights(block_bytes: Sequence[int], *, resident_bytes: int, compute: st
             take (on ``"cpu"`` this is host RAM, the same memory as ``host_memory_budget``: the
             plan keeps within both, so the smaller binds).
         host_memory_budget: bytes of host RAM the weights may take beside the optimizer state
-            (pinned ``cpu`` homes and NVMe staging on CUDA; resident blocks and the window on CPU).
+            (pinned ``cpu`` homes and the NVMe image pool on CUDA; on CPU the resident blocks, the
+            block that runs and the image pool).
         profile: the hardware rates: a :class:`~tierstate.placement.plan_inputs.Hardware`, a
             ``tierstate probe`` profile dict (``probe.load_profile()``), or None for the
             conservative defaults.
@@ -388,10 +428,11 @@ def plan_weights(block_bytes: Sequence[int], *, resident_bytes: int, compute: st
             every block from that tier (only the window and prefetch are chosen).
 
     Returns the fastest :class:`WeightPlan` within the budgets (ties: most blocks resident,
-    then the shallower window, then less host RAM), with the alternatives that lost.
+    then the deeper prefetch up to the wanted depth, then less host RAM), with the alternatives
+    that lost.
     Raises TypeError/ValueError naming a bad argument, and
-    :class:`~tierstate.placement.plan_inputs.PlanError` (a ValueError) when not even a window
-    of the smallest depth fits, naming the budget and the need.
+    :class:`~tierstate.placement.plan_inputs.PlanError` (a ValueError) when not even every block
+    streamed without prefetch fits, naming the budget and the need.
     """
     if isinstance(block_bytes, (str, bytes)) or not isinstance(block_bytes, Sequence):
         raise TypeError(f"block_bytes={block_bytes!r}: must be a sequence of ints (bytes per block), e.g. "
@@ -446,17 +487,17 @@ def _choose(inp: _Inputs) -> WeightPlan:
         fetch_s = probe.plan.fetch_seconds if isinstance(probe, _Candidate) else _nominal_fetch(inp, k)
         want = min(_desired_prefetch(inp, fetch_s), max(n - k - 1, 0))
         wanted[k] = want
-        for d in range(want, -1, -1):
+        for d in range(want, -1, -1):  # a shallower pool may leave room for more pinned homes: price each
             got = _evaluate(inp, k, d)
             if isinstance(got, _Candidate):
                 candidates.append(got)
-                break
-            refusals[(k, d)] = got
+            else:
+                refusals[(k, d)] = got
     if not candidates:
         raise PlanError(_infeasible(inp, refusals))
     fastest = min(c.key_time for c in candidates)
     near = [c for c in candidates if c.key_time <= fastest * (1 + TIE_TOLERANCE) + 1e-12]
-    best = min(near, key=lambda c: (-c.n_resident, c.plan.window_blocks, c.plan.host_peak_bytes))
+    best = min(near, key=lambda c: (-c.n_resident, -c.plan.prefetch, c.plan.host_peak_bytes))
     return _explain(inp, best, candidates, refusals, wanted)
 
 
@@ -472,9 +513,9 @@ def _infeasible(inp: _Inputs, refusals: dict[tuple[int, int], str]) -> str:
     fixes = [f"raise compute_memory_budget ({where})" if inp.compute == "cuda" else "raise the host RAM budget",
              "lower activation_bytes (a smaller micro-batch, activation checkpointing)"]
     if inp.compute == "cuda":
-        fixes.append("raise host_memory_budget (pinned homes and staging)")
-    return (f"no weight placement fits: even with every block streamed and no prefetch (a window of "
-            f"{min(2, len(inp.blocks))} blocks) it {smallest}. Fixes: " + "; or ".join(fixes) + ".")
+        fixes.append("raise host_memory_budget (pinned homes and NVMe images)")
+    return (f"no weight placement fits: even with every block streamed and no prefetch it {smallest}. Fixes: "
+            + "; or ".join(fixes) + ".")
 
 
 def _explain(inp: _Inputs, best: _Candidate, candidates: list[_Candidate],
@@ -490,13 +531,16 @@ def _explain(inp: _Inputs, best: _Candidate, candidates: list[_Candidate],
             homes.append(f"{len(p.blocks_on(CPU))} from pinned host RAM")
         if p.blocks_on(NVME):
             homes.append(f"{len(p.blocks_on(NVME))} from NVMe")
-        reason = (f"{k} of {n} blocks fit {where} beside a window of {p.window_blocks}; the other {n - k} stream "
-                  f"({', '.join(homes)})") if k else \
-            f"all {n} blocks stream ({', '.join(homes)}) through a window of {p.window_blocks}"
+        reason = (f"{k} of {n} blocks fit {where} beside the streamed ones; the other {n - k} stream "
+                  f"({', '.join(homes)})") if k else f"all {n} blocks stream ({', '.join(homes)})"
         if inp.tier != "auto":
             reason = f"tier={inp.tier!r}: every block streams from it"
     rejected = []
-    by_k = {c.n_resident: c for c in candidates}
+    by_k: dict[int, _Candidate] = {}  # the fastest candidate per number of resident blocks
+    for c in candidates:
+        if c.n_resident not in by_k or c.key_time < by_k[c.n_resident].key_time:
+            by_k[c.n_resident] = c
+    by_kd = {(c.n_resident, c.plan.prefetch): c for c in candidates}
     if inp.tier == "auto" and k < n:
         rejected.append(f"all {n} blocks resident: {refusals.get((n, 0), 'slower')}")
         if k + 1 < n and (k + 1) in by_k:  # fits, but slower (a tie would have chosen it)
@@ -511,8 +555,10 @@ def _explain(inp: _Inputs, best: _Candidate, candidates: list[_Candidate],
     if p.streamed:
         want = wanted.get(k, p.prefetch)
         if p.prefetch < want:
-            rejected.append(f"prefetch {want} (what hides a fetch): "
-                            f"{refusals.get((k, want), 'does not fit')}")
+            deeper = by_kd.get((k, want))
+            rejected.append(f"prefetch {want} (what hides a fetch): " + (
+                f"{ms(deeper)} predicted against {ms(best)} ({_homes_text(deeper.plan)})" if deeper
+                else refusals.get((k, want), "does not fit")))
         elif p.prefetch < min(inp.max_prefetch, p.streamed - 1):
             deeper = _evaluate(inp, k, p.prefetch + 1)
             if isinstance(deeper, _Candidate):
@@ -521,7 +567,7 @@ def _explain(inp: _Inputs, best: _Candidate, candidates: list[_Candidate],
                                 + (f"no faster: a fetch ({p.fetch_seconds * 1e3:.1f} ms) already hides under "
                                    f"{p.prefetch} blocks' forward ({inp.compute_s * 1e3:.1f} ms each)" if hidden else
                                    "compute time per block unknown: the default depth is kept")
-                                + f"; window +{gib(deeper.plan.window_bytes - p.window_bytes)}")
+                                + f"; {gib(deeper.plan.host_peak_bytes - p.host_peak_bytes)} more host RAM")
             else:
                 rejected.append(f"prefetch {p.prefetch + 1}: {deeper}")
         if inp.compute == "cuda" and p.blocks_on(NVME) and inp.tier == "auto":
