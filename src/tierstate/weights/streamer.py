@@ -482,15 +482,19 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: weights stream to 'cpu' or 'cuda'")
     named = resolve_blocks(model, blocks)
-    assigned, _ = assign(model, named, keep_resident)
+    assigned, resident = assign(model, named, keep_resident)
     nbytes = [b.nbytes for b in assigned]
     if isinstance(offload, str) and offload == "auto":
-        from .auto import choose_tiers  # noqa: PLC0415 - the planner and the probe only for "auto"
-        tiers, prefetch = choose_tiers(model, nbytes, device, prefetch)
+        from ..placement.auto import choose_weights  # noqa: PLC0415 - the planner and the probe only for "auto"
+
+        resident_bytes = sum(p.numel() * p.element_size() for _, p in resident)
+        plan = choose_weights(nbytes, resident_bytes, device, nvme_dir=nvme_dir,
+                              max_prefetch=max(prefetch, 1))
+        tiers, prefetch = list(plan.tier_of), plan.prefetch
     else:
         tiers = _tiers_of(offload, len(assigned), nbytes, device)
     if nvme_dir is None and isinstance(offload, Offload) and offload.nvme_dir is not None:
         nvme_dir = offload.nvme_dirs[0]
-    if nvme_dir is not None and "nvme" not in tiers:
+    if nvme_dir is not None and "nvme" not in tiers and offload != "auto":
         raise ValueError(f"nvme_dir={str(nvme_dir)!r}: no block lives on NVMe with offload={offload!r}")
     return WeightStreamer(model, tiers, named, device, prefetch, nvme_dir, init, keep_resident)
