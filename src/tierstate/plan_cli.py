@@ -6,7 +6,8 @@
         --price 0.9/h
     tierstate plan mypkg.models:build_model --placement 0,0.6,0.4
     tierstate plan 1.3B --optimizer sgd --momentum 0.9
-    tierstate plan llama-7b --device cpu --offload-weights auto --micro-batch 1 --seq-len 2048 --host-mem 20GiB
+    tierstate plan llama-7b --device cpu --offload-weights auto --micro-batch 1 --seq-len 2048 \\
+        --activation-checkpointing --host-mem 12GiB
 
 ``--offload-weights auto`` (or ``cpu``/``nvme``) also plans the weights (parameter offload):
 which blocks stay resident, which stream from pinned host RAM or NVMe, the window and the
