@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
