@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/kernels.h"
+
 #ifndef TIERSTATE_KERNEL_ISA
 #error "define TIERSTATE_KERNEL_ISA (the per-ISA namespace) before including vec_scalar.h"
 #endif
@@ -71,6 +73,35 @@ inline float f16_to_f32(uint16_t h) {
   return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+// Chris Wellons' lowbias32: the counter-based hash of stochastic rounding (quant.py).
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 by stochastic rounding: add 16 random bits below the kept ones and
+// truncate. NaN -> 0x7FC0; an infinity has zero low bits, so it stays infinite.
+inline uint16_t f32_to_bf16_sr(float f, uint32_t key, uint32_t index) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + (lowbias32(index ^ key) >> 16)) >> 16);
+}
+
+// The code of y under map m (see QuantMapRef): a bucket lookup, one threshold compare.
+inline uint8_t encode_q8_one(float y, const QuantMapRef& m) {
+  const uint32_t mag = float_bits(y) & 0x7FFFFFFFu;
+  int32_t b = static_cast<int32_t>(mag >> m.lut_shift) - m.lut_base;
+  b = b < 0 ? 0 : (b >= m.lut_size ? m.lut_size - 1 : b);
+  int32_t c = m.lut[b];
+  c += bits_float(mag) >= m.thresholds[c] ? 1 : 0;
+  if (m.is_signed && y < 0.0f) c |= 0x80;
+  return static_cast<uint8_t>(c);
+}
+
 struct VecScalar {
   static constexpr int kWidth = 1;
   float v;
@@ -98,6 +129,12 @@ struct VecScalar {
 #endif
   }
   static VecScalar sqrt(VecScalar a) { return {__builtin_sqrtf(a.v)}; }
+  static VecScalar abs(VecScalar a) { return {bits_float(float_bits(a.v) & 0x7FFFFFFFu)}; }
+  static VecScalar decode_q8(const uint8_t* codes, const float* table) { return {table[*codes]}; }
+  static void encode_q8(uint8_t* out, VecScalar y, const QuantMapRef& m) { *out = encode_q8_one(y.v, m); }
+  static void store_bf16_sr(uint16_t* p, VecScalar x, uint32_t key, uint32_t index) {
+    *p = f32_to_bf16_sr(x.v, key, index);
+  }
   // torch.maximum: NaN if either is NaN.
   static VecScalar max_nan(VecScalar a, VecScalar b) {
     if (a.v != a.v || b.v != b.v) return {a.v + b.v};
