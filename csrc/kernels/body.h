@@ -356,7 +356,7 @@ inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_
   const void* const grad = t.grad;
   float* const master32 = static_cast<float*>(t.master);
   uint16_t* const master16 = static_cast<uint16_t*>(t.master);
-  uint16_t* const comp = static_cast<uint16_t*>(t.comp);
+  int16_t* const comp = static_cast<int16_t*>(t.comp);
   const uint8_t* const m_codes = t.m_codes;
   const uint8_t* const v_codes = t.v_codes;
   const float* const m_table = t.m_map.table;
@@ -376,8 +376,12 @@ inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_
     W g = load_as<W, G>(grad, i) * grad_mul;
     W w;
     if constexpr (MM == MasterMode::kF32) w = W::load(master32 + i);
-    else if constexpr (MM == MasterMode::kBF16Kahan) w = W::load_bf16(master16 + i) + W::load_bf16(comp + i);
-    else w = W::load_bf16(master16 + i);
+    else if constexpr (MM == MasterMode::kBF16Kahan) {
+      const W master = W::load_bf16(master16 + i);
+      w = W::fmadd(W::load_i16(comp + i), W::comp_unit(master, false), master);  // the product is exact
+    } else {
+      w = W::load_bf16(master16 + i);
+    }
     if (coupled_wd) g = W::fmadd(w, wd, g);
     if (decoupled_wd) w = w * decay;
     const W m_old = W::decode_q8(m_codes + i, m_table) * ms;
@@ -390,10 +394,12 @@ inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_
       W::store(master32 + i, w);
       store_out<W, O>(weight_out, i, w, stream);
     } else if constexpr (MM == MasterMode::kBF16Kahan) {
-      // master = bf16(w); comp = bf16(w - master): w - master is exact in fp32 (both
-      // are within one bf16 ulp of each other), so only comp's own rounding is lost.
+      // master = bf16(w); comp = (w - master) in units of 2**-16 of master's bf16 ulp,
+      // rounded to nearest even: w - master is exact in fp32 and at most half an ulp, so
+      // comp holds it to 2**-17 ulp (quant.py: "bf16_kahan").
       W::store_bf16(master16 + i, w);
-      W::store_bf16(comp + i, w - W::load_bf16(master16 + i));
+      const W rounded = W::load_bf16(master16 + i);
+      W::store_i16_rne(comp + i, (w - rounded) * W::comp_unit(rounded, true));
       store_out<W, O>(weight_out, i, w, stream);
     } else {
       W::store_bf16_sr(master16 + i, w, sr_key, index_offset + static_cast<uint32_t>(i));

@@ -91,7 +91,7 @@ struct AdagradTask {
 
 struct AdamQ8Task {
   void* master;
-  void* comp;            // bf16 compensation, kBF16Kahan only
+  void* comp;            // int16 compensation, kBF16Kahan only
   const void* grad;
   uint8_t* m_codes;
   float* m_scale;

@@ -73,18 +73,20 @@ double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale);
 
 // An 8-bit map: table[256] is the value of each code (times the block scale); the code of
 // a magnitude a in [0, ~1] is the number of thresholds <= a, found as
-// lut[b] + (a >= thresholds[lut[b]]) with b = clamp((bits(a) >> lut_shift) - lut_base,
-// 0, lut_size - 1); thresholds end with +inf. A signed map puts the sign in bit 7.
+// lut[b] + (a >= lut_threshold[b]) with b = clamp((bits(a) >> lut_shift) - lut_base,
+// 0, lut_size - 1) and lut_threshold[b] = thresholds[lut[b]] (thresholds end with +inf):
+// two independent lookups by b rather than a lookup that waits for another. A signed map
+// puts the sign in bit 7.
 struct QuantMapRef {
   const float* table;
-  const float* thresholds;
+  const float* lut_threshold;
   const int32_t* lut;
   int32_t lut_size, lut_shift, lut_base;
   bool is_signed;
 };
 
-// How the master weight is stored: fp32; bf16 plus a bf16 compensation term (the fp32
-// weight is master + comp); bf16 with stochastic rounding.
+// How the master weight is stored: fp32; bf16 plus an int16 compensation term (the fp32
+// weight is master + comp * 2**-16 ulp(master)); bf16 with stochastic rounding.
 enum class MasterMode : int { kF32 = 0, kBF16Kahan = 1, kBF16SR = 2 };
 
 // Blocks of the 8-bit formats: a power of two in [kMinQuantBlock, kMaxQuantBlock]. The
@@ -102,7 +104,7 @@ struct AdamQ8Params {
 };
 
 // One Adam/AdamW step on compressed state (amsgrad is not offered). master: fp32 or bf16
-// per p.master; master_comp: bf16, only for kBF16Kahan (else null); m: signed-map codes and
+// per p.master; master_comp: int16, only for kBF16Kahan (else null); m: signed-map codes and
 // per-block absmax; v: codes of sqrt(v) in the unsigned map and per-block max sqrt(v).
 void adam_q8_update(void* master, void* master_comp, const void* grad, uint8_t* m_codes,
                     float* m_scale, uint8_t* v_codes, float* v_scale, void* weight_out, int64_t n,

@@ -65,6 +65,18 @@ struct VecNeon {
     vst1q_f32(lanes, x.v);
     for (int k = 0; k < 4; ++k) p[k] = f32_to_bf16_sr(lanes[k], key, index + static_cast<uint32_t>(k));
   }
+  static VecNeon comp_unit(VecNeon m, bool inverse) {
+    float lanes[4];
+    vst1q_f32(lanes, m.v);
+    for (float& x : lanes) x = comp_unit_one(x, inverse);
+    return {vld1q_f32(lanes)};
+  }
+  static VecNeon load_i16(const int16_t* p) { return {vcvtq_f32_s32(vmovl_s16(vld1_s16(p)))}; }
+  static void store_i16_rne(int16_t* p, VecNeon x) {
+    float lanes[4];
+    vst1q_f32(lanes, x.v);
+    for (int k = 0; k < 4; ++k) p[k] = comp_to_i16(lanes[k]);
+  }
   static VecNeon max_nan(VecNeon a, VecNeon b) { return {vmaxq_f32(a.v, b.v)}; }  // FMAX propagates NaN
   static VecNeon sign(VecNeon a) {
     const float32x4_t zero = vdupq_n_f32(0.0f);
