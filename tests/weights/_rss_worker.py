@@ -26,7 +26,9 @@ def rss(field: str) -> int:
 
 def main(n_layer: int, folder: str) -> None:
     torch.set_num_threads(1)
-    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=384, n_head=6, vocab_size=256, n_positions=64,
+    # blocks of 50 MB: above glibc's largest mmap threshold (32 MiB), as every real model's are,
+    # so a released block's memory goes back to the system (smaller blocks stay in the heap)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_embd=1024, n_head=8, vocab_size=256, n_positions=64,
                                   bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(cfg)

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import host_allocator
 from ..placement import Offload
 from ..placement.defaults import default_nvme_root
 from .blocks import Block, assign, byte_view, resolve_blocks, typed_view
@@ -117,8 +116,6 @@ class WeightStreamer:
             self.blocks.append(b)
             kinds.append(tier)
         self.tiers = tuple(kinds)
-        if device.type == "cpu" and self.blocks:
-            host_allocator.map_large_blocks()  # freed blocks leave the RSS (see there, with figures)
         explicit = nvme_dir is not None
         homes = {}
         for kind in ("cpu", "nvme"):
