@@ -23,6 +23,7 @@ _EXPORTS = {
     "Adam": ".optim", "AdamW": ".optim", "SGD": ".optim", "Lion": ".optim", "Adagrad": ".optim",
     "OffloadOptimizer": ".optim",
     "Offload": ".placement",
+    "offload_weights": ".weights", "WeightStreamer": ".weights", "WeightsLostError": ".weights",
     "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
     # the errors a training loop may want to catch by name
     "StateLostError": ".io", "DiskFullError": ".io", "FileIOError": ".io",

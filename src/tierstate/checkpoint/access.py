@@ -83,9 +83,9 @@ class OffloadAccess:
             yield _cpu_bytes(piece)
 
     def read_param(self, index: int, piece_numel: int) -> Iterator[Tensor]:
-        flat = self.slots[index].local.detach().reshape(-1)
-        for piece in _pieces(flat, piece_numel):
-            yield _cpu_bytes(piece)
+        with self.store.values_of(self.slots[index], False) as flat:
+            for piece in _pieces(flat, piece_numel):
+                yield _cpu_bytes(piece)
 
     # -- loading: begin, write pieces, commit ------------------------------------------------
     def begin_load(self, param_groups: list[dict]) -> None:
@@ -108,14 +108,14 @@ class OffloadAccess:
         s = self.slots[index]
         if key == "master" and not s.needs_master:
             # An fp32 host parameter is its own master: the saved master is its value.
-            s.local.data.view(-1)[offset: offset + values.numel()].copy_(values)
+            with self.store.values_of(s, True) as flat:
+                flat[offset: offset + values.numel()].copy_(values)
             return
         self.store.write_at(s, key, offset, values)
 
     def write_param(self, index: int, offset: int, values: Tensor) -> None:
-        p = self.slots[index].local
-        with torch.no_grad():
-            p.data.view(-1)[offset: offset + values.numel()].copy_(values)
+        with torch.no_grad(), self.store.values_of(self.slots[index], True) as flat:
+            flat[offset: offset + values.numel()].copy_(values)
 
     def commit_param(self, index: int, keys: set, step: float | None) -> None:
         """Parameter ``index`` has all of ``keys`` written: it now has state, like after a step."""

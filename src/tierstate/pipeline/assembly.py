@@ -25,6 +25,8 @@ from ..dist import local_tensor, shard_groups
 from ..placement import Offload, plan_layout
 from ..tiers import (Slot, StateStore, device_heads, device_tier_on_cpu_allowed, make_tiers, tier_fractions)
 from .grads import Gradients
+from ..weights import generation as weights_generation
+from ..weights import streamed as weights_of
 from .weights import WeightsOut
 
 
@@ -39,6 +41,7 @@ class Parts:
     heads: dict[int, int]  # trainable index -> elements at its head in a tier on the compute device
     grads: Gradients
     weights: WeightsOut
+    weights_generation: int  # tierstate.weights.generation() when assembled: re-assemble when it moves
 
     def close(self) -> None:
         self.grads.close()
@@ -46,6 +49,7 @@ class Parts:
 
 
 def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backward: bool, telemetry) -> Parts:
+    generation = weights_generation()  # read first: a streamer made during assembly moves it
     param_groups = groups()
     params = [p for g in param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
@@ -65,7 +69,13 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             t = len(trainable) if p.requires_grad or rule.eager_state else None
             if t is not None:
                 trainable.append(p)
-            slots.append(Slot(len(slots), p, gi, t, needs_master=on_accel or p.dtype != torch.float32))
+            # a streamed fp32 weight is updated where it lives (its block's host image), even on
+            # an accelerator: it is its own master, as an fp32 host parameter is
+            own_master = p.dtype == torch.float32 and (not on_accel or weights_of(p) is not None)
+            slots.append(Slot(len(slots), p, gi, t, needs_master=not own_master))
+    if offload.gpu > 0 and any(weights_of(p) is not None for p in trainable):
+        raise ValueError(f"Offload(gpu={offload.gpu}) with parameters whose weights stream (ts.offload_weights): "
+                         "their values live on the host tiers, so their state does too; use Offload(gpu=0, ...)")
     shards = shard_groups(trainable)
     stores_nothing = not any(spec for g in param_groups for spec in rule.state_specs(g)) and not any(
         s.needs_master for s in slots if s.trainable is not None)
@@ -94,9 +104,10 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     try:
         grads = Gradients(trainable, heads, offload, device, telemetry)
         weights = WeightsOut(store, trainable, heads, device)
+        store.values_of = weights.values_of
     except BaseException:  # (e.g. pinned memory refused) the tiers' files go now, not at collection
         if grads is not None:
             grads.close()
         store.close()
         raise
-    return Parts(device, store, trainable, shards, heads, grads, weights)
+    return Parts(device, store, trainable, shards, heads, grads, weights, generation)

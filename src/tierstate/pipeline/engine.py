@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..placement import Offload
 from ..tiers import Slot, StateLife
+from ..weights import generation as weights_generation
 from .assembly import Parts, assemble
 from .decision import Decision, Scaling, Verdict, decide
 from .executors import DeviceExecutor, HostExecutor
@@ -148,6 +149,11 @@ class StepEngine:
         """
         params = [p for g in self.groups() for p in g["params"]]
         slots = self.store.slots
+        if self.parts.weights_generation != weights_generation() and all(p is s.param for p, s in zip(params, slots)):
+            # weights started or stopped streaming (ts.offload_weights after the optimizer was
+            # built): the same parameters, whose values now live elsewhere
+            self.rebuild()
+            return True
         if len(params) == len(slots) and all(p is s.param for p, s in zip(params, slots)):
             return False
         current = set(params)  # tensors hash by identity

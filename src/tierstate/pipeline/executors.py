@@ -66,7 +66,7 @@ class HostExecutor:
         grads: {trainable index: flat host gradient indexed like the parameter}; read when a
             segment is updated, so a caller may keep filling it (the in-backward driver does).
         fresh: trainable indices whose state started existing this step.
-        weight_out: (slot, first, end) -> where the rounded low-precision weight goes, or None.
+        weight_out: (slot, first, end, values) -> where the rounded low-precision weight goes, or None.
     """
 
     def __init__(self, store: StateStore, rule, groups: Callable[[], list], grads: dict[int, Tensor],
@@ -86,16 +86,18 @@ class HostExecutor:
         s = self.store.by_trainable(seg.param_index)
         lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
         plo, phi = seg.param_offset, seg.param_offset + seg.numel
-        if s.pending_pieces:  # a master piece that waits for this update (see tierstate.tiers.slots)
-            self.store.take_pending_master(s, seg, views["master"][lo:hi])
-        state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
-        if s.needs_master:
-            weight, out = views["master"][lo:hi], self.weight_out(s, plo, phi)
-        else:  # an fp32 parameter in host memory is its own master
-            weight, out = s.local.data.view(-1)[plo:phi], None
-        self.rule.update(weight=weight, grad=self.grads[seg.param_index][plo:phi], state=state, weight_out=out,
-                         group=groups[s.group], step=s.step, first_step=seg.param_index in self.fresh,
-                         grad_scale=self.grad_scale)
+        # the parameter's values: its own storage, or its block's host image when its weights stream
+        with self.store.values_of(s, True) as values:
+            if s.pending_pieces:  # a master piece that waits for this update (see tierstate.tiers.slots)
+                self.store.take_pending_master(s, seg, views["master"][lo:hi], values)
+            state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+            if s.needs_master:
+                weight, out = views["master"][lo:hi], self.weight_out(s, plo, phi, values)
+            else:  # an fp32 parameter in host memory is its own master
+                weight, out = values[plo:phi], None
+            self.rule.update(weight=weight, grad=self.grads[seg.param_index][plo:phi], state=state, weight_out=out,
+                             group=groups[s.group], step=s.step, first_step=seg.param_index in self.fresh,
+                             grad_scale=self.grad_scale)
 
 
 class DeviceExecutor:

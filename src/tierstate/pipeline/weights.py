@@ -1,7 +1,9 @@
 """Weights out: the updated weights back into the parameters.
 
 On the CPU the kernels write the rounded low-precision weight straight into the parameter
-(or update an fp32 parameter in place): nothing is left to do. On CUDA they write it into
+(or update an fp32 parameter in place): nothing is left to do. A parameter whose weights stream
+(:mod:`tierstate.weights`) is updated in its block's host image instead, which the block
+copies to the device when it next runs. On CUDA they write it into
 pinned staging buffers, and :meth:`WeightsOut.upload` copies every stepped parameter to the
 device on a side stream that the compute stream then waits for; a parameter's head held in
 the device tier was updated in place there, so only its tail goes up.
@@ -14,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ..dist import local_tensor
-from ..tiers import Slot, StateStore, packed_arena
+from ..tiers import Slot, StateStore, packed_arena, resident_values
+from ..weights import streamed as weights_of
 
 
 class WeightsOut:
@@ -23,11 +26,14 @@ class WeightsOut:
         self.store = store
         self.device = device
         self.device_heads = device_heads
+        # trainable index -> the handle of a parameter whose weights stream (tierstate.weights):
+        # the kernels update its block's host image, and the block refreshes its compute copy
+        self.streamed = {i: h for i, p in enumerate(trainable) if (h := weights_of(p)) is not None}
         self.staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
         self.staging_arena: Tensor | None = None
         if device.type == "cuda":
-            low = [(i, local_tensor(p)) for i, p in enumerate(trainable)
-                   if p.dtype != torch.float32 and device_heads.get(i, 0) < local_tensor(p).numel()]
+            low = [(i, local_tensor(p)) for i, p in enumerate(trainable) if p.dtype != torch.float32
+                   and device_heads.get(i, 0) < local_tensor(p).numel() and i not in self.streamed]
             self.staging_arena, views = packed_arena([p for _, p in low], pin_memory=True, zero=False)
             self.staging = {i: v for (i, _), v in zip(low, views)}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -38,14 +44,24 @@ class WeightsOut:
         a = self.staging_arena
         return a.untyped_storage().nbytes() if a is not None and a.is_pinned() else 0
 
-    def out_view(self, s: Slot, first: int, end: int) -> Tensor | None:
+    def values_of(self, s: Slot, write: bool):
+        """The flat values of ``s``'s parameter in host-addressable memory (the store's
+        ``values_of``): the parameter itself, or, when its weights stream, its block's host
+        image, lent for as long as the context lasts."""
+        handle = self.streamed.get(s.trainable) if s.trainable is not None else weights_of(s.param)
+        if handle is None:
+            return resident_values(s, write)
+        return handle.for_update() if write else handle.for_reading()
+
+    def out_view(self, s: Slot, first: int, end: int, values: Tensor) -> Tensor | None:
         """Where the kernels write the rounded weight of elements ``[first, end)`` of a
-        parameter with a master: the parameter itself on the CPU, its staging buffer on CUDA;
-        None for an fp32 parameter (uploaded from the master itself)."""
+        parameter with a master: the parameter's values (``values``: itself on the CPU, its
+        block's host image when its weights stream), its staging buffer on CUDA; None for an
+        fp32 parameter (uploaded from the master itself)."""
         if s.param.dtype == torch.float32:
             return None
-        if self.device.type == "cpu":
-            return s.local.data.view(-1)[first:end]
+        if self.device.type == "cpu" or s.trainable in self.streamed:
+            return values[first:end]
         return self.staging[s.trainable][first:end]
 
     def wait_upload(self, telemetry) -> None:
@@ -60,6 +76,8 @@ class WeightsOut:
             return
         with telemetry.phase("weight_upload"), torch.cuda.stream(self._stream):
             for s in slots:
+                if s.trainable in self.streamed:
+                    continue  # updated in its block's host image, which the block uploads
                 head = self.device_heads.get(s.trainable, 0)  # elements updated in place on the device
                 if head == s.local.numel():
                     continue

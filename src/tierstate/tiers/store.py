@@ -8,6 +8,8 @@ so none of them needs to know which tier holds what.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -16,6 +18,12 @@ from torch import Tensor
 from ..placement import Layout, Segment, SubGroup
 from .protocol import Tier
 from .slots import MasterLife, Slot, StateLife
+
+
+@contextlib.contextmanager
+def resident_values(s: Slot, write: bool) -> Iterator[Tensor]:
+    """The flat values of a parameter that is where it always is (its own storage)."""
+    yield s.local.data.view(-1) if write else s.local.detach().reshape(-1)
 
 
 class StateStore:
@@ -27,10 +35,14 @@ class StateStore:
         tiers: the tier holding each sub-group, by ``SubGroup.tier``.
         dtypes: the stored dtype of each state key (``master`` included where one exists).
         specs_of: a parameter group's index -> the rule's state specs for that group.
+        values_of: ``(slot, write) ->`` a context manager yielding the flat values of the slot's
+            parameter in host-addressable memory: the parameter itself by default; for a
+            parameter whose weights stream (:mod:`tierstate.weights`), its block's host image.
     """
 
     def __init__(self, slots: Sequence[Slot], layout: Layout, tiers: Mapping, dtypes: Mapping[str, torch.dtype],
-                 specs_of: Callable[[int], Sequence]) -> None:
+                 specs_of: Callable[[int], Sequence], values_of: Callable | None = None) -> None:
+        self.values_of = values_of if values_of is not None else resident_values
         self.slots = list(slots)
         self.layout = layout
         self.tiers: dict = dict(tiers)
@@ -157,19 +169,24 @@ class StateStore:
         stay pending (see [Note: the master copy's lifecycle])."""
         if not s.needs_master or s.master.filled:
             return
-        flat = s.local.detach().reshape(-1)
-        for seg in self.segments(s):  # segment by segment: temporaries stay sub-group sized
-            if self.tiers[self.layout.subgroups[seg.subgroup].tier].does_io:
+        segs = self.segments(s)
+        io = [self.tiers[self.layout.subgroups[seg.subgroup].tier].does_io for seg in segs]
+        for seg, does_io in zip(segs, io):
+            if does_io:
                 s.pending_pieces.add((seg.subgroup, seg.param_offset))
-            else:
-                self._write_master_piece(flat, seg)
+        if not all(io):
+            with self.values_of(s, False) as flat:
+                for seg, does_io in zip(segs, io):  # segment by segment: temporaries stay sub-group sized
+                    if not does_io:
+                        self._write_master_piece(flat, seg)
         s.master = MasterLife.PENDING if s.pending_pieces else MasterLife.READY
 
-    def take_pending_master(self, s: Slot, seg: Segment, master_view: Tensor) -> None:
-        """Copy a pending master piece into the sub-group views an update holds (then it is written)."""
+    def take_pending_master(self, s: Slot, seg: Segment, master_view: Tensor, values: Tensor) -> None:
+        """Copy a pending master piece into the sub-group views an update holds (then it is
+        written); ``values``: the parameter's flat values (see ``values_of``)."""
         key = (seg.subgroup, seg.param_offset)
         if key in s.pending_pieces:
-            master_view.copy_(s.local.detach().reshape(-1)[seg.param_offset: seg.param_offset + seg.numel])
+            master_view.copy_(values[seg.param_offset: seg.param_offset + seg.numel])
             s.pending_pieces.discard(key)
             if not s.pending_pieces:
                 s.master = MasterLife.READY
@@ -187,10 +204,10 @@ class StateStore:
         for s in self.slots:
             if not s.pending_pieces:
                 continue
-            flat = s.local.detach().reshape(-1)
-            for seg in self.segments(s):
-                if (seg.subgroup, seg.param_offset) in s.pending_pieces:
-                    self._write_master_piece(flat, seg)
+            with self.values_of(s, False) as flat:
+                for seg in self.segments(s):
+                    if (seg.subgroup, seg.param_offset) in s.pending_pieces:
+                        self._write_master_piece(flat, seg)
             s.pending_pieces.clear()
             s.master = MasterLife.READY
 

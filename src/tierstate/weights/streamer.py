@@ -1,0 +1,472 @@
+"""WeightStreamer: a model's block weights kept on tiers and brought to the compute device
+only while a block runs; :func:`offload_weights` builds one.
+
+[Note: the optimizer and streamed weights]
+The optimizer never sees a streamed parameter's storage (it is empty between uses). Its
+kernels run on the block's *host image* instead (:mod:`.window`): an fp32 parameter is
+updated in place there, a bf16/fp16 one gets its rounded weight written there from the
+fp32 master the optimizer keeps, exactly as it would write the parameter. Writing the
+compute copy with the update costs one write-back of the block per step (2 B/param for
+bf16, 4 B for fp32) and no second copy of the weights; deriving the compute copy from the
+master on every fetch would read the 4 B master twice a step (forward and backward)
+instead of the 2 B copy, 8 B against 6 B of disk traffic per bf16 parameter, and would tie
+a frozen parameter (which has no master) to another path. An fp32 model streamed from
+NVMe keeps no master at all: the home holds the only copy of each weight, 4 B/param, which
+is how a 7B model trains on a disk that could not hold a second copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..placement import Offload
+from ..placement.defaults import default_nvme_root
+from .blocks import Block, assign, byte_view, resolve_blocks, typed_view
+from .homes import make_home, split_by_fraction
+from .hooks import BlockHooks
+from .order import UseOrder
+from .window import Window
+
+TIERS = ("resident", "cpu", "nvme")
+
+# Parameter -> (streamer, block index, place) for every streamed parameter; the optimizer's
+# pipeline looks parameters up here. Weak on both sides: neither keeps the other alive.
+# (torch's WeakIdKeyDictionary: a WeakKeyDictionary would compare two weak references to
+# tensors with Tensor.__eq__, an elementwise read of weights that may have no storage.)
+_registry: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_generation = [0]  # bumped whenever parameters start or stop streaming
+
+
+def generation() -> int:
+    """Changes whenever some parameter starts or stops streaming (an optimizer re-checks then)."""
+    return _generation[0]
+
+
+class StreamedParam:
+    """How the optimizer reaches a streamed parameter's values: through its block's host image."""
+
+    __slots__ = ("_streamer", "block", "place")
+
+    def __init__(self, streamer: "WeightStreamer", block: int, place) -> None:
+        self._streamer = weakref.ref(streamer)
+        self.block, self.place = block, place
+
+    @property
+    def streamer(self) -> "WeightStreamer":
+        s = self._streamer()
+        if s is None or s.closed:
+            raise RuntimeError(f"parameter {self.place.name!r} was streamed by a WeightStreamer that is closed; "
+                               "its values are gone")
+        return s
+
+    @contextlib.contextmanager
+    def for_update(self) -> Iterator[Tensor]:
+        """A flat view of the parameter's values in host memory; changes reach the compute copy."""
+        s = self.streamer
+        with s._lock, s.window.image_for_update(self.block) as image:
+            yield _flat(image, self.place)
+
+    @contextlib.contextmanager
+    def for_reading(self) -> Iterator[Tensor]:
+        s = self.streamer
+        with s._lock, s.window.image_for_reading(self.block) as image:
+            yield _flat(image, self.place)
+
+
+def _flat(image: Tensor, place) -> Tensor:
+    p = place.param
+    return image[place.byte_offset: place.byte_offset + place.nbytes].view(p.dtype)
+
+
+def streamed(param: Tensor) -> StreamedParam | None:
+    """The handle of a streamed parameter, or None if it is not streamed."""
+    entry = _registry.get(param)
+    return entry
+
+
+class WeightStreamer:
+    """Keeps the weights of a model's blocks on tiers; see :func:`offload_weights`."""
+
+    def __init__(self, model: nn.Module, tiers: Sequence[str], named_blocks, device: torch.device,
+                 prefetch: int, nvme_dir, init) -> None:
+        self.model_ref = weakref.ref(model)
+        self.device = device
+        self.prefetch = prefetch
+        self.closed = False
+        self._lock = threading.RLock()
+        blocks, _ = assign(model, named_blocks)
+        for b in blocks:
+            for pl in b.places:
+                if pl.param in _registry:
+                    raise ValueError(f"parameter {pl.name!r} is already streamed by another WeightStreamer; "
+                                     "close that one first (one streamer per model)")
+        self.blocks: list[Block] = []
+        kinds: list[str] = []
+        for b, tier in zip(blocks, tiers):
+            if tier == "resident" or not b.places:
+                continue
+            b.index = len(self.blocks)  # the window and the order number the streamed blocks densely
+            self.blocks.append(b)
+            kinds.append(tier)
+        self.tiers = tuple(kinds)
+        explicit = nvme_dir is not None
+        homes = {}
+        for kind in ("cpu", "nvme"):
+            sizes = {b.index: b.nbytes for b, k in zip(self.blocks, kinds) if k == kind}
+            if sizes:
+                homes[kind] = make_home(kind, sizes, pin=device.type == "cuda", folder=nvme_dir,
+                                        explicit=explicit, default_root=default_nvme_root())
+        self._homes = list(homes.values())
+        try:
+            self.window = Window(self.blocks, [homes[k] for k in kinds], device, prefetch)
+            for b in self.blocks:
+                self._fill(b, init)
+            self._move_resident(model, init)
+        except BaseException:
+            _close_homes(self._homes)
+            raise
+        self.order = UseOrder(len(self.blocks), prefetch)
+        for b in self.blocks:
+            for pl in b.places:
+                _registry[pl.param] = StreamedParam(self, b.index, pl)
+        _generation[0] += 1
+        self.hooks = BlockHooks(self)
+        self._finalizer = weakref.finalize(self, _close_homes, self._homes)
+
+    # -- construction --------------------------------------------------------------------------
+    def _move_resident(self, model: nn.Module, init) -> None:
+        """Parameters and buffers outside the streamed blocks live on the compute device for the run."""
+        dev = self.device
+        streamed_params = {pl.param for b in self.blocks for pl in b.places}
+        streamed_mods = {m for b in self.blocks for m in b.module.modules()}
+        for mod in model.modules():
+            for p in list(mod._parameters.values()):
+                if p is None or p in streamed_params:
+                    continue
+                if p.is_meta:
+                    _replace_param(model, p, torch.empty(p.shape, dtype=p.dtype, device=dev))
+                elif p.device != dev:
+                    p.data = p.data.to(dev)
+            if mod not in streamed_mods:
+                _materialize_buffers(mod, dev)
+        if init is not None:
+            with torch.no_grad():
+                for mod in model.modules():
+                    if mod not in streamed_mods:
+                        init(mod)
+
+    def _fill(self, block: Block, init) -> None:
+        """Give the block its storage, its parameters their views into it, and the home its bytes."""
+        storage = torch.UntypedStorage(block.nbytes, device=self.device)
+        block.storage = storage
+        meta = any(pl.param.is_meta for pl in block.places)
+        if meta and init is None:
+            raise ValueError(f"block {block.name!r} is on the meta device and init=None: pass init=<a function "
+                             "of a module that initializes its own parameters> (e.g. model._init_weights), "
+                             "called on each module once its parameters have memory")
+        model = self.model_ref()
+        places = []
+        for pl in block.places:
+            view = typed_view(storage, pl)
+            if pl.param.is_meta:
+                new = nn.Parameter(view, requires_grad=pl.param.requires_grad)
+                _replace_param(model, pl.param, new)
+                pl = type(pl)(pl.name, new, pl.byte_offset, pl.nbytes)
+            else:
+                view.copy_(pl.param.detach())
+                pl.param.data = view
+            places.append(pl)
+        block.places = tuple(places)
+        for mod in block.module.modules():
+            _materialize_buffers(mod, self.device)
+        if meta and init is not None:
+            with torch.no_grad():
+                for mod in block.module.modules():
+                    init(mod)
+        self.window.fill_home(block.index, byte_view(storage, block.nbytes))
+        storage.resize_(0)
+
+    # -- what the hooks call -------------------------------------------------------------------
+    def _use(self, b: int) -> None:
+        upcoming = self.order.note(b)
+        up = set(upcoming)
+        self.window.materialize(b, up)
+        for u in upcoming:
+            self.window.prefetch(u, up)
+
+    def _enter_forward(self, b: int) -> None:
+        with self._lock:
+            self._use(b)
+            self.window.state[b].holds += 1
+
+    def _leave_forward(self, b: int) -> None:
+        with self._lock:
+            st = self.window.state[b]
+            st.holds -= 1
+            self.window.release(b)
+
+    def _enter_backward(self, b: int) -> None:
+        with self._lock:
+            self.window.state[b].backward_holds += 1
+            self._use(b)
+
+    def _leave_backward(self, b: int) -> None:
+        with self._lock:
+            st = self.window.state[b]
+            st.backward_holds = max(0, st.backward_holds - 1)
+            self.window.release(b)
+
+    def _end_backward(self) -> None:
+        with self._lock:
+            for b, st in enumerate(self.window.state):
+                st.backward_holds = 0
+                self.window.release(b)
+            self.order.commit()
+
+    # -- public --------------------------------------------------------------------------------
+    def block_bytes(self) -> list[int]:
+        """Bytes of each streamed block's weights in their compute dtype, in model order."""
+        return [b.nbytes for b in self.blocks]
+
+    def resident_bytes(self) -> int:
+        """Bytes of the parameters that stay on the compute device (outside the streamed blocks)."""
+        model = self.model_ref()
+        if model is None:
+            return 0
+        streamed_params = {pl.param for b in self.blocks for pl in b.places}
+        seen: set[Tensor] = set()
+        total = 0
+        for p in model.parameters():
+            if p not in streamed_params and p not in seen:
+                seen.add(p)
+                total += p.numel() * p.element_size()
+        return total
+
+    @contextlib.contextmanager
+    def gathered(self, blocks: Sequence[int] | None = None) -> Iterator[None]:
+        """Materialize blocks (all by default) for reading their parameters directly, e.g. to
+        evaluate a small model or print a weight. Changes made to the parameters inside are
+        not kept: write weights with :meth:`write_param`. A large model should be read block by
+        block (``gathered([i])``), or exported with :func:`tierstate.save_weights`."""
+        self._check_open()
+        which = range(len(self.blocks)) if blocks is None else list(blocks)
+        held = []
+        try:
+            with self._lock:
+                for b in which:
+                    self.window.materialize(b)
+                    self.window.state[b].holds += 1
+                    held.append(b)
+            yield
+        finally:
+            with self._lock:
+                for b in held:
+                    self.window.state[b].holds -= 1
+                    self.window.release(b)
+
+    def read_param(self, param: Tensor) -> Tensor:
+        """A CPU copy of a streamed parameter's current values."""
+        h = self._handle(param)
+        with h.for_reading() as flat:
+            return flat.clone().view(param.shape)
+
+    def write_param(self, param: Tensor, value: Tensor) -> None:
+        """Set a streamed parameter's values (copied, cast to its dtype)."""
+        h = self._handle(param)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"write_param: value has shape {tuple(value.shape)}, parameter {h.place.name!r} "
+                             f"has {tuple(param.shape)}")
+        with h.for_update() as flat:
+            flat.copy_(value.detach().reshape(-1).to(device="cpu", dtype=param.dtype))
+
+    def named_streamed(self) -> list[tuple[str, Tensor]]:
+        """(name, parameter) of every streamed parameter, in model order."""
+        return [(pl.name, pl.param) for b in self.blocks for pl in b.places]
+
+    def _handle(self, param: Tensor) -> StreamedParam:
+        self._check_open()
+        h = _registry.get(param)
+        if h is None or h.streamer is not self:
+            raise ValueError("that parameter is not streamed by this WeightStreamer")
+        return h
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this WeightStreamer is closed")
+
+    def flush(self) -> None:
+        """Write every changed NVMe image to its home (a checkpoint of the weights' files)."""
+        with self._lock:
+            self.window.flush()
+
+    def stats(self) -> dict:
+        """What streaming did so far: bytes fetched from NVMe and at what rate, prefetch hits
+        and misses, seconds the compute waited, the window's peak, the homes' sizes."""
+        c = self.window.counters
+        homes = {h.kind: h.nbytes for h in self._homes}
+        return {
+            "blocks": len(self.blocks),
+            "block_tiers": {k: self.tiers.count(k) for k in ("cpu", "nvme") if k in self.tiers},
+            "home_bytes": homes,
+            "fetch_bytes": c.fetch_bytes,
+            "fetch_gbps": (c.fetch_bytes / c.fetch_seconds / 1e9) if c.fetch_seconds > 0 else None,
+            "writeback_bytes": c.writeback_bytes,
+            "copy_bytes": c.copy_bytes,
+            "prefetch_hits": c.prefetch_hits,
+            "prefetch_misses": c.prefetch_misses,
+            "stall_seconds": c.stall_seconds,
+            "materializations": c.materializations,
+            "peak_window_bytes": c.peak_materialized_bytes,
+            "pool_bytes": self.window.pool_nbytes,
+            "pool_grown": c.pool_grown,
+            "order_changes": self.order.changes,
+        }
+
+    def close(self) -> None:
+        """Remove the hooks and the homes' files. The streamed parameters are left empty
+        (shape ``(0,)``): save what you need first (:func:`tierstate.save_weights`)."""
+        if self.closed:
+            return
+        with self._lock:
+            self.hooks.remove()
+            try:
+                self.window.close()
+            finally:
+                for b in self.blocks:
+                    for pl in b.places:
+                        _registry.pop(pl.param, None)
+                        pl.param.data = torch.empty(0, dtype=pl.param.dtype, device=self.device)
+                    if b.storage is not None:
+                        b.storage.resize_(0)
+                self.closed = True
+                _generation[0] += 1
+                self._finalizer()
+
+    def __enter__(self) -> "WeightStreamer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{k}: {self.tiers.count(k)}" for k in ("cpu", "nvme") if k in self.tiers)
+        return f"WeightStreamer({len(self.blocks)} blocks ({kinds}), device={self.device}, prefetch={self.prefetch})"
+
+
+def _close_homes(homes) -> None:
+    for h in homes:
+        try:
+            h.close()
+        except OSError:
+            pass
+
+
+def _replace_param(model: nn.Module, old: Tensor, new_value: Tensor) -> nn.Parameter:
+    """Put a new Parameter holding ``new_value`` wherever ``old`` is registered (ties kept)."""
+    new = new_value if isinstance(new_value, nn.Parameter) else nn.Parameter(new_value, requires_grad=old.requires_grad)
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is old:
+                mod._parameters[name] = new
+    return new
+
+
+def _materialize_buffers(mod: nn.Module, device: torch.device) -> None:
+    for name, buf in list(mod._buffers.items()):
+        if buf is None:
+            continue
+        if buf.is_meta:
+            mod._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+        elif buf.device != device:
+            mod._buffers[name] = buf.to(device)
+
+
+def _tiers_of(offload, nblocks: int, block_nbytes: list[int], device: torch.device) -> list[str]:
+    if isinstance(offload, str):
+        if offload not in ("cpu", "nvme"):
+            raise ValueError(f"offload={offload!r}: expected 'cpu', 'nvme', 'auto', a ts.Offload(cpu=..., nvme=...) "
+                             "or a list with one of 'resident', 'cpu', 'nvme' per block")
+        return [offload] * nblocks
+    if isinstance(offload, Offload):
+        if offload.gpu > 0:
+            raise ValueError(f"offload=Offload(gpu={offload.gpu}): for weights, keep blocks on the compute device "
+                             "with a list of per-block tiers ('resident', 'cpu', 'nvme'), or give cpu/nvme fractions")
+        cpu = offload.cpu if offload.cpu is not None else 1.0 - offload.nvme
+        return split_by_fraction(block_nbytes, cpu, offload.nvme)
+    try:
+        tiers = list(offload)
+    except TypeError:
+        raise TypeError(f"offload={offload!r}: expected 'cpu', 'nvme', 'auto', a ts.Offload or a list of tiers") from None
+    if len(tiers) != nblocks or any(t not in TIERS for t in tiers):
+        raise ValueError(f"offload=<list of {len(tiers)}>: give one of {TIERS} for each of the {nblocks} blocks")
+    return tiers
+
+
+def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="auto", prefetch: int = 2,
+                    device=None, init=None) -> WeightStreamer:
+    """Keep the weights of ``model``'s blocks on a tier and bring each to the compute device
+    only while it runs (forward, backward, recomputation under activation checkpointing).
+
+    Call it before building the optimizer, which then updates the streamed weights where they
+    live (see [Note: the optimizer and streamed weights])::
+
+        ws = ts.offload_weights(model, "nvme", nvme_dir="/mnt/nvme/weights")
+        opt = ts.AdamW(model.parameters(), lr=1e-4, offload="nvme", step_in_backward=True)
+
+    Args:
+        model: the model; its parameters may be on the CPU, on the compute device, or on the
+            meta device (built under ``with torch.device("meta"):``; then ``init`` is required,
+            and the model is never whole in memory: each block is materialized, initialized,
+            written to its home and released in turn).
+        offload: where the blocks live: ``"nvme"`` (files under ``nvme_dir``), ``"cpu"`` (host
+            RAM, pinned on CUDA; on a CPU-only machine the weights are already there, so this
+            only tests the path), ``ts.Offload(cpu=a, nvme=b)`` (the first blocks, up to the
+            fraction ``a`` of the bytes, in RAM, the rest on NVMe), a list with one of
+            ``"resident"``, ``"cpu"``, ``"nvme"`` per block, or ``"auto"`` (the planner picks
+            from the measured hardware; see ``tierstate plan``).
+        nvme_dir: the folder of the NVMe home (claimed for this run and removed at close;
+            default: the NVMe root, ``TIERSTATE_NVME_DIR``). Give the optimizer another one.
+        blocks: ``"auto"`` (the children of the model's largest ``nn.ModuleList``) or a list of
+            its modules. Parameters used outside a single block (tied embeddings) stay resident.
+        prefetch: blocks read ahead in the order learned from the previous step (>= 0).
+        device: the compute device (default: CUDA if available, else the CPU).
+        init: for meta models: called with every module once its own parameters and buffers
+            have memory (e.g. ``model._init_weights`` of a transformers model).
+
+    Returns:
+        A :class:`WeightStreamer`: ``stats()``, ``gathered()``, ``read_param``/``write_param``,
+        ``flush()``, ``close()``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: expected an int >= 0 (blocks read ahead)")
+    if init is not None and not callable(init):
+        raise TypeError(f"init={init!r}: expected a function of a module, or None")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={str(device)!r}: weights stream to 'cpu' or 'cuda'")
+    named = resolve_blocks(model, blocks)
+    assigned, _ = assign(model, named)
+    nbytes = [b.nbytes for b in assigned]
+    if isinstance(offload, str) and offload == "auto":
+        from .auto import choose_tiers  # noqa: PLC0415 - the planner and the probe only for "auto"
+        tiers, prefetch = choose_tiers(model, nbytes, device, prefetch)
+    else:
+        tiers = _tiers_of(offload, len(assigned), nbytes, device)
+    if nvme_dir is None and isinstance(offload, Offload) and offload.nvme_dir is not None:
+        nvme_dir = offload.nvme_dirs[0]
+    if nvme_dir is not None and "nvme" not in tiers:
+        raise ValueError(f"nvme_dir={str(nvme_dir)!r}: no block lives on NVMe with offload={offload!r}")
+    return WeightStreamer(model, tiers, named, device, prefetch, nvme_dir, init)
