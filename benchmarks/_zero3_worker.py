@@ -146,14 +146,26 @@ def tierstate_mode(args, model, tokens, folder: Path):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    last: dict = {}
+
     def stats():
-        return {"weights": _plain(ws.stats())}
+        """The streamer's counters over this step (they count from the start)."""
+        now = _plain(ws.stats())
+        step = {k: (v - last.get(k, 0) if k in _COUNTERS and isinstance(v, (int, float)) else v)
+                for k, v in now.items()}
+        last.update(now)
+        return {"weights": step}
 
     def close():
         opt.close()
         ws.close()
 
     return forward, backward, step, stats, close, info
+
+
+# WeightStreamer.stats() keys that count from the start (the rest are levels or settings).
+_COUNTERS = ("fetch_bytes", "writeback_bytes", "copy_bytes", "prefetch_hits", "prefetch_misses", "stall_seconds",
+             "materializations", "order_changes")
 
 
 def _plain(value):

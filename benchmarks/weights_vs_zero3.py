@@ -57,6 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tierstate.bench.io import parse_bytes
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_zero3_worker.py"
 MODES = ("tierstate", "ds_z3_nvme")
@@ -143,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nvme-dir", default=None,
                         help="folder for the runs' files, one sub-folder per mode, removed after each run "
                              "(default: TIERSTATE_NVME_DIR or the tierstate cache dir)")
-    parser.add_argument("--probe-bytes", type=_positive, default=512 << 20,
+    parser.add_argument("--probe-bytes", type=parse_bytes, default=512 << 20,
                         help="bytes each way of the disk probe before and after every run (default 512 MiB)")
     parser.add_argument("--peers-python", default=None,
                         help="interpreter that imports deepspeed (default: this one if it can, else "
@@ -291,7 +293,8 @@ def summarize(mode: str, runs: list[dict]) -> dict:
                "files_bytes": max(r.get("files_bytes", 0) for r in ok),
                "setup_s": _spread([r["setup_s"] for r in ok]),
                "first_loss": ok[0]["steps"][0]["loss"]}
-    summary["x_floor"] = summary["total"]["median"] / summary["disk_floor_s"]["median"]
+    floor = summary["disk_floor_s"]["median"]
+    summary["x_floor"] = summary["total"]["median"] / floor if floor > 0 else None  # no disk I/O: no floor
     return summary
 
 
@@ -317,7 +320,7 @@ def _fmt(s: dict | None, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def format_report(summaries: dict, verdict: dict | None, meta: dict) -> str:
-    lines = [f"Llama {meta['size']} ({meta['nparams'] / 1e6:.0f}M parameters), batch {meta['batch']} x {meta['seq']}, "
+    lines = [f"Llama {meta['size']} ({meta['nparams'] / 1e6:.1f}M parameters), batch {meta['batch']} x {meta['seq']}, "
              f"{meta['dtype']}, {meta['steps']} timed steps after {meta['warmup']} warm-up, {meta['repeats']} "
              f"run(s) per mode interleaved, {meta['threads']} threads, load average {meta['loadavg_start'][0]:.2f} "
              f"at start, {meta['loadavg_end'][0]:.2f} at end",
@@ -333,7 +336,7 @@ def format_report(summaries: dict, verdict: dict | None, meta: dict) -> str:
         rows.append((mode, _fmt(s["total"]), _fmt(s["fwd"]), _fmt(s["bwd"]), _fmt(s["opt"]),
                      _fmt(s["peak_rss_bytes"], _GIB), _fmt(s["peak_rss_steps_bytes"], _GIB),
                      _fmt(s["read_bytes_per_step"], 1e9), _fmt(s["write_bytes_per_step"], 1e9),
-                     _fmt(s["disk_floor_s"]), f"{s['x_floor']:.2f}", f"{s['files_bytes'] / 1e9:.1f}",
+                     _fmt(s["disk_floor_s"]), "-" if s["x_floor"] is None else f"{s['x_floor']:.2f}", f"{s['files_bytes'] / 1e9:.1f}",
                      f"{s['first_loss']:.4f}"))
     widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
     for r in (header, tuple("-" * w for w in widths), *rows):
