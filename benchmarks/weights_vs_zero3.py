@@ -54,6 +54,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -230,18 +231,30 @@ def run_one(python: str, mode: str, args: argparse.Namespace, root: Path, workdi
     out = workdir / f"{mode}-{tag}.json"
     before = probe_disk(root, args.probe_bytes)
     t0 = time.perf_counter()
+    lines: list[str] = []
+    timed_out = threading.Event()
     try:
-        done = subprocess.run(worker_command(python, mode, args, out, folder), env=child_env(args.threads),
-                              capture_output=True, text=True, timeout=args.timeout)
-        stderr = done.stderr
-        returncode = done.returncode
-    except subprocess.TimeoutExpired as exc:
-        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        returncode = None
+        with subprocess.Popen(worker_command(python, mode, args, out, folder), env=child_env(args.threads),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
+            def stop() -> None:
+                timed_out.set()
+                proc.kill()
+            timer = threading.Timer(args.timeout, stop)
+            timer.start()
+            try:
+                for line in proc.stderr:  # the worker's step lines, shown as they come (runs take minutes)
+                    lines.append(line.rstrip())
+                    if line.startswith(f"[{mode}] step"):
+                        print("    " + line.rstrip(), flush=True)
+                returncode = proc.wait()
+            finally:
+                timer.cancel()
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the worker removes it too, unless it was killed
     wall = time.perf_counter() - t0
-    tail = "\n".join([ln for ln in stderr.strip().splitlines() if ln.strip()][-30:])
+    if timed_out.is_set():
+        returncode = None
+    tail = "\n".join([ln for ln in lines if ln.strip()][-30:])
     if out.exists():
         result = json.loads(out.read_text())
     else:

@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -99,3 +100,13 @@ def test_modes_are_checked_by_name(capsys):
         _parse(["--modes", "tierstate,zero9"])
     err = capsys.readouterr().err
     assert "--modes" in err and "zero9" in err and "ds_z3_nvme" in err
+
+
+def test_a_run_past_its_timeout_is_killed_and_says_so(tmp_path):
+    args = _parse(["--size", "tiny", "--steps", "1", "--warmup", "0", "--threads", "1", "--timeout", "1",
+                   "--probe-bytes", "16M"])
+    started = time.perf_counter()
+    result = bench.run_one(sys.executable, "tierstate", args, tmp_path, tmp_path, "r0")
+    assert result["status"] == "failed" and result["error"] == "no result within --timeout 1 s"
+    assert time.perf_counter() - started < 60  # killed, not waited for
+    assert not (tmp_path / "tierstate").exists()
