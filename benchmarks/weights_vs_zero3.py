@@ -41,7 +41,7 @@ just after the run (the smaller of one direction after the other and both at onc
 
 Before anything runs, the size is checked against the free disk under ``--nvme-dir`` and the
 available RAM (both modes build the model in fp32 first), and refused naming ``--size`` when
-it cannot fit.
+it cannot fit; a ``<nvme-dir>/<mode>`` folder that exists already is refused too, never removed.
 """
 from __future__ import annotations
 
@@ -378,6 +378,10 @@ def main(args: argparse.Namespace) -> int:
     root = Path(args.nvme_dir)
     root.mkdir(parents=True, exist_ok=True)
     check_fits(args, nparams, root)
+    taken = [str(root / m) for m in args.modes if (root / m).exists()]
+    if taken:
+        raise ValueError(f"--nvme-dir {root}: {', '.join(taken)} exists already; every run makes and removes "
+                         "<nvme-dir>/<mode>, so move that folder away or pick another --nvme-dir")
     pythons = {"tierstate": sys.executable}
     unavailable = {}
     if DEEPSPEED_MODE in args.modes:

@@ -110,3 +110,16 @@ def test_a_run_past_its_timeout_is_killed_and_says_so(tmp_path):
     assert result["status"] == "failed" and result["error"] == "no result within --timeout 1 s"
     assert time.perf_counter() - started < 60  # killed, not waited for
     assert not (tmp_path / "tierstate").exists()
+
+
+def test_a_mode_folder_that_exists_already_is_left_alone_and_refused(tmp_path):
+    # each run makes <nvme-dir>/<mode> and removes it after: a folder of that name that was
+    # there before belongs to someone else, so the benchmark refuses rather than delete it
+    theirs = tmp_path / "tierstate"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("someone's data")
+    args = _parse(["--size", "tiny", "--modes", "tierstate", "--steps", "1", "--warmup", "0", "--repeats", "1",
+                   "--probe-bytes", "16M", "--nvme-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--nvme-dir .*tierstate exists already"):
+        bench.main(args)
+    assert (theirs / "keep.txt").read_text() == "someone's data"
