@@ -14,6 +14,8 @@ What a step is, per mode (timed with ``perf_counter`` around each call):
 * ``tierstate``: ``loss = model(ids, labels=ids).loss``; ``loss.backward()``; ``opt.step()``;
   ``opt.zero_grad(set_to_none=True)``, with the weights streamed from NVMe by
   ``ts.offload_weights`` and ``ts.AdamW(offload="nvme", step_in_backward=True)``.
+* ``tierstate_after``: the same with ``step_in_backward=False``: every update in ``opt.step()``,
+  after backward, as DeepSpeed does it.
 * ``ds_z3_nvme``: ``loss = engine(ids, labels=ids).loss``; ``engine.backward(loss)``;
   ``engine.step()`` (which zeroes the gradients), ZeRO-3 with ``offload_param`` and
   ``offload_optimizer`` on NVMe.
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ("tierstate", "ds_z3_nvme")
+MODES = ("tierstate", "tierstate_after", "ds_z3_nvme")
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 
 
@@ -119,6 +121,11 @@ def peak_rss_since_reset() -> int:
     raise OSError("/proc/self/status has no VmHWM line")
 
 
+def current_rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def lifetime_peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -132,7 +139,7 @@ def tierstate_mode(args, model, tokens, folder: Path):
     ws = ts.offload_weights(model, offload="nvme", nvme_dir=str(folder / "weights"), blocks="auto",
                             prefetch=args.prefetch)
     opt = ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                   offload="nvme", nvme_dir=str(folder / "state"), step_in_backward=True)
+                   offload="nvme", nvme_dir=str(folder / "state"), step_in_backward=args.mode == "tierstate")
     info = {"tierstate": ts.__version__, "block_bytes": sum(ws.block_bytes()),
             "blocks": len(ws.block_bytes()), "resident_bytes": ws.resident_bytes()}
 
@@ -243,11 +250,16 @@ def run(args: argparse.Namespace, result: dict) -> None:
     t_setup = time.perf_counter()
     model = build_model(args)
     result["nparams"] = sum(p.numel() for p in model.parameters())
+    # phase lines: where a run the kernel kills (out of memory) got to
+    print(f"[{args.mode}] model built: {result['nparams'] / 1e6:.1f}M parameters in fp32, RSS "
+          f"{current_rss() / 2**30:.2f} GiB", file=sys.stderr, flush=True)
     tokens = tokens_for(args)
-    setup = tierstate_mode if args.mode == "tierstate" else deepspeed_mode
+    setup = deepspeed_mode if args.mode == "ds_z3_nvme" else tierstate_mode
     forward, backward, step, stats, close, info = setup(args, model, tokens, folder)
     result.update(info)
     result["setup_s"] = time.perf_counter() - t_setup
+    print(f"[{args.mode}] offload set up in {result['setup_s']:.1f} s, RSS {current_rss() / 2**30:.2f} GiB",
+          file=sys.stderr, flush=True)
     result["peak_rss_setup_bytes"] = lifetime_peak_rss()
     result["peak_rss_reset"] = reset_peak_rss()
     steps = result["steps"]

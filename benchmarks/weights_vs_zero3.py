@@ -2,7 +2,7 @@
 offload_optimizer on NVMe), the same Llama and batch, on the CPU.
 
     python benchmarks/weights_vs_zero3.py --size 350m [--batch 2] [--seq 256] [--dtype bf16]
-        [--modes tierstate,ds_z3_nvme] [--steps 3] [--warmup 1] [--repeats 2]
+        [--modes tierstate,tierstate_after,ds_z3_nvme] [--steps 3] [--warmup 1] [--repeats 2]
         [--nvme-dir DIR] [--peers-python PY] [--json out.json]
 
 Run from a source checkout with tierstate installed. The model is ``LlamaForCausalLM`` from a
@@ -22,12 +22,14 @@ tiny     64      2       2      2         172           a smoke test (vocab 1024
 
 Modes, each run in a process of its own (``_zero3_worker.py``) so its peak RSS is its own:
 
-==============  ==================================================================
-``tierstate``   ``ts.offload_weights(model, offload="nvme")`` and
-                ``ts.AdamW(offload="nvme", step_in_backward=True)``
-``ds_z3_nvme``  DeepSpeed ZeRO-3, ``offload_param`` and ``offload_optimizer`` both
-                ``{device: nvme}``, ``DS_ACCELERATOR=cpu``, under ``--peers-python``
-==============  ==================================================================
+===================  ==============================================================
+``tierstate``        ``ts.offload_weights(model, offload="nvme")`` and
+                     ``ts.AdamW(offload="nvme", step_in_backward=True)``
+``tierstate_after``  the same with ``step_in_backward=False`` (not run by default):
+                     every update after backward, as DeepSpeed does it
+``ds_z3_nvme``       DeepSpeed ZeRO-3, ``offload_param`` and ``offload_optimizer`` both
+                     ``{device: nvme}``, ``DS_ACCELERATOR=cpu``, under ``--peers-python``
+===================  ==============================================================
 
 The modes alternate over ``--repeats`` rounds (reversed every other round: this VM's memory
 bandwidth switches between two levels ~1.7x apart, so a mode run wholly in a slow phase would
@@ -62,7 +64,8 @@ from tierstate.bench.io import parse_bytes
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_zero3_worker.py"
-MODES = ("tierstate", "ds_z3_nvme")
+MODES = ("tierstate", "tierstate_after", "ds_z3_nvme")
+DEFAULT_MODES = ("tierstate", "ds_z3_nvme")
 DEEPSPEED_MODE = "ds_z3_nvme"
 _GIB = 2**30
 
@@ -81,7 +84,7 @@ SIZES = {
 # peers measured 1.9 GB of swap for GPT-2's 124M parameters). tierstate: the weights in their
 # dtype plus fp32 master and moments (12 B). Runs are sequential and each removes its files, so
 # the larger of the two must fit.
-DISK_BYTES_PER_PARAM = {"tierstate": 12, DEEPSPEED_MODE: 16}
+DISK_BYTES_PER_PARAM = {"tierstate": 12, "tierstate_after": 12, DEEPSPEED_MODE: 16}
 # Both modes build the whole model in fp32 before offloading it (4 B/param), and a forward's
 # activations and the interpreter need room beside it.
 RAM_BYTES_PER_PARAM = 4
@@ -136,8 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="weights' dtype in both modes; bf16 keeps an fp32 master in the optimizer (default)")
-    parser.add_argument("--modes", type=_modes, default=list(MODES),
-                        help=f"comma list of modes (default {','.join(MODES)})")
+    parser.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES),
+                        help=f"comma list of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)})")
     parser.add_argument("--steps", type=_positive, default=3, help="timed steps per run (default 3)")
     parser.add_argument("--warmup", type=_non_negative, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--repeats", type=_positive, default=2, help="runs of every mode, order alternating (default 2)")
@@ -225,6 +228,20 @@ def disk_floor_s(read_bytes: float, write_bytes: float, rates: dict) -> float:
     return min(_disk_time(read_bytes, write_bytes, rates))
 
 
+def _watch_rss(proc: subprocess.Popen, seen: list[int]) -> None:
+    """The largest RSS of ``proc`` seen while it runs (every 0.2 s), kept in ``seen[0]``: the only
+    memory figure of a run the kernel kills, which writes no result."""
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    seen[0] = max(seen[0], int(line.split()[1]) * 1024)
+        except (OSError, ValueError):  # the process ended between poll() and the read
+            return
+        time.sleep(0.2)
+
+
 def run_one(python: str, mode: str, args: argparse.Namespace, root: Path, workdir: Path, tag: str) -> dict:
     """One run of ``mode`` in its own process; a failure comes back as the result's ``status`` and ``error``."""
     folder = root / mode
@@ -232,6 +249,8 @@ def run_one(python: str, mode: str, args: argparse.Namespace, root: Path, workdi
     before = probe_disk(root, args.probe_bytes)
     t0 = time.perf_counter()
     lines: list[str] = []
+    progress: list[str] = []
+    rss_seen = [0]
     timed_out = threading.Event()
     try:
         with subprocess.Popen(worker_command(python, mode, args, out, folder), env=child_env(args.threads),
@@ -241,14 +260,18 @@ def run_one(python: str, mode: str, args: argparse.Namespace, root: Path, workdi
                 proc.kill()
             timer = threading.Timer(args.timeout, stop)
             timer.start()
+            watcher = threading.Thread(target=_watch_rss, args=(proc, rss_seen), daemon=True)
+            watcher.start()
             try:
-                for line in proc.stderr:  # the worker's step lines, shown as they come (runs take minutes)
+                for line in proc.stderr:  # the worker's phase and step lines, shown as they come
                     lines.append(line.rstrip())
-                    if line.startswith(f"[{mode}] step"):
+                    if line.startswith(f"[{mode}] "):
                         print("    " + line.rstrip(), flush=True)
+                        progress.append(line.rstrip())
                 returncode = proc.wait()
             finally:
                 timer.cancel()
+                watcher.join()
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the worker removes it too, unless it was killed
     wall = time.perf_counter() - t0
@@ -262,8 +285,10 @@ def run_one(python: str, mode: str, args: argparse.Namespace, root: Path, workdi
     if returncode is None:
         result["error"] = f"no result within --timeout {args.timeout} s"
     elif returncode < 0:
-        result["error"] = f"killed by signal {-returncode}" + (" (SIGKILL: the out-of-memory killer?)"
-                                                             if returncode == -9 else "")
+        result["error"] = (f"killed by signal {-returncode}"
+                           + (" (SIGKILL: the out-of-memory killer?)" if returncode == -9 else "")
+                           + f" at RSS {rss_seen[0] / _GIB:.1f} GiB"
+                           + (f", after: {progress[-1]}" if progress else ", before setup ended"))
     elif result["status"] != "ok" and "error" not in result:
         result["error"] = (tail.splitlines() or [f"exit code {returncode}"])[-1]
     if result["status"] != "ok":
@@ -382,7 +407,7 @@ def main(args: argparse.Namespace) -> int:
     if taken:
         raise ValueError(f"--nvme-dir {root}: {', '.join(taken)} exists already; every run makes and removes "
                          "<nvme-dir>/<mode>, so move that folder away or pick another --nvme-dir")
-    pythons = {"tierstate": sys.executable}
+    pythons = {m: sys.executable for m in args.modes if m != DEEPSPEED_MODE}
     unavailable = {}
     if DEEPSPEED_MODE in args.modes:
         e2e = _sibling("e2e")

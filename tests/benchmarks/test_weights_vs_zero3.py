@@ -6,10 +6,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +48,8 @@ def test_both_modes_train_the_same_model_and_deepspeed_says_whether_it_ran(tmp_p
     if not ok:
         pytest.skip(f"tierstate._native did not load: {why}")
     out = tmp_path / "report.json"
-    args = _parse(["--size", "tiny", "--steps", "2", "--warmup", "1", "--repeats", "1", "--threads", "1",
+    args = _parse(["--size", "tiny", "--modes", "tierstate,tierstate_after,ds_z3_nvme", "--steps", "2",
+                   "--warmup", "1", "--repeats", "1", "--threads", "1",
                    "--nvme-dir", str(tmp_path / "nvme"), "--probe-bytes", "32M", "--json", str(out),
                    "--peers-python", sys.executable, "--timeout", "300"])
     assert bench.main(args) == 0
@@ -55,6 +61,9 @@ def test_both_modes_train_the_same_model_and_deepspeed_says_whether_it_ran(tmp_p
     assert run["steps"][0]["weights"]["fetch_bytes"] >= run["block_bytes"]  # and were read back from them
     assert run["peak_rss_steps_bytes"] > 0 and run["disk"]["mean"]["read_gbps"] > 0
     assert not (tmp_path / "nvme" / "tierstate").exists()  # each run's files are removed after it
+    (after,) = report["runs"]["tierstate_after"]  # the updates after backward: the same training
+    assert after["status"] == "ok"
+    assert [s["loss"] for s in after["steps"]] == pytest.approx([s["loss"] for s in run["steps"]], abs=1e-3)
     ds = report["summaries"]["ds_z3_nvme"]
     if importlib.util.find_spec("deepspeed") is None:
         assert ds["status"] == "failed" and ds["error"].startswith("not importable")
@@ -123,3 +132,31 @@ def test_a_mode_folder_that_exists_already_is_left_alone_and_refused(tmp_path):
     with pytest.raises(ValueError, match=r"--nvme-dir .*tierstate exists already"):
         bench.main(args)
     assert (theirs / "keep.txt").read_text() == "someone's data"
+
+
+def test_a_run_the_kernel_kills_says_so_with_the_rss_it_reached(tmp_path):
+    # what an out-of-memory kill looks like from outside: SIGKILL, no result file
+    args = _parse(["--size", "tiny", "--steps", "1000", "--warmup", "0", "--threads", "1", "--probe-bytes", "16M"])
+    out = {}
+    runner = threading.Thread(target=lambda: out.update(bench.run_one(sys.executable, "tierstate", args, tmp_path,
+                                                                      tmp_path, "r0")))
+    runner.start()
+    deadline = time.monotonic() + 120
+    pid = None
+    while pid is None and time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if str(tmp_path / "tierstate-r0.json").encode() in cmdline:
+                pid = int(proc.name)
+        time.sleep(0.5)
+    assert pid is not None, "the worker did not start"
+    time.sleep(8)  # let it import torch and build the model
+    os.kill(pid, signal.SIGKILL)
+    runner.join(timeout=120)
+    assert out["status"] == "failed"
+    assert re.fullmatch(r"killed by signal 9 \(SIGKILL: the out-of-memory killer\?\) at RSS \d+\.\d GiB, "
+                        r"(after: \[tierstate\] .*|before setup ended)", out["error"]), out["error"]
+    assert not (tmp_path / "tierstate").exists()
