@@ -91,6 +91,11 @@ RAM_BYTES_PER_PARAM = 4
 RAM_MARGIN = 3 * _GIB
 DISK_MARGIN = 4 * _GIB  # other users of a shared disk, and the disk probe's file
 
+# DeepSpeed ZeRO-3's peak RSS with both offloads on NVMe on the CPU accelerator, measured on the
+# 2-vCPU Zen 4 VM (benchmarks/README.md): 5.5-5.9 GiB at 134M parameters, 12.8-14.0 GiB at 374M,
+# about 2 GiB + 30 B/param; at 1.1B the kernel killed it at 22 GiB. Used only to warn before a run.
+DS_RSS_BASE, DS_RSS_BYTES_PER_PARAM = 2 * _GIB, 30
+
 # What the issue sets against DeepSpeed: tierstate's step at most half of ZeRO-3's, and a lower peak RSS.
 TIME_LIMIT = 0.5
 
@@ -192,6 +197,11 @@ def check_fits(args: argparse.Namespace, nparams: int, root: Path) -> None:
         raise ValueError(
             f"--size {args.size}: building the {nparams / 1e9:.2f}B-parameter model in fp32 needs "
             f"~{ram_need / _GIB:.1f} GiB of RAM, {available / _GIB:.1f} GiB is available; pick a smaller --size")
+    ds_need = DS_RSS_BASE + DS_RSS_BYTES_PER_PARAM * nparams
+    if DEEPSPEED_MODE in args.modes and ds_need > available:
+        print(f"note: DeepSpeed ZeRO-3 took ~{DS_RSS_BYTES_PER_PARAM} B/param of RSS on the reference VM, "
+              f"~{ds_need / _GIB:.0f} GiB at --size {args.size} against {available / _GIB:.1f} GiB available: "
+              "expect the out-of-memory killer to end its run (reported as its result)", flush=True)
 
 
 def worker_command(python: str, mode: str, args: argparse.Namespace, out: Path, folder: Path) -> list[str]:
