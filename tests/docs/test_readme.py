@@ -242,6 +242,11 @@ RUNS = {
         "--nvme-dir {tmp}",
         "--tiny model, four of the modes, one step: GPT-2 124M takes minutes per mode; DeepSpeed is a peer "
         "(not in the test venv: its mode says so and the rest runs)"),
+    "python benchmarks/weights_vs_zero3.py --size 125m": (
+        "python benchmarks/weights_vs_zero3.py --size tiny --steps 1 --warmup 1 --repeats 1 --probe-bytes 32M "
+        "--nvme-dir {tmp}",
+        "the tiny Llama, one step: 125M takes minutes per mode; DeepSpeed is a peer (not in the test venv: "
+        "its mode says so and tierstate's runs)"),
     "tierstate bench e2e --modes cpu_bf16_bwd,nvme_bf16_bwd": (
         "tierstate bench e2e --tiny --modes cpu_bf16_bwd,nvme_bf16_bwd --steps 1 --warmup 1 --repeats 1 "
         "--nvme-dir {tmp}",
