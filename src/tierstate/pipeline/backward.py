@@ -115,6 +115,9 @@ class BackwardDriver:
         self.stopped = False  # set at the first non-finite gradient or error
         self.sumsq = 0.0  # squared norm of the gradients taken (for last_grad_norm)
         self.waiting: deque[SubGroup] = deque()  # inline: ready sub-groups whose record is still on its way
+        # streamed parameters (tierstate.weights) -> their sub-groups not yet updated; at 0 the
+        # gradient has been applied and is released (see [Note: gradients of streamed weights])
+        self.segments_left: dict[int, int] = {}
         self.executor = self.engine.host_executor(self.grads, self.fresh, 1.0)
 
     def _begin(self) -> None:
@@ -125,11 +128,15 @@ class BackwardDriver:
         lost = engine.store.lost_error()
         if lost is not None:  # update nothing: step() raises it with the state as before this backward
             self.error, self.stopped = lost, True
+        streamed = engine.parts.weights.streamed
         for t, p in enumerate(engine.parts.trainable):
             if not p.requires_grad:
                 continue
-            for seg in engine.store.layout.segments_of(t):
+            segs = engine.store.layout.segments_of(t)
+            for seg in segs:
                 self.pending[seg.subgroup] = self.pending.get(seg.subgroup, 0) + 1
+            if t in streamed:
+                self.segments_left[t] = len(segs)
 
     def _on_grad(self, param: Tensor) -> None:
         engine = self.engine
@@ -233,6 +240,27 @@ class BackwardDriver:
         # the I/O tiers read ahead along plan_next()'s order: this sub-group is part of that plan
         update_planned(store.tier_of(sg), sg, segs, self.executor, telemetry)
         self.done.append(sg)
+        self._release_applied(segs)
+
+    def _release_applied(self, segs) -> None:
+        """[Note: gradients of streamed weights]
+        A model whose weights stream is one whose gradients would not fit either (they are as
+        large as the weights: 27 GB in fp32 for a 7B model), so a streamed parameter's gradient
+        is dropped (``param.grad = None``) as soon as every piece of it has been applied, during
+        backward, and its memory goes back before the next block's gradients are made. The
+        step's bookkeeping keeps the parameter as stepped."""
+        trainable = self.engine.parts.trainable
+        for seg in segs:
+            t = seg.param_index
+            left = self.segments_left.get(t)
+            if left is None:
+                continue
+            if left == 1:
+                del self.segments_left[t]
+                self.grads[t] = None
+                trainable[t].grad = None
+            else:
+                self.segments_left[t] = left - 1
 
     def _update_waiting(self, block: bool) -> None:
         """Inline mode: update the ready sub-groups in order, up to the first whose record has
