@@ -326,3 +326,38 @@ def test_save_memory_stays_near_one_block_while_streaming(tmp_path):
     with safe_open(str(out), framework="pt") as f:
         assert len(list(f.keys())) == 33
         assert f.get_tensor("blocks.31.weight").shape == (1024, 1024)
+
+
+def test_persistent_buffers_are_saved_and_loaded_non_persistent_ones_are_not(tmp_path):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.norm = nn.BatchNorm1d(8)  # running_mean/var, num_batches_tracked (int64): persistent
+            self.register_buffer("scratch", torch.ones(3), persistent=False)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    torch.manual_seed(13)
+    net = Net()
+    for b in net.blocks:
+        b.norm.running_mean.normal_()
+        b.norm.num_batches_tracked.fill_(7)
+    want = snapshot(net)
+    ws = offload(net, "nvme", tmp_path)
+    path = ts.save_weights(net, tmp_path / "n.safetensors")
+    got = safetensors_torch.load_file(str(path))
+    assert set(got) == set(want) and "blocks.0.scratch" not in got
+    assert got["blocks.1.norm.num_batches_tracked"].dtype == torch.int64
+    assert all(same_bits(got[k], want[k]) for k in want)
+    torch.manual_seed(14)
+    other = Net()
+    ws2 = offload(other, "cpu", tmp_path)
+    ts.load_weights(other, path)
+    back = streamed_values(other, ws2)
+    assert all(same_bits(back[k], want[k]) for k in want)
+    ws.close()
+    ws2.close()
