@@ -117,4 +117,27 @@ def release_to_system() -> bool:
         return True
 
 
-__all__ = ["policy", "retain_freed_memory", "release_to_system", "RETAINED_TOP_BYTES"]
+LARGE_BLOCK_BYTES = 1 << 20
+
+
+def map_large_blocks() -> bool:
+    """Serve every allocation of 1 MiB or more with its own ``mmap``, returned to the system
+    when freed (a fixed ``M_MMAP_THRESHOLD``, which also turns glibc's dynamic threshold off).
+
+    What parameter offload on CPU asks for (unless the policy is "retain"): a block's weights
+    are allocated when it runs and freed after, block after block. Under glibc's dynamic
+    threshold the first free raises the threshold to the block's size, later blocks come
+    from the heap, and freed heap memory stays resident behind small live allocations: GPT-2
+    shaped models of 4 and 16 layers (7 MB blocks, weights on NVMe) started their training
+    step at 99 and 190 MB above the process's RSS without a model, 92 and 94 MB with this
+    setting. Returns True if the setting was applied."""
+    with _lock:
+        if _policy == "retain":
+            return False
+        libc = _glibc()
+        if libc is None:
+            return False
+        return _mallopt(libc, ((_M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES),))
+
+
+__all__ = ["policy", "retain_freed_memory", "release_to_system", "map_large_blocks", "RETAINED_TOP_BYTES"]

@@ -105,6 +105,8 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
         grads = Gradients(trainable, heads, offload, device, telemetry)
         weights = WeightsOut(store, trainable, heads, device)
         store.values_of = weights.values_of
+        for handle in weights.streamed.values():
+            handle.streamer.attach_telemetry(telemetry)  # its waits and reads appear in this optimizer's trace
     except BaseException:  # (e.g. pinned memory refused) the tiers' files go now, not at collection
         if grads is not None:
             grads.close()

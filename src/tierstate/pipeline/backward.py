@@ -243,7 +243,9 @@ class BackwardDriver:
         self._release_applied(segs)
 
     def _release_applied(self, segs) -> None:
-        """[Note: gradients of streamed weights]
+        """Drop the gradients of streamed parameters that are wholly applied.
+
+        [Note: gradients of streamed weights]
         A model whose weights stream is one whose gradients would not fit either (they are as
         large as the weights: 27 GB in fp32 for a 7B model), so a streamed parameter's gradient
         is dropped (``param.grad = None``) as soon as every piece of it has been applied, during

@@ -22,6 +22,7 @@ from torch import Tensor
 from ..placement import Offload
 from ..tiers import Slot, StateLife
 from ..weights import generation as weights_generation
+from ..weights import streamed as weights_of
 from .assembly import Parts, assemble
 from .decision import Decision, Scaling, Verdict, decide
 from .executors import DeviceExecutor, HostExecutor
@@ -149,11 +150,14 @@ class StepEngine:
         """
         params = [p for g in self.groups() for p in g["params"]]
         slots = self.store.slots
-        if self.parts.weights_generation != weights_generation() and all(p is s.param for p, s in zip(params, slots)):
-            # weights started or stopped streaming (ts.offload_weights after the optimizer was
-            # built): the same parameters, whose values now live elsewhere
-            self.rebuild()
-            return True
+        if self.parts.weights_generation != weights_generation():
+            # some weights started or stopped streaming; if ours did (ts.offload_weights after the
+            # optimizer was built), the same parameters' values now live elsewhere: re-assemble
+            streamed = self.parts.weights.streamed
+            if any((weights_of(p) is not None) != (t in streamed) for t, p in enumerate(self.parts.trainable)):
+                self.rebuild()
+                return True
+            self.parts.weights_generation = weights_generation()
         if len(params) == len(slots) and all(p is s.param for p, s in zip(params, slots)):
             return False
         current = set(params)  # tensors hash by identity
@@ -294,6 +298,8 @@ class StepEngine:
         """Upload the stepped parameters' weights (CUDA) and set the gauges."""
         tel = self.telemetry
         self.parts.weights.upload(stepped, tel)
+        if self.parts.weights.streamed:
+            self.parts.weights.report_streaming(tel)
         for tier_name, nbytes in self.tier_bytes().items():
             tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
         if self.device.type == "cuda":

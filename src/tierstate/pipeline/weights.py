@@ -11,6 +11,7 @@ the device tier was updated in place there, so only its tail goes up.
 from __future__ import annotations
 
 from typing import Sequence
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ class WeightsOut:
         # trainable index -> the handle of a parameter whose weights stream (tierstate.weights):
         # the kernels update its block's host image, and the block refreshes its compute copy
         self.streamed = {i: h for i, p in enumerate(trainable) if (h := weights_of(p)) is not None}
+        self._reported: WeakKeyDictionary = WeakKeyDictionary()  # streamer -> its stats() at the last report
         self.staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
         self.staging_arena: Tensor | None = None
         if device.type == "cuda":
@@ -63,6 +65,28 @@ class WeightsOut:
         if self.device.type == "cpu" or s.trainable in self.streamed:
             return values[first:end]
         return self.staging[s.trainable][first:end]
+
+    def report_streaming(self, telemetry) -> None:
+        """Book what weight streaming did since the last step (tierstate.weights): counters
+        ``weight_fetch_bytes``, ``weight_writeback_bytes``, ``weight_prefetch_hits`` /
+        ``_misses``; gauges ``weight_stall_seconds`` (the compute waiting on weights, since
+        the streamer began) and ``weight_window_bytes`` (its peak)."""
+        seen = []
+        for h in self.streamed.values():
+            try:
+                streamer = h.streamer
+            except RuntimeError:
+                continue  # closed
+            if any(streamer is x for x in seen):
+                continue
+            seen.append(streamer)
+            st = streamer.stats()
+            last = self._reported.get(streamer, {})
+            for key in ("fetch_bytes", "writeback_bytes", "prefetch_hits", "prefetch_misses"):
+                telemetry.count(f"weight_{key}", int(st[key] - last.get(key, 0)))
+            telemetry.set_gauge("weight_stall_seconds", float(st["stall_seconds"]))
+            telemetry.set_gauge("weight_window_bytes", float(st["peak_window_bytes"]))
+            self._reported[streamer] = st
 
     def wait_upload(self, telemetry) -> None:
         """Before the kernels rewrite the staging buffers: the previous upload has read them."""

@@ -28,6 +28,10 @@ _PHASES: dict[str, str] = {
     "weight_upload": "host->device copies of the updated (rounded) weights.",
     "device_update": "the optimizer update of the state kept on the accelerator.",
     "device_stall": "the step waiting on the accelerator (stream or event synchronise).",
+    "weight_fetch": "reading a streamed block's weights from its NVMe home (tierstate.weights), "
+    "from the read's start to its completion being seen; lane 'weights'.",
+    "weight_wait": "forward, backward or the update waiting on a streamed block's weights: a read "
+    "not landed yet, or a write-back that must finish first; lane 'weights'.",
     "backward_wait": "step() waiting for the updates that step_in_backward=True runs during "
     "backward to finish.",
     "other": "step time on the critical path not covered by any phase above: Python "

@@ -107,8 +107,10 @@ def resolve_blocks(model: nn.Module, blocks) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def assign(model: nn.Module, named_blocks: Sequence[tuple[str, nn.Module]]) -> tuple[list[Block], list[tuple[str, Tensor]]]:
-    """Blocks with the parameters only they use, and the parameters that stay resident."""
+def assign(model: nn.Module, named_blocks: Sequence[tuple[str, nn.Module]],
+           keep_resident=None) -> tuple[list[Block], list[tuple[str, Tensor]]]:
+    """Blocks with the parameters only they use, and the parameters that stay resident
+    (also those for which ``keep_resident(name, param)`` is true, e.g. LoRA adapters)."""
     owners: dict[Tensor, set[int]] = {}  # parameter -> indices of the blocks using it (-1: outside any block)
     first_name: dict[Tensor, str] = {}
     in_block: dict[nn.Module, int] = {}
@@ -127,6 +129,8 @@ def assign(model: nn.Module, named_blocks: Sequence[tuple[str, nn.Module]]) -> t
         places, cursor = [], 0
         for p in _unique(mod.parameters()):
             if owners.get(p) != {bi} or p.numel() == 0:
+                continue
+            if keep_resident is not None and keep_resident(first_name[p], p):
                 continue
             cursor = align_up(cursor, PARAM_ALIGN)
             nbytes = p.numel() * p.element_size()

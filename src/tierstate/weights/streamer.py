@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import host_allocator
 from ..placement import Offload
 from ..placement.defaults import default_nvme_root
 from .blocks import Block, assign, byte_view, resolve_blocks, typed_view
@@ -95,13 +96,13 @@ class WeightStreamer:
     """Keeps the weights of a model's blocks on tiers; see :func:`offload_weights`."""
 
     def __init__(self, model: nn.Module, tiers: Sequence[str], named_blocks, device: torch.device,
-                 prefetch: int, nvme_dir, init) -> None:
+                 prefetch: int, nvme_dir, init, keep_resident=None) -> None:
         self.model_ref = weakref.ref(model)
         self.device = device
         self.prefetch = prefetch
         self.closed = False
         self._lock = threading.RLock()
-        blocks, _ = assign(model, named_blocks)
+        blocks, _ = assign(model, named_blocks, keep_resident)
         for b in blocks:
             for pl in b.places:
                 if pl.param in _registry:
@@ -116,6 +117,8 @@ class WeightStreamer:
             self.blocks.append(b)
             kinds.append(tier)
         self.tiers = tuple(kinds)
+        if device.type == "cpu" and self.blocks:
+            host_allocator.map_large_blocks()  # freed blocks leave the RSS (see there, with figures)
         explicit = nvme_dir is not None
         homes = {}
         for kind in ("cpu", "nvme"):
@@ -137,6 +140,8 @@ class WeightStreamer:
             for pl in b.places:
                 _registry[pl.param] = StreamedParam(self, b.index, pl)
         _generation[0] += 1
+        self._telemetries: "weakref.WeakSet" = weakref.WeakSet()
+        self.window.report = self._report
         self.hooks = BlockHooks(self)
         self._finalizer = weakref.finalize(self, _close_homes, self._homes)
 
@@ -193,6 +198,15 @@ class WeightStreamer:
         self.window.fill_home(block.index, byte_view(storage, block.nbytes))
         storage.resize_(0)
 
+    def attach_telemetry(self, telemetry) -> None:
+        """Book this streamer's waits and reads (phases ``weight_wait``, ``weight_fetch`` on lane
+        ``weights``) in ``telemetry`` too; an optimizer over streamed parameters attaches its own."""
+        self._telemetries.add(telemetry)
+
+    def _report(self, phase: str, seconds: float, start: float) -> None:
+        for tel in list(self._telemetries):
+            tel.add_phase_time(phase, seconds, lane="weights", start=start)
+
     # -- what the hooks call -------------------------------------------------------------------
     def _use(self, b: int) -> None:
         upcoming = self.order.note(b)
@@ -200,6 +214,10 @@ class WeightStreamer:
         self.window.materialize(b, up)
         for u in upcoming:
             self.window.prefetch(u, up)
+        if self.window.cuda and upcoming:
+            # the next block's copy up runs on the side stream while this one computes; it is
+            # released after its own use, or at the end of backward if the order was wrong
+            self.window.materialize(upcoming[0], up)
 
     def _enter_forward(self, b: int) -> None:
         with self._lock:
@@ -410,7 +428,7 @@ def _tiers_of(offload, nblocks: int, block_nbytes: list[int], device: torch.devi
 
 
 def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="auto", prefetch: int = 2,
-                    device=None, init=None) -> WeightStreamer:
+                    device=None, init=None, keep_resident=None) -> WeightStreamer:
     """Keep the weights of ``model``'s blocks on a tier and bring each to the compute device
     only while it runs (forward, backward, recomputation under activation checkpointing).
 
@@ -439,6 +457,9 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
         device: the compute device (default: CUDA if available, else the CPU).
         init: for meta models: called with every module once its own parameters and buffers
             have memory (e.g. ``model._init_weights`` of a transformers model).
+        keep_resident: ``(name, param) -> bool``: parameters of the blocks to keep on the compute
+            device anyway, e.g. ``lambda name, p: p.requires_grad`` for LoRA fine-tuning (the
+            frozen base weights stream, the small adapters stay).
 
     Returns:
         A :class:`WeightStreamer`: ``stats()``, ``gathered()``, ``read_param``/``write_param``,
@@ -450,6 +471,8 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
         raise ValueError(f"prefetch={prefetch!r}: expected an int >= 0 (blocks read ahead)")
     if init is not None and not callable(init):
         raise TypeError(f"init={init!r}: expected a function of a module, or None")
+    if keep_resident is not None and not callable(keep_resident):
+        raise TypeError(f"keep_resident={keep_resident!r}: expected a function (name, param) -> bool, or None")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -458,7 +481,7 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: weights stream to 'cpu' or 'cuda'")
     named = resolve_blocks(model, blocks)
-    assigned, _ = assign(model, named)
+    assigned, _ = assign(model, named, keep_resident)
     nbytes = [b.nbytes for b in assigned]
     if isinstance(offload, str) and offload == "auto":
         from .auto import choose_tiers  # noqa: PLC0415 - the planner and the probe only for "auto"
@@ -469,4 +492,4 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
         nvme_dir = offload.nvme_dirs[0]
     if nvme_dir is not None and "nvme" not in tiers:
         raise ValueError(f"nvme_dir={str(nvme_dir)!r}: no block lives on NVMe with offload={offload!r}")
-    return WeightStreamer(model, tiers, named, device, prefetch, nvme_dir, init)
+    return WeightStreamer(model, tiers, named, device, prefetch, nvme_dir, init, keep_resident)

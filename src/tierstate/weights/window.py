@@ -93,6 +93,9 @@ class Window:
             for _ in range(min(prefetch + 2, len(nvme))):
                 self._free.append(self._new_buffer())
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        # (phase, seconds, start) -> None: the streamer books waits and reads in the telemetry of
+        # the optimizers that update these weights (see WeightStreamer.attach_telemetry)
+        self.report = lambda phase, seconds, start: None
 
     # -- buffers -------------------------------------------------------------------------------
     def _new_buffer(self) -> Tensor:
@@ -157,7 +160,9 @@ class Window:
                 st.dirty = True  # the bytes are still in the image: nothing is lost, the next eviction retries
                 raise
             finally:
-                self.counters.stall_seconds += time.perf_counter() - t0
+                waited = time.perf_counter() - t0
+                self.counters.stall_seconds += waited
+                self.report("weight_wait", waited, t0)
 
     # -- images --------------------------------------------------------------------------------
     def prefetch(self, b: int, upcoming: set[int]) -> None:
@@ -170,8 +175,14 @@ class Window:
             buf = self._free.pop()
         else:
             victim = self._victim(upcoming | {b})
-            if victim is None or self.state[victim].dirty or self.state[victim].write is not None:
-                return  # a read ahead that would wait on a write-back is not worth it
+            if victim is None:
+                return
+            vst = self.state[victim]
+            if vst.dirty:  # start its write-back now; a later read-ahead takes the buffer
+                self._write_back(victim)
+                return
+            if vst.write is not None and not vst.write.done():
+                return  # a read ahead never waits on a write-back
             buf = self._evict(victim)
         st.image = buf
         st.fetch = home.read(b, buf)
@@ -210,6 +221,8 @@ class Window:
             now = time.perf_counter()
             self.counters.stall_seconds += now - t0
             self.counters.fetch_seconds += now - st.fetch_started
+            self.report("weight_wait", now - t0, t0)
+            self.report("weight_fetch", now - st.fetch_started, st.fetch_started)
         self.counters.fetch_bytes += home.record_nbytes[b]
         return st.image
 
