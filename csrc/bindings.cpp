@@ -88,6 +88,58 @@ static void bind_kernels(nb::module_& m) {
       },
       "Sum of (grad * scale)^2 in float64 (see tierstate.kernels.grad_sumsq).");
 
+  // A quantization map travels as (table, lut_threshold, lut addresses, lut_size, lut_shift,
+  // lut_base, signed); tierstate/kernels/quant.py owns the arrays.
+  using MapArgs = std::tuple<ptr, ptr, ptr, int32_t, int32_t, int32_t, bool>;
+  auto as_map = [](const MapArgs& a) {
+    return k::QuantMapRef{reinterpret_cast<const float*>(std::get<0>(a)),
+                          reinterpret_cast<const float*>(std::get<1>(a)),
+                          reinterpret_cast<const int32_t*>(std::get<2>(a)), std::get<3>(a),
+                          std::get<4>(a), std::get<5>(a), std::get<6>(a)};
+  };
+
+  km.def(
+      "adam_q8_update",
+      [as_dtype, as_map](ptr master, ptr master_comp, ptr grad, ptr m_codes, ptr m_scale, ptr v_codes,
+                         ptr v_scale, ptr weight_out, int64_t n, int grad_dtype, int out_dtype,
+                         const MapArgs& m_map, const MapArgs& v_map, double lr, double beta1,
+                         double beta2, double eps, double weight_decay, bool decoupled,
+                         double bias_correction1, double bias_correction2, bool maximize,
+                         double grad_scale, int64_t block_size, int master_mode, uint32_t sr_key,
+                         uint32_t index_offset) {
+        const k::AdamQ8Params p{{lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction1,
+                                 bias_correction2, maximize, grad_scale},
+                                block_size, static_cast<k::MasterMode>(master_mode), sr_key, index_offset};
+        const k::QuantMapRef mm = as_map(m_map), vm = as_map(v_map);
+        nb::gil_scoped_release release;
+        k::adam_q8_update(reinterpret_cast<void*>(master), reinterpret_cast<void*>(master_comp),
+                          reinterpret_cast<const void*>(grad), reinterpret_cast<uint8_t*>(m_codes),
+                          reinterpret_cast<float*>(m_scale), reinterpret_cast<uint8_t*>(v_codes),
+                          reinterpret_cast<float*>(v_scale), reinterpret_cast<void*>(weight_out), n,
+                          as_dtype(grad_dtype), as_dtype(out_dtype), mm, vm, p);
+      },
+      "Adam/AdamW on 8-bit blockwise moments (see tierstate.kernels.quant).");
+
+  km.def(
+      "quantize_blockwise",
+      [as_map](ptr x, ptr codes, ptr scale, int64_t n, int64_t block_size, const MapArgs& map) {
+        const k::QuantMapRef m = as_map(map);
+        nb::gil_scoped_release release;
+        k::quantize_blockwise(reinterpret_cast<const float*>(x), reinterpret_cast<uint8_t*>(codes),
+                              reinterpret_cast<float*>(scale), n, block_size, m);
+      },
+      "Blockwise 8-bit codes and fp32 absmax scales of n fp32 values (see tierstate.kernels.quant).");
+
+  km.def(
+      "dequantize_blockwise",
+      [as_map](ptr codes, ptr scale, ptr out, int64_t n, int64_t block_size, const MapArgs& map) {
+        const k::QuantMapRef m = as_map(map);
+        nb::gil_scoped_release release;
+        k::dequantize_blockwise(reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const float*>(scale),
+                                reinterpret_cast<float*>(out), n, block_size, m);
+      },
+      "fp32 values of blockwise 8-bit codes (see tierstate.kernels.quant).");
+
   km.def("available_isas", &k::available_isas, "ISA variants this CPU and build can run, widest first.");
   km.def("current_isa", &k::current_isa, "The ISA variant the kernels use now.");
   km.def("set_isa", &k::set_isa, nb::arg("name"),

@@ -5,7 +5,9 @@
 // The arithmetic follows tierstate/kernels/reference.py (torch's single-tensor
 // optimizers) operation by operation; where torch rounds twice and we fuse (a*b+c),
 // results differ by an ulp or so, which the parity tests bound.
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/isa_table.h"
@@ -325,6 +327,188 @@ double sumsq_range(const void* grad, DType grad_dtype, int64_t begin, int64_t en
   return total;
 }
 
+// ---- compressed state: 8-bit moments, fp32 / bf16 master ----------------------
+// One pass per block: dequantize m and sqrt(v), update in fp32 exactly as adam_loop,
+// write the master, keep the new m and sqrt(v) in two fp32 rows of the block (L1), then
+// encode both rows with the block's new absmax. The specification is quant.py.
+
+// NaN if either is NaN (the scale of a block with a NaN must be NaN), else the larger.
+inline float max_nan_scalar(float a, float b) {
+  if (a != a || b != b) return a + b;
+  return a > b ? a : b;
+}
+
+template <class W>
+inline float reduce_max_nan(W x) {
+  float lanes[W::kWidth];
+  W::store(lanes, x);
+  float r = lanes[0];
+  for (int k = 1; k < W::kWidth; ++k) r = max_nan_scalar(r, lanes[k]);
+  return r;
+}
+
+// Elements [i0, i1) of the block that starts at b0, over vector type W. Returns the
+// absmax of the new m and of the new sqrt(v) through amax_m / amax_s.
+template <class W, DType G, DType O, MasterMode MM>
+inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_t b0, float m_scale,
+                             float s_scale, float* m_row, float* s_row, float& amax_m, float& amax_s,
+                             bool stream) {
+  const void* const grad = t.grad;
+  float* const master32 = static_cast<float*>(t.master);
+  uint16_t* const master16 = static_cast<uint16_t*>(t.master);
+  int16_t* const comp = static_cast<int16_t*>(t.comp);
+  const uint8_t* const m_codes = t.m_codes;
+  const uint8_t* const v_codes = t.v_codes;
+  const float* const m_table = t.m_map.table;
+  const float* const v_table = t.v_map.table;
+  void* const weight_out = t.weight_out;
+  const bool coupled_wd = t.coupled_wd, decoupled_wd = t.decoupled_wd;
+  const bool m_from_end = t.m_lerp.from_end;
+  const uint32_t sr_key = t.sr_key, index_offset = t.index_offset;
+  const W grad_mul = W::set1(t.grad_mul), wd = W::set1(t.wd), decay = W::set1(t.decay);
+  const W m_coeff = W::set1(t.m_lerp.coeff);
+  const W beta2 = W::set1(t.beta2), one_minus_beta2 = W::set1(t.one_minus_beta2);
+  const W neg_step_size_bc2 = W::set1(t.neg_step_size_bc2), eps_bc2 = W::set1(t.eps_bc2);
+  const W ms = W::set1(m_scale), ss = W::set1(s_scale);
+  W am = W::set1(0.0f), as = W::set1(0.0f);
+
+  for (int64_t i = i0; i < i1; i += W::kWidth) {
+    W g = load_as<W, G>(grad, i) * grad_mul;
+    W w;
+    if constexpr (MM == MasterMode::kF32) w = W::load(master32 + i);
+    else if constexpr (MM == MasterMode::kBF16Kahan) {
+      const W master = W::load_bf16(master16 + i);
+      w = W::fmadd(W::load_i16(comp + i), W::comp_unit(master, false), master);  // the product is exact
+    } else {
+      w = W::load_bf16(master16 + i);
+    }
+    if (coupled_wd) g = W::fmadd(w, wd, g);
+    if (decoupled_wd) w = w * decay;
+    const W m_old = W::decode_q8(m_codes + i, m_table) * ms;
+    const W s_old = W::decode_q8(v_codes + i, v_table) * ss;
+    const W m = lerp(m_old, g, m_coeff, m_from_end);
+    const W v = W::fmadd(one_minus_beta2 * g, g, (s_old * s_old) * beta2);
+    const W s = W::sqrt(v);
+    w = W::fmadd(neg_step_size_bc2, m / (s + eps_bc2), w);
+    if constexpr (MM == MasterMode::kF32) {
+      W::store(master32 + i, w);
+      store_out<W, O>(weight_out, i, w, stream);
+    } else if constexpr (MM == MasterMode::kBF16Kahan) {
+      // master = bf16(w); comp = (w - master) in units of 2**-16 of master's bf16 ulp,
+      // rounded to nearest even: w - master is exact in fp32 and at most half an ulp, so
+      // comp holds it to 2**-17 ulp (quant.py: "bf16_kahan").
+      W::store_bf16(master16 + i, w);
+      const W rounded = W::load_bf16(master16 + i);
+      W::store_i16_rne(comp + i, (w - rounded) * W::comp_unit(rounded, true));
+      store_out<W, O>(weight_out, i, w, stream);
+    } else {
+      W::store_bf16_sr(master16 + i, w, sr_key, index_offset + static_cast<uint32_t>(i));
+      store_out<W, O>(weight_out, i, W::load_bf16(master16 + i), stream);
+    }
+    W::store(m_row + (i - b0), m);
+    W::store(s_row + (i - b0), s);
+    am = W::max_nan(am, W::abs(m));
+    as = W::max_nan(as, s);
+  }
+  amax_m = max_nan_scalar(amax_m, reduce_max_nan(am));
+  amax_s = max_nan_scalar(amax_s, reduce_max_nan(as));
+}
+
+// The stored scale and the multiplier that normalises the block: a non-finite absmax
+// gives scale NaN (and code 0 everywhere); an absmax below FLT_MIN (whose reciprocal
+// could overflow), multiplier 0 (code 0: the block dequantizes to zero).
+inline float block_scale(float absmax, float& inv, bool& finite) {
+  finite = absmax - absmax == 0.0f;
+  inv = finite && absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f;
+  return finite ? absmax : __builtin_nanf("");
+}
+
+// Encodes row[0, i1 - i0) into codes[i0, i1) (a block, or its W-wide part).
+template <class W>
+inline void encode_row(const float* row, uint8_t* codes, int64_t i0, int64_t i1, float inv,
+                       const QuantMapRef& map) {
+  const W winv = W::set1(inv);
+  for (int64_t i = i0; i < i1; i += W::kWidth) W::encode_q8(codes + i, W::load(row + (i - i0)) * winv, map);
+}
+
+template <class V, class S>
+inline void encode_block(const float* row, uint8_t* codes, int64_t b0, int64_t b1, float absmax,
+                         float* scale_out, const QuantMapRef& map) {
+  float inv;
+  bool finite;
+  *scale_out = block_scale(absmax, inv, finite);
+  if (!finite) {
+    std::memset(codes + b0, 0, static_cast<size_t>(b1 - b0));
+    return;
+  }
+  const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
+  encode_row<V>(row, codes, b0, mid, inv, map);
+  encode_row<S>(row + (mid - b0), codes, mid, b1, inv, map);
+}
+
+template <class V, class S, DType G, DType O, MasterMode MM>
+void adam_q8_loop(const AdamQ8Task& t, int64_t begin, int64_t end) {
+  alignas(64) float m_row[kMaxQuantBlock];
+  alignas(64) float s_row[kMaxQuantBlock];
+  const bool stream = can_stream_out<V>(t.weight_out, begin);
+  for (int64_t b0 = begin; b0 < end; b0 += t.block) {
+    const int64_t b1 = std::min(end, b0 + t.block);
+    const int64_t blk = b0 / t.block;
+    const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
+    const float m_scale = t.m_scale[blk], s_scale = t.v_scale[blk];
+    float amax_m = 0.0f, amax_s = 0.0f;
+    adam_q8_elements<V, G, O, MM>(t, b0, mid, b0, m_scale, s_scale, m_row, s_row, amax_m, amax_s, stream);
+    adam_q8_elements<S, G, O, MM>(t, mid, b1, b0, m_scale, s_scale, m_row, s_row, amax_m, amax_s, false);
+    encode_block<V, S>(m_row, t.m_codes, b0, b1, amax_m, t.m_scale + blk, t.m_map);
+    encode_block<V, S>(s_row, t.v_codes, b0, b1, amax_s, t.v_scale + blk, t.v_map);
+  }
+  end_stream<V>(stream);
+}
+
+template <class V, class S>
+void adam_q8_range(const AdamQ8Task& t, int64_t begin, int64_t end) {
+  visit_value_dtype(t.grad_dtype, [&](auto g) {
+    visit_out_dtype(t.out_dtype, [&](auto o) {
+      constexpr DType kG = decltype(g)::value, kO = decltype(o)::value;
+      switch (t.master_mode) {
+        case MasterMode::kF32: adam_q8_loop<V, S, kG, kO, MasterMode::kF32>(t, begin, end); break;
+        case MasterMode::kBF16Kahan: adam_q8_loop<V, S, kG, kO, MasterMode::kBF16Kahan>(t, begin, end); break;
+        case MasterMode::kBF16SR: adam_q8_loop<V, S, kG, kO, MasterMode::kBF16SR>(t, begin, end); break;
+      }
+    });
+  });
+}
+
+template <class V, class S>
+void quantize_range(const QuantTask& t, int64_t begin, int64_t end) {
+  for (int64_t b0 = begin; b0 < end; b0 += t.block) {
+    const int64_t b1 = std::min(end, b0 + t.block);
+    const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
+    V acc = V::set1(0.0f);
+    for (int64_t i = b0; i < mid; i += V::kWidth) acc = V::max_nan(acc, V::abs(V::load(t.x + i)));
+    float absmax = reduce_max_nan(acc);
+    for (int64_t i = mid; i < b1; ++i) absmax = max_nan_scalar(absmax, S::abs(S::load(t.x + i)).v);
+    encode_block<V, S>(t.x + b0, t.codes, b0, b1, absmax, t.scale + b0 / t.block, t.map);
+  }
+}
+
+template <class W>
+inline void decode_span(const QuantTask& t, int64_t i0, int64_t i1, float scale) {
+  const W ws = W::set1(scale);
+  for (int64_t i = i0; i < i1; i += W::kWidth) W::store(t.out + i, W::decode_q8(t.codes + i, t.map.table) * ws);
+}
+
+template <class V, class S>
+void dequantize_range(const QuantTask& t, int64_t begin, int64_t end) {
+  for (int64_t b0 = begin; b0 < end; b0 += t.block) {
+    const int64_t b1 = std::min(end, b0 + t.block);
+    const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
+    const float scale = t.scale[b0 / t.block];
+    decode_span<V>(t, b0, mid, scale);
+    decode_span<S>(t, mid, b1, scale);
+  }
+}
+
 // ---- vector body + scalar tail ----------------------------------------------
 template <class V>
 inline int64_t vector_end(int64_t begin, int64_t end) {
@@ -358,7 +542,8 @@ struct KernelSet {
     return sumsq_range<V>(grad, d, b, m) + sumsq_range<S>(grad, d, m, e);
   }
   static const KernelTable* table(const char* name) {
-    static const KernelTable t{name, &adam, &lion, &sgd, &adagrad, &sumsq};
+    static const KernelTable t{name, &adam, &lion, &sgd, &adagrad, &sumsq,
+                               &adam_q8_range<V, S>, &quantize_range<V, S>, &dequantize_range<V, S>};
     return &t;
   }
 };

@@ -219,6 +219,95 @@ double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale) {
   return total * (scale * scale);
 }
 
+namespace {
+
+void check_quant(int64_t n, int64_t block_size, const QuantMapRef& map, const char* what) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (block_size < kMinQuantBlock || block_size > kMaxQuantBlock || (block_size & (block_size - 1)) != 0)
+    throw std::invalid_argument("block_size must be a power of two in [64, 4096]");
+  if (map.table == nullptr || map.lut_threshold == nullptr || map.lut == nullptr || map.lut_size < 1 ||
+      map.lut_shift < 0 || map.lut_shift > 23)
+    throw std::invalid_argument(std::string("invalid quantization map for ") + what);
+}
+
+// Tasks of whole blocks: the update's usual task size is a multiple of 4096 elements, so
+// of every allowed block size. No aligned head: a head would cut a block.
+template <class Task>
+void run_blocks(const Task& task, int64_t n, void (*kernel)(const Task&, int64_t, int64_t)) {
+  if (n <= 0) return;
+  const int64_t chunk = update_task_elements(n);
+  const int64_t n_tasks = (n + chunk - 1) / chunk;
+  auto body = [&](int64_t i) { kernel(task, i * chunk, std::min(n, (i + 1) * chunk)); };
+  ThreadPool::instance().parallel_for(n_tasks, body);
+}
+
+}  // namespace
+
+void adam_q8_update(void* master, void* master_comp, const void* grad, uint8_t* m_codes,
+                    float* m_scale, uint8_t* v_codes, float* v_scale, void* weight_out, int64_t n,
+                    DType grad_dtype, DType out_dtype, const QuantMapRef& m_map,
+                    const QuantMapRef& v_map, const AdamQ8Params& p) {
+  check_common(master, grad, n, grad_dtype, DType::kF32, out_dtype);
+  check_quant(n, p.block_size, m_map, "exp_avg");
+  check_quant(n, p.block_size, v_map, "exp_avg_sq");
+  if (n > 0 && (m_codes == nullptr || m_scale == nullptr || v_codes == nullptr || v_scale == nullptr))
+    throw std::invalid_argument("the codes and scales of exp_avg and exp_avg_sq must be non-null");
+  if (p.master != MasterMode::kF32 && p.master != MasterMode::kBF16Kahan && p.master != MasterMode::kBF16SR)
+    throw std::invalid_argument("master mode must be fp32, bf16_kahan or bf16_sr");
+  if (n > 0 && p.master == MasterMode::kBF16Kahan && master_comp == nullptr)
+    throw std::invalid_argument("bf16_kahan needs the master.comp buffer");
+  if (n > 0 && static_cast<uint64_t>(p.index_offset) + static_cast<uint64_t>(n) > (uint64_t{1} << 32))
+    throw std::invalid_argument("index_offset + n must not exceed 2**32");
+  const AdamParams& a = p.adam;
+  AdamQ8Task t{};
+  t.master = master;
+  t.comp = p.master == MasterMode::kBF16Kahan ? master_comp : nullptr;
+  t.grad = grad;
+  t.m_codes = m_codes;
+  t.m_scale = m_scale;
+  t.v_codes = v_codes;
+  t.v_scale = v_scale;
+  t.weight_out = weight_out;
+  t.grad_dtype = grad_dtype;
+  t.out_dtype = weight_out == nullptr ? DType::kNone : out_dtype;
+  t.master_mode = p.master;
+  t.m_map = m_map;
+  t.v_map = v_map;
+  t.block = p.block_size;
+  t.grad_mul = grad_multiplier(a.grad_scale, a.maximize);
+  t.coupled_wd = a.weight_decay != 0 && !a.decoupled;
+  t.decoupled_wd = a.weight_decay != 0 && a.decoupled;
+  t.wd = static_cast<float>(a.weight_decay);
+  t.decay = static_cast<float>(1.0 - a.lr * a.weight_decay);
+  t.m_lerp = make_lerp(1.0 - a.beta1);
+  t.beta2 = static_cast<float>(a.beta2);
+  t.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
+  const double bc2_sqrt = std::sqrt(a.bias_correction2);
+  t.neg_step_size_bc2 = static_cast<float>(-(a.lr / a.bias_correction1) * bc2_sqrt);
+  t.eps_bc2 = static_cast<float>(a.eps * bc2_sqrt);
+  t.sr_key = p.sr_key;
+  t.index_offset = p.index_offset;
+  run_blocks(t, n, table().adam_q8);
+}
+
+void quantize_blockwise(const float* x, uint8_t* codes, float* scale, int64_t n, int64_t block_size,
+                        const QuantMapRef& map) {
+  check_quant(n, block_size, map, "quantize_blockwise");
+  if (n > 0 && (x == nullptr || codes == nullptr || scale == nullptr))
+    throw std::invalid_argument("x, codes and scale must be non-null");
+  const QuantTask t{x, nullptr, codes, scale, block_size, map};
+  run_blocks(t, n, table().quantize);
+}
+
+void dequantize_blockwise(const uint8_t* codes, const float* scale, float* out, int64_t n,
+                          int64_t block_size, const QuantMapRef& map) {
+  check_quant(n, block_size, map, "dequantize_blockwise");
+  if (n > 0 && (out == nullptr || codes == nullptr || scale == nullptr))
+    throw std::invalid_argument("codes, scale and out must be non-null");
+  const QuantTask t{nullptr, out, const_cast<uint8_t*>(codes), const_cast<float*>(scale), block_size, map};
+  run_blocks(t, n, table().dequantize);
+}
+
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
   for (const Variant& v : variants())

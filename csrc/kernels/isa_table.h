@@ -89,6 +89,39 @@ struct AdagradTask {
   float neg_clr;
 };
 
+struct AdamQ8Task {
+  void* master;
+  void* comp;            // int16 compensation, kBF16Kahan only
+  const void* grad;
+  uint8_t* m_codes;
+  float* m_scale;
+  uint8_t* v_codes;
+  float* v_scale;
+  void* weight_out;
+  DType grad_dtype, out_dtype;
+  MasterMode master_mode;
+  QuantMapRef m_map, v_map;
+  int64_t block;
+  float grad_mul;
+  bool coupled_wd;
+  float wd;
+  bool decoupled_wd;
+  float decay;
+  LerpCoeff m_lerp;
+  float beta2, one_minus_beta2;
+  float neg_step_size_bc2, eps_bc2;  // as in AdamTask
+  uint32_t sr_key, index_offset;
+};
+
+struct QuantTask {
+  const float* x;   // quantize: input; dequantize: output (as float*)
+  float* out;
+  uint8_t* codes;
+  float* scale;
+  int64_t block;
+  QuantMapRef map;
+};
+
 // Each entry processes elements [begin, end) of its task: a vector loop over the
 // widest multiple of the vector width, then the same body over a 1-wide type.
 struct KernelTable {
@@ -98,6 +131,10 @@ struct KernelTable {
   void (*sgd)(const SgdTask&, int64_t begin, int64_t end);
   void (*adagrad)(const AdagradTask&, int64_t begin, int64_t end);
   double (*sumsq)(const void* grad, DType grad_dtype, int64_t begin, int64_t end);
+  // The 8-bit ops take [begin, end) starting on a block boundary.
+  void (*adam_q8)(const AdamQ8Task&, int64_t begin, int64_t end);
+  void (*quantize)(const QuantTask&, int64_t begin, int64_t end);
+  void (*dequantize)(const QuantTask&, int64_t begin, int64_t end);
 };
 
 const KernelTable* scalar_table();

@@ -67,6 +67,56 @@ void adagrad_update(float* weight, const void* grad, void* state_sum, void* weig
 // not depend on the thread count (partial sums per fixed chunk, added in order).
 double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale);
 
+// ---- compressed state: blockwise 8-bit moments, fp32 or bf16 master ----
+// The maps and the state layout are specified in tierstate/kernels/quant.py (module doc);
+// the tables come from there, so Python and C++ share one definition of each map.
+
+// An 8-bit map: table[256] is the value of each code (times the block scale); the code of
+// a magnitude a in [0, ~1] is the number of thresholds <= a, found as
+// lut[b] + (a >= lut_threshold[b]) with b = clamp((bits(a) >> lut_shift) - lut_base,
+// 0, lut_size - 1) and lut_threshold[b] = thresholds[lut[b]] (thresholds end with +inf):
+// two independent lookups by b rather than a lookup that waits for another. A signed map
+// puts the sign in bit 7.
+struct QuantMapRef {
+  const float* table;
+  const float* lut_threshold;
+  const int32_t* lut;
+  int32_t lut_size, lut_shift, lut_base;
+  bool is_signed;
+};
+
+// How the master weight is stored: fp32; bf16 plus an int16 compensation term (the fp32
+// weight is master + comp * 2**-16 ulp(master)); bf16 with stochastic rounding.
+enum class MasterMode : int { kF32 = 0, kBF16Kahan = 1, kBF16SR = 2 };
+
+// Blocks of the 8-bit formats: a power of two in [kMinQuantBlock, kMaxQuantBlock]. The
+// update tasks are multiples of 4096 elements (dispatch.cpp), so they cut at block
+// boundaries; a block's two fp32 scratch rows (2 x 4096 x 4 B = 32 KiB) stay on the stack.
+constexpr int64_t kMinQuantBlock = 64;
+constexpr int64_t kMaxQuantBlock = 4096;
+
+struct AdamQ8Params {
+  AdamParams adam;     // lr, betas, eps, weight decay, bias corrections, maximize, grad_scale
+  int64_t block_size;
+  MasterMode master;
+  uint32_t sr_key;        // stochastic rounding: quant.py's sr_key(seed, step)
+  uint32_t index_offset;  // index of element 0 within its parameter (for the SR hash)
+};
+
+// One Adam/AdamW step on compressed state (amsgrad is not offered). master: fp32 or bf16
+// per p.master; master_comp: int16, only for kBF16Kahan (else null); m: signed-map codes and
+// per-block absmax; v: codes of sqrt(v) in the unsigned map and per-block max sqrt(v).
+void adam_q8_update(void* master, void* master_comp, const void* grad, uint8_t* m_codes,
+                    float* m_scale, uint8_t* v_codes, float* v_scale, void* weight_out, int64_t n,
+                    DType grad_dtype, DType out_dtype, const QuantMapRef& m_map,
+                    const QuantMapRef& v_map, const AdamQ8Params& p);
+
+// Blockwise encoding of the fp32 x (magnitudes |x| for an unsigned map) and its inverse.
+void quantize_blockwise(const float* x, uint8_t* codes, float* scale, int64_t n, int64_t block_size,
+                        const QuantMapRef& map);
+void dequantize_blockwise(const uint8_t* codes, const float* scale, float* out, int64_t n,
+                          int64_t block_size, const QuantMapRef& map);
+
 // ---- ISA selection and threads ----
 // Variants, widest first: "avx512_bf16" (AVX-512 with native bf16 rounding),
 // "avx512", "avx2", "neon", "scalar".

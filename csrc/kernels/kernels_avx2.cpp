@@ -59,6 +59,67 @@ struct VecAvx2 {
   friend VecAvx2 operator/(VecAvx2 a, VecAvx2 b) { return {_mm256_div_ps(a.v, b.v)}; }
   static VecAvx2 fmadd(VecAvx2 a, VecAvx2 b, VecAvx2 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   static VecAvx2 sqrt(VecAvx2 a) { return {_mm256_sqrt_ps(a.v)}; }
+  static VecAvx2 abs(VecAvx2 a) {
+    return {_mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(a.v), _mm256_set1_epi32(0x7FFFFFFF)))};
+  }
+  // 8 codes -> table values (one gather).
+  static VecAvx2 decode_q8(const uint8_t* codes, const float* table) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    return {_mm256_i32gather_ps(table, c, 4)};
+  }
+  // encode_q8_one (vec_scalar.h) on 8 lanes: two independent gathers by bucket.
+  static void encode_q8(uint8_t* out, VecAvx2 y, const QuantMapRef& m) {
+    const __m256i mag = _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i b = _mm256_sub_epi32(_mm256_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
+                                 _mm256_set1_epi32(m.lut_base));
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(m.lut_size - 1));
+    __m256i c = _mm256_i32gather_epi32(m.lut, b, 4);
+    const __m256 t = _mm256_i32gather_ps(m.lut_threshold, b, 4);
+    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(mag), t, _CMP_GE_OQ));
+    c = _mm256_sub_epi32(c, up);  // up is -1 where the value reaches the threshold
+    if (m.is_signed) {
+      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y.v, _mm256_setzero_ps(), _CMP_LT_OQ));
+      c = _mm256_or_si256(c, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+    }
+    // Codes fit in 8 bits, so the saturating packs are exact narrowings.
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
+  }
+  static __m256i lowbias32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  // f32_to_bf16_sr (vec_scalar.h) on 8 lanes; lane k uses index + k.
+  static void store_bf16_sr(uint16_t* p, VecAvx2 x, uint32_t key, uint32_t index) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index)), lanes);
+    const __m256i r = _mm256_srli_epi32(lowbias32(_mm256_xor_si256(idx, _mm256_set1_epi32(static_cast<int>(key)))), 16);
+    __m256i bits = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x.v), r), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC0), is_nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+  }
+  // comp_unit_one / comp_to_i16 (vec_scalar.h) on 8 lanes.
+  static VecAvx2 comp_unit(VecAvx2 m, bool inverse) {
+    __m256i e = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(m.v), 23), _mm256_set1_epi32(0xFF));
+    e = _mm256_max_epi32(e, _mm256_set1_epi32(24));
+    const __m256i bits = inverse ? _mm256_sub_epi32(_mm256_set1_epi32(277), e) : _mm256_sub_epi32(e, _mm256_set1_epi32(23));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(bits, 23))};
+  }
+  static VecAvx2 load_i16(const int16_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static void store_i16_rne(int16_t* p, VecAvx2 x) {
+    __m256 y = _mm256_and_ps(x.v, _mm256_cmp_ps(x.v, x.v, _CMP_ORD_Q));
+    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-32768.0f)), _mm256_set1_ps(32767.0f));
+    const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+  }
   static VecAvx2 max_nan(VecAvx2 a, VecAvx2 b) {
     const __m256 unordered = _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q);
     return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), _mm256_add_ps(a.v, b.v), unordered)};

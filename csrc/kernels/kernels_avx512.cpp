@@ -79,6 +79,63 @@ struct VecAvx512 {
     return {_mm512_fmadd_ps(a.v, b.v, c.v)};
   }
   static VecAvx512 sqrt(VecAvx512 a) { return {_mm512_sqrt_ps(a.v)}; }
+  static VecAvx512 abs(VecAvx512 a) {
+    return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a.v), _mm512_set1_epi32(0x7FFFFFFF)))};
+  }
+  // 16 codes -> table values (one gather).
+  static VecAvx512 decode_q8(const uint8_t* codes, const float* table) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    return {_mm512_i32gather_ps(c, table, 4)};
+  }
+  // encode_q8_one (vec_scalar.h) on 16 lanes: two independent gathers by bucket.
+  static void encode_q8(uint8_t* out, VecAvx512 y, const QuantMapRef& m) {
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
+    __m512i b = _mm512_sub_epi32(_mm512_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
+                                 _mm512_set1_epi32(m.lut_base));
+    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(m.lut_size - 1));
+    __m512i c = _mm512_i32gather_epi32(b, m.lut, 4);
+    const __m512 t = _mm512_i32gather_ps(b, m.lut_threshold, 4);
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mag), t, _CMP_GE_OQ);
+    c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
+    if (m.is_signed) {
+      const __mmask16 neg = _mm512_cmp_ps_mask(y.v, _mm512_setzero_ps(), _CMP_LT_OQ);
+      c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(0x80));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  }
+  static __m512i lowbias32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  // f32_to_bf16_sr (vec_scalar.h) on 16 lanes; lane k uses index + k.
+  static void store_bf16_sr(uint16_t* p, VecAvx512 x, uint32_t key, uint32_t index) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(index)), lanes);
+    const __m512i r = _mm512_srli_epi32(lowbias32(_mm512_xor_si512(idx, _mm512_set1_epi32(static_cast<int>(key)))), 16);
+    __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x.v), r), 16);
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+    bits = _mm512_mask_mov_epi32(bits, is_nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+  }
+  // comp_unit_one / comp_to_i16 (vec_scalar.h) on 16 lanes.
+  static VecAvx512 comp_unit(VecAvx512 m, bool inverse) {
+    __m512i e = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(m.v), 23), _mm512_set1_epi32(0xFF));
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(24));
+    const __m512i bits = inverse ? _mm512_sub_epi32(_mm512_set1_epi32(277), e) : _mm512_sub_epi32(e, _mm512_set1_epi32(23));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 23))};
+  }
+  static VecAvx512 load_i16(const int16_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))};
+  }
+  static void store_i16_rne(int16_t* p, VecAvx512 x) {
+    __m512 y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, x.v, _CMP_ORD_Q), x.v);
+    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-32768.0f)), _mm512_set1_ps(32767.0f));
+    const __m512i q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(q));
+  }
   static VecAvx512 max_nan(VecAvx512 a, VecAvx512 b) {
     const __mmask16 unordered = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
     return {_mm512_mask_add_ps(_mm512_max_ps(a.v, b.v), unordered, a.v, b.v)};

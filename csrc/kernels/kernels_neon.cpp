@@ -48,6 +48,35 @@ struct VecNeon {
   friend VecNeon operator/(VecNeon a, VecNeon b) { return {vdivq_f32(a.v, b.v)}; }
   static VecNeon fmadd(VecNeon a, VecNeon b, VecNeon c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
   static VecNeon sqrt(VecNeon a) { return {vsqrtq_f32(a.v)}; }
+  static VecNeon abs(VecNeon a) { return {vabsq_f32(a.v)}; }
+  // The 8-bit codes lane by lane through the scalar definitions (vec_scalar.h): NEON has
+  // no gather, and this path has not been measured on an AArch64 machine.
+  static VecNeon decode_q8(const uint8_t* codes, const float* table) {
+    const float lanes[4] = {table[codes[0]], table[codes[1]], table[codes[2]], table[codes[3]]};
+    return {vld1q_f32(lanes)};
+  }
+  static void encode_q8(uint8_t* out, VecNeon y, const QuantMapRef& m) {
+    float lanes[4];
+    vst1q_f32(lanes, y.v);
+    for (int k = 0; k < 4; ++k) out[k] = encode_q8_one(lanes[k], m);
+  }
+  static void store_bf16_sr(uint16_t* p, VecNeon x, uint32_t key, uint32_t index) {
+    float lanes[4];
+    vst1q_f32(lanes, x.v);
+    for (int k = 0; k < 4; ++k) p[k] = f32_to_bf16_sr(lanes[k], key, index + static_cast<uint32_t>(k));
+  }
+  static VecNeon comp_unit(VecNeon m, bool inverse) {
+    float lanes[4];
+    vst1q_f32(lanes, m.v);
+    for (float& x : lanes) x = comp_unit_one(x, inverse);
+    return {vld1q_f32(lanes)};
+  }
+  static VecNeon load_i16(const int16_t* p) { return {vcvtq_f32_s32(vmovl_s16(vld1_s16(p)))}; }
+  static void store_i16_rne(int16_t* p, VecNeon x) {
+    float lanes[4];
+    vst1q_f32(lanes, x.v);
+    for (int k = 0; k < 4; ++k) p[k] = comp_to_i16(lanes[k]);
+  }
   static VecNeon max_nan(VecNeon a, VecNeon b) { return {vmaxq_f32(a.v, b.v)}; }  // FMAX propagates NaN
   static VecNeon sign(VecNeon a) {
     const float32x4_t zero = vdupq_n_f32(0.0f);

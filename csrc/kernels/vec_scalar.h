@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/kernels.h"
+
 #ifndef TIERSTATE_KERNEL_ISA
 #error "define TIERSTATE_KERNEL_ISA (the per-ISA namespace) before including vec_scalar.h"
 #endif
@@ -71,6 +73,53 @@ inline float f16_to_f32(uint16_t h) {
   return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
+// Chris Wellons' lowbias32: the counter-based hash of stochastic rounding (quant.py).
+inline uint32_t lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// fp32 -> bf16 by stochastic rounding: add 16 random bits below the kept ones and
+// truncate. NaN -> 0x7FC0; an infinity has zero low bits, so it stays infinite.
+inline uint16_t f32_to_bf16_sr(float f, uint32_t key, uint32_t index) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + (lowbias32(index ^ key) >> 16)) >> 16);
+}
+
+// The unit of the bf16_kahan compensation term for a master of value m (quant.py):
+// 2**-16 of m's bf16 ulp, 2**(e - 150) for m's biased exponent e, with e raised to at
+// least 24 so that the unit and its inverse (2**(150 - e)) are normal fp32 numbers.
+inline float comp_unit_one(float m, bool inverse) {
+  uint32_t e = (float_bits(m) >> 23) & 0xFFu;
+  if (e < 24) e = 24;
+  return bits_float((inverse ? 277u - e : e - 23u) << 23);
+}
+
+// The compensation term as int16: NaN -> 0, clamped to [-32768, 32767], nearest even.
+inline int16_t comp_to_i16(float x) {
+  float y = x == x ? x : 0.0f;
+  y = y < -32768.0f ? -32768.0f : (y > 32767.0f ? 32767.0f : y);
+  return static_cast<int16_t>(__builtin_rintf(y));
+}
+
+// The code of y under map m (see QuantMapRef): a bucket lookup, one threshold compare.
+inline uint8_t encode_q8_one(float y, const QuantMapRef& m) {
+  const uint32_t mag = float_bits(y) & 0x7FFFFFFFu;
+  int32_t b = static_cast<int32_t>(mag >> m.lut_shift) - m.lut_base;
+  b = b < 0 ? 0 : b;
+  b = b >= m.lut_size ? m.lut_size - 1 : b;
+  int32_t c = m.lut[b];
+  c += static_cast<int32_t>(bits_float(mag) >= m.lut_threshold[b]);
+  // Branch-free: the signs of moments are random, a branch would mispredict half the time.
+  c |= static_cast<int32_t>(m.is_signed & (y < 0.0f)) << 7;
+  return static_cast<uint8_t>(c);
+}
+
 struct VecScalar {
   static constexpr int kWidth = 1;
   float v;
@@ -98,6 +147,15 @@ struct VecScalar {
 #endif
   }
   static VecScalar sqrt(VecScalar a) { return {__builtin_sqrtf(a.v)}; }
+  static VecScalar abs(VecScalar a) { return {bits_float(float_bits(a.v) & 0x7FFFFFFFu)}; }
+  static VecScalar decode_q8(const uint8_t* codes, const float* table) { return {table[*codes]}; }
+  static void encode_q8(uint8_t* out, VecScalar y, const QuantMapRef& m) { *out = encode_q8_one(y.v, m); }
+  static void store_bf16_sr(uint16_t* p, VecScalar x, uint32_t key, uint32_t index) {
+    *p = f32_to_bf16_sr(x.v, key, index);
+  }
+  static VecScalar comp_unit(VecScalar m, bool inverse) { return {comp_unit_one(m.v, inverse)}; }
+  static VecScalar load_i16(const int16_t* p) { return {static_cast<float>(*p)}; }
+  static void store_i16_rne(int16_t* p, VecScalar x) { *p = comp_to_i16(x.v); }
   // torch.maximum: NaN if either is NaN.
   static VecScalar max_nan(VecScalar a, VecScalar b) {
     if (a.v != a.v || b.v != b.v) return {a.v + b.v};

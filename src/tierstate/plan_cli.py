@@ -6,6 +6,15 @@
         --price 0.9/h
     tierstate plan mypkg.models:build_model --placement 0,0.6,0.4
     tierstate plan 1.3B --optimizer sgd --momentum 0.9
+    tierstate plan llama-7b --device cpu --offload-weights auto --micro-batch 1 --seq-len 2048 \\
+        --activation-checkpointing --host-mem 12GiB
+
+``--offload-weights auto`` (or ``cpu``/``nvme``) also plans the weights (parameter offload):
+which blocks stay resident, which stream from pinned host RAM or NVMe, the window and the
+prefetch depth (:mod:`tierstate.placement.weights_plan`); the weights and the optimizer state
+then share the host RAM and disk budgets, split where the joint step is shortest
+(:mod:`tierstate.placement.joint`). The model must be one whose blocks are known (a built-in
+shape, a transformers config or a factory).
 
 The optimizer's state per parameter comes from its own update rule (the keys its
 ``state_specs`` name for the hyper-parameters given), so the plan prices what that optimizer
@@ -29,6 +38,7 @@ from dataclasses import replace
 from . import optim
 from .placement.auto import HOST_FRACTION, existing_ancestor
 from .placement.cost_model import BUDGET_NAMES, Kind
+from .placement.joint import JointPlan, plan_joint
 from .placement.layout import TIER_ORDER
 from .placement.model_spec import ModelSpec, parse_count, resolve_model
 from .placement.plan_inputs import DTYPE_BYTES, Budgets, Hardware, Placement, PlanError, PlanRequest, gib
@@ -120,6 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="price a GPU that would hold everything without offload (repeatable); price is $/h "
                              "(3.5/h) or a purchase price; speed is its compute relative to this one")
     parser.add_argument("--price", help="price of the current setup: $/h (1.2/h) or purchase, for --compare")
+    parser.add_argument("--offload-weights", choices=("none", "auto", "cpu", "nvme"), default="none",
+                        help="also plan the weights (parameter offload): auto chooses resident blocks, pinned host "
+                             "RAM and NVMe homes, window and prefetch; cpu/nvme stream every block from that tier")
+    parser.add_argument("--max-prefetch", type=int, default=4, help="deepest weight prefetch to consider (default 4)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -224,7 +238,7 @@ def _parse_placement(text: str) -> Placement:
 
 def compare(plan: Plan, options: list[dict], price: tuple[float, str] | None) -> list[dict]:
     """The current plan against GPUs big enough to hold everything (no offload), with costs."""
-    req = replace(plan.request, device="cuda", grad_streaming=False)
+    req = replace(plan.request, device="cuda", grad_streaming=False, weights_offloaded=False)
     rows = []
 
     def cost(step_s: float, p: tuple[float, str] | None) -> dict:
@@ -253,7 +267,29 @@ def compare(plan: Plan, options: list[dict], price: tuple[float, str] | None) ->
     return rows
 
 
-def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None) -> None:
+def _print_weights(console, joint: JointPlan) -> None:
+    from rich.table import Table
+
+    for line in joint.weights.describe():
+        console.print(line)
+    table = Table(title="joint budget: weights and optimizer state")
+    table.add_column("")
+    for name in ("device", "host", "disk"):
+        table.add_column(name, justify="right")
+    usage = joint.usage()
+    for row in ("weights", "state", "total", "budget"):
+        cells = [usage[name][row] for name in ("device", "host", "disk")]
+        label = f"[bold]{row}[/bold]" if row == "total" else row
+        table.add_row(label, *[gib(c) if c is not None else "-" for c in cells])
+    console.print(table)
+    if joint.step_seconds is not None:
+        console.print(f"joint step: [bold]{joint.step_seconds * 1e3:.1f} ms[/bold] (optimizer plan "
+                      f"{joint.state.time.total * 1e3:.1f} ms with the compute, + waiting on weights "
+                      f"{(joint.weights.stall_seconds or 0) * 1e3:.1f} ms, - the upload the fetches make)")
+
+
+def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None,
+                 joint: JointPlan | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -294,6 +330,8 @@ def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None) 
         elif value:
             times.add_row(name, f"{value * 1e3:.1f}")
     console.print(times)
+    if joint is not None:
+        _print_weights(console, joint)
     if comparison:
         cmp = Table(title="alternatives")
         for col in ("option", "fits", "step ms", "$ / 1k steps", "purchase $", "placement / why not"):
@@ -316,7 +354,15 @@ def main(args: argparse.Namespace) -> int:
         req, hw, budgets, sources = build_inputs(args)
         options = [parse_compare(c) for c in args.compare]
         price = parse_price(args.price) if args.price else None
-        if args.placement:
+        joint = None
+        if args.max_prefetch < 0:
+            raise ValueError(f"--max-prefetch {args.max_prefetch}: must be >= 0 (0 fetches each block on demand)")
+        if args.offload_weights != "none":
+            joint = plan_joint(req, hw, budgets, weights_tier=args.offload_weights, max_prefetch=args.max_prefetch,
+                               allow_device_tier=args.gpu_tier,
+                               placement=_parse_placement(args.placement) if args.placement else None)
+            plan = joint.state
+        elif args.placement:
             plan = evaluate(req, _parse_placement(args.placement), hw, budgets, reason="given by --placement")
         else:
             plan = choose(req, hw, budgets, allow_device_tier=args.gpu_tier)
@@ -331,9 +377,12 @@ def main(args: argparse.Namespace) -> int:
         out = plan.as_dict() | {"sources": sources}
         if comparison is not None:
             out["compare"] = comparison
+        if joint is not None:
+            out["weights"] = joint.weights.as_dict()
+            out["joint"] = joint.as_dict()
         print(json.dumps(out, indent=2, default=str))
     else:
-        _print_human(plan, sources, comparison)
+        _print_human(plan, sources, comparison, joint)
     return 0
 
 

@@ -179,6 +179,12 @@ SYNOPSES = {
     "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB [--json] [--compare ...]": [
         "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB",
         "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB --json --compare h100,mem=80GiB,price=3.5/h"],
+    "tierstate plan llama-7b --device cpu --offload-weights auto "
+    "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB [--json]": [
+        "tierstate plan llama-7b --device cpu --offload-weights auto "
+        "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB",
+        "tierstate plan llama-7b --device cpu --offload-weights auto "
+        "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB --json"],
     "tierstate bench step [--offload nvme]": ["tierstate bench step", "tierstate bench step --offload nvme"],
     "tierstate report TRACE": ["tierstate report trace.json"],
     "python benchmarks/compare_builds.py --before OLD/.venv/bin/python --after .venv/bin/python": [
@@ -204,6 +210,15 @@ RUNS = {
                                                            "as written"),
     "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB --json --compare h100,mem=80GiB,price=3.5/h": (
         "tierstate plan gpt2 --host-mem 16GiB --disk 200GiB --json --compare h100,mem=80GiB,price=3.5/h",
+        "as written"),
+    "tierstate plan llama-7b --device cpu --offload-weights auto "
+    "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB": (
+        "tierstate plan llama-7b --device cpu --offload-weights auto "
+        "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB", "as written"),
+    "tierstate plan llama-7b --device cpu --offload-weights auto "
+    "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB --json": (
+        "tierstate plan llama-7b --device cpu --offload-weights auto "
+        "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB --json",
         "as written"),
     "tierstate probe": ("tierstate probe --quick --no-save",
                         "--quick: the full probe takes ~1 min; --no-save: not into the user's profile"),

@@ -151,3 +151,37 @@ def test_on_cuda_auto_turns_a_plan_with_a_device_part_into_offload_gpu(monkeypat
     monkeypatch.setenv("TIERSTATE_AUTO_DEVICE_FRACTION", "half")
     with pytest.raises(ValueError, match="TIERSTATE_AUTO_DEVICE_FRACTION='half'"):
         device_budget(free, 0)
+
+
+def test_auto_weights_on_cpu_stream_a_model_larger_than_ram_and_say_why(profile, caplog):
+    """200 blocks of 256 MiB (50 GiB, more than this machine's RAM): streamed from NVMe through a
+    window that fits the host budget read now; never from a 'cpu' home on a CPU."""
+    import psutil
+
+    from tierstate.placement.auto import choose_weights
+    from tierstate.placement.weights_plan import CPU, NVME
+
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        plan = choose_weights([256 << 20] * 200, 64 << 20, "cpu", activation_bytes=32 << 20,
+                              compute_seconds_per_block=0.05)
+    assert NVME in plan.tier_of and CPU not in plan.tier_of
+    assert plan.compute_peak_bytes <= psutil.virtual_memory().total
+    msg = " ".join(r.getMessage() for r in caplog.records if "offload_weights(offload='auto')" in r.getMessage())
+    assert "NVMe" in msg and "window" in msg and str(profile) in msg
+
+
+def test_auto_weights_that_fit_stay_resident():
+    from tierstate.placement.auto import choose_weights
+
+    plan = choose_weights([1 << 20] * 4, 1 << 20, "cpu")
+    assert plan.tier_of == ("resident",) * 4 and plan.window_blocks == 0
+
+
+def test_auto_weights_refuse_a_bad_device_and_an_impossible_budget(monkeypatch):
+    from tierstate.placement.auto import choose_weights
+
+    with pytest.raises(ValueError, match="device='mps'"):
+        choose_weights([1 << 20], 0, "mps")
+    monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", "0.000001")
+    with pytest.raises(ValueError, match="found no placement.*host RAM"):
+        choose_weights([1 << 30] * 4, 0, "cpu")

@@ -119,3 +119,74 @@ def test_an_unknown_optimizer_is_refused_with_the_choices(monkeypatch, tmp_path,
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "rmsprop" in err and "adamw" in err and "sgd" in err
+
+
+# -- weights (parameter offload) ------------------------------------------------------------------
+def _plan_subprocess(argv, tmp_path):
+    """`tierstate plan ...` as a user runs it: its own process, conservative rates (no profile)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TIERSTATE_PROFILE": str(tmp_path / "absent.json"),
+           "TIERSTATE_NVME_DIR": str(tmp_path / "nvme"), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "tierstate", "plan", *argv], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+LLAMA_CPU = ["llama-7b", "--device", "cpu", "--offload-weights", "auto", "--micro-batch", "1", "--seq-len", "2048",
+             "--activation-checkpointing", "--moment-dtype", "bf16", "--host-mem", "12GiB", "--disk", "200GiB"]
+
+
+def test_cli_plans_weights_next_to_the_state_within_one_host_budget(tmp_path):
+    r = _plan_subprocess([*LLAMA_CPU, "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    w, joint = out["weights"], out["joint"]
+    assert len(w["tier_of"]) == 32 and "cpu" not in w["tier_of"] and w["blocks"]["nvme"] > 0
+    # 32 blocks of 202,383,360 fp32 elements; outside them the embedding, the head and the final norm
+    assert w["block_bytes"] == [202_383_360 * 4] * 32 and w["resident_bytes"] == 262_148_096 * 4
+    assert w["window_bytes"] == w["window_blocks"] * 202_383_360 * 4
+    assert w["disk_read_bytes"] == 2 * w["bytes"]["nvme"] and w["disk_write_bytes"] == w["bytes"]["nvme"]
+    host = joint["usage"]["host"]
+    assert host["weights"] == w["compute_peak_bytes"]  # on CPU the activations are in host RAM too
+    assert host["total"] == host["weights"] + host["state"] <= host["budget"] == 12 << 30
+    disk = joint["usage"]["disk"]
+    assert disk["weights"] == w["bytes"]["nvme"] and disk["total"] == disk["weights"] + disk["state"]
+    # the optimizer plan leaves the compute copy and the activations to the weight plan
+    kinds = {m["kind"] for m in out["memory"]}
+    assert "param" not in kinds and "activations" not in kinds
+    assert out["config"]["weights_offloaded"] is True
+    assert joint["step_s"] >= out["time_s"]["total"] - out["time_s"]["weight_h2d"]
+
+
+def test_cli_prints_the_weight_plan_and_the_joint_budget(tmp_path):
+    r = _plan_subprocess(LLAMA_CPU, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "weights: 32 blocks:" in r.stdout and "NVMe" in r.stdout and "prefetch" in r.stdout
+    assert "joint budget: weights and optimizer state" in r.stdout and "joint step:" in r.stdout
+    assert "rejected: 'cpu' tier" in r.stdout
+
+
+def test_cli_weights_on_cuda_use_pinned_host_ram_before_nvme(tmp_path):
+    # bf16 llama-7b: 32 blocks of 386 MiB (13 GiB with the rest) on an 8 GiB device; 64 GiB of RAM
+    # holds every streamed block's pinned home, so nothing goes to disk
+    r = _plan_subprocess(["llama-7b", "--device", "cuda", "--device-mem", "8GiB", "--host-mem", "128GiB",
+                          "--disk", "500GiB", "--offload-weights", "auto", "--micro-batch", "1", "--seq-len", "1024",
+                          "--activation-checkpointing", "--json"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    w = json.loads(r.stdout)["weights"]
+    assert w["blocks"]["cpu"] > 0 and w["blocks"]["nvme"] == 0 and w["blocks"]["resident"] > 0
+    assert w["pcie_bytes"] == 2 * w["bytes"]["cpu"] and w["compute_peak_bytes"] <= 8 << 30
+
+
+def test_cli_weight_offload_refusals_exit_2_naming_the_cause(tmp_path):
+    r = _plan_subprocess(["7B", "--device", "cpu", "--offload-weights", "auto"], tmp_path)
+    assert r.returncode == 2 and "weight offload needs the model's repeated blocks" in r.stderr
+    r = _plan_subprocess(["gpt2", "--device", "cpu", "--offload-weights", "cpu"], tmp_path)
+    assert r.returncode == 2 and "buys nothing" in r.stderr
+    r = _plan_subprocess(["gpt2", "--device", "cuda", "--offload-weights", "auto", "--host-mem", "8GiB"], tmp_path)
+    assert r.returncode == 2 and "--device-mem" in r.stderr
+    r = _plan_subprocess(["llama-7b", "--device", "cpu", "--offload-weights", "auto", "--micro-batch", "1",
+                          "--seq-len", "2048", "--host-mem", "12GiB", "--disk", "200GiB"], tmp_path)
+    assert r.returncode == 2 and "no weight placement fits" in r.stderr and "activation" in r.stderr

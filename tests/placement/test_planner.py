@@ -209,3 +209,41 @@ def test_memory_is_reported_on_the_layout_tiers_with_the_budget_names():
     assert set(out["totals"]) == {"device", "host", "disk", "pinned"}
     assert out["totals"]["disk"] == plan.tier_total(TierKind.NVME) == 500 * 8
     assert {m["tier"] for m in out["memory"]} == {"host", "disk"}
+
+
+def test_activation_checkpointing_prices_the_recomputed_forward():
+    """Checkpointing runs each block's forward again in backward (the embedding and head are not
+    recomputed): 2 FLOPs per block parameter per token plus the blocks' attention (4 s h per
+    token per layer), on top of the plain step's 6 per parameter + 12 s h L."""
+    plain = predict_time(adamw(LLAMA7B, device="cuda", micro_batch=1, seq_len=2048), Placement(0, 1, 0), HW)
+    ckpt = predict_time(adamw(LLAMA7B, device="cuda", micro_batch=1, seq_len=2048, activation_checkpointing=True),
+                        Placement(0, 1, 0), HW)
+    tokens = 2048
+    extra = (2 * 202_383_360 * 32 + 4 * 32 * 4096 * 2048) * tokens / HW.device_flops
+    assert plain.compute == pytest.approx((6 * N7 + 12 * 32 * 4096 * 2048) * tokens / HW.device_flops)
+    assert ckpt.compute == pytest.approx(plain.compute + extra)
+    # the gradient copy hides behind backward, which now holds the recompute: 3/4 of the compute
+    assert ckpt.grad_d2h_exposed == pytest.approx(max(0.0, ckpt.grad_d2h - 0.75 * ckpt.compute))
+    assert ckpt.total == pytest.approx(ckpt.compute + ckpt.grad_d2h_exposed + ckpt.optimizer + ckpt.weight_h2d)
+    count_only = ModelSpec("n", (N7,))  # blocks unknown: a third more, as if everything were recomputed
+    base = predict_time(adamw(count_only, device="cuda", micro_batch=1, seq_len=2048), Placement(0, 1, 0), HW)
+    more = predict_time(adamw(count_only, device="cuda", micro_batch=1, seq_len=2048, activation_checkpointing=True),
+                        Placement(0, 1, 0), HW)
+    assert more.compute == pytest.approx(base.compute * 4 / 3)
+
+
+def test_with_weights_offloaded_the_state_plan_leaves_weights_and_activations_to_the_weight_plan():
+    """The compute copy and the activations are priced by the weight plan; param.grad (CPU, no
+    gradient streaming) lives for the parameters outside the blocks and two blocks, since a
+    released block's gradient leaves with it."""
+    plain = adamw(LLAMA7B, device="cpu", param_dtype="fp32", micro_batch=1, seq_len=512)
+    offloaded = adamw(LLAMA7B, device="cpu", param_dtype="fp32", micro_batch=1, seq_len=512, weights_offloaded=True)
+    before = memory_breakdown(plain, Placement(0, 0, 1))
+    after = memory_breakdown(offloaded, Placement(0, 0, 1))
+    assert _bytes(before, TierKind.HOST, Kind.PARAM) == 4 * N7 and _bytes(after, TierKind.HOST, Kind.PARAM) == 0
+    assert _bytes(before, TierKind.HOST, Kind.ACTIVATIONS) > 0 and _bytes(after, TierKind.HOST, Kind.ACTIVATIONS) == 0
+    assert _bytes(before, TierKind.HOST, Kind.GRAD) == 4 * N7
+    assert _bytes(after, TierKind.HOST, Kind.GRAD) == 4 * (262_148_096 + 2 * 202_383_360)
+    for kind in (Kind.MOMENTS, Kind.NVME_BUFFER_POOL, Kind.FIRST_STEP_TEMPORARY):  # the state itself unchanged
+        assert _bytes(before, TierKind.HOST, kind) == _bytes(after, TierKind.HOST, kind)
+        assert _bytes(before, TierKind.NVME, kind) == _bytes(after, TierKind.NVME, kind)

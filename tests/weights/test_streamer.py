@@ -140,3 +140,21 @@ def test_trace_shows_weight_reads_and_waits(tmp_path):
     text = summarize(parse_trace(json.loads(open(path).read())), str(path))
     assert "weight_fetch" in text  # tierstate report lists the lane's time
     ws.close()
+
+
+def test_auto_follows_the_planner(tmp_path, monkeypatch):
+    """offload='auto' asks the weight planner; a model that fits stays resident, and the streamer
+    follows whatever plan it gets (here: the budgets of this machine, a small model)."""
+    from tierstate.placement.auto import choose_weights
+
+    from tierstate.weights.blocks import assign, auto_blocks
+
+    m = gpt2()
+    blocks, resident = assign(m, auto_blocks(m))
+    plan = choose_weights([b.nbytes for b in blocks], sum(p.numel() * p.element_size() for _, p in resident), "cpu",
+                          nvme_dir=tmp_path / "w", max_prefetch=2)
+    ws = offload(m, "auto", nvme_dir=tmp_path / "w")
+    assert list(ws.tiers) == [t for t in plan.tier_of if t != "resident"]
+    ids = batches(1)[0]
+    assert torch.isfinite(m(ids, labels=ids).loss)
+    ws.close()

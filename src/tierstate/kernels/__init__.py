@@ -1,7 +1,8 @@
 """Optimizer kernels for the host tier: one fused pass per parameter chunk.
 
 The faces (``adam_update``, ``lion_update``, ``sgd_update``, ``adagrad_update``,
-``grad_sumsq``) take CPU tensors, validate them and run the native kernel for the
+``grad_sumsq``, and on compressed state ``adam_q8_update``, ``quantize_blockwise``,
+``dequantize_blockwise``: see ``quant.py``) take CPU tensors, validate them and run the native kernel for the
 widest ISA variant this CPU supports, or the pure-torch reference in ``reference.py``
 when the native module is unavailable. ``backend_info()`` says which; ``set_isa`` /
 ``TIERSTATE_ISA`` and ``set_num_threads`` / ``TIERSTATE_NUM_THREADS`` choose.
@@ -18,7 +19,16 @@ from .backend import (
     set_num_threads,
     use_isa,
 )
-from .ops import adagrad_update, adam_update, grad_sumsq, lion_update, sgd_update
+from .ops import (
+    adagrad_update,
+    adam_q8_update,
+    adam_update,
+    dequantize_blockwise,
+    grad_sumsq,
+    lion_update,
+    quantize_blockwise,
+    sgd_update,
+)
 
 __all__ = [
     "adam_update",
@@ -26,6 +36,9 @@ __all__ = [
     "sgd_update",
     "adagrad_update",
     "grad_sumsq",
+    "adam_q8_update",
+    "quantize_blockwise",
+    "dequantize_blockwise",
     "available_isas",
     "backend_info",
     "current_isa",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reference
+from . import quant, reference
 from .backend import native_kernels
 
 _F32, _BF16, _F16, _NONE = 0, 1, 2, 3
@@ -252,3 +252,144 @@ def grad_sumsq(grad: Tensor, scale: float = 1.0) -> float:
     if kernels is None:
         return reference.grad_sumsq(grad, scale)
     return float(kernels.grad_sumsq(grad.data_ptr(), grad.numel(), g, float(scale)))
+
+
+# ---- compressed state (tierstate.kernels.quant) ----------------------------------------
+_MASTER_CODES = {"fp32": 0, "bf16_kahan": 1, "bf16_sr": 2}
+
+
+def _map_args(qmap: quant.QuantMap) -> tuple:
+    # The tables live as long as the cached map (quant.signed_map / unsigned_map).
+    return (qmap.table.data_ptr(), qmap.lut_threshold.data_ptr(), qmap.lut.data_ptr(), qmap.lut.numel(),
+            qmap.lut_shift, qmap.lut_base, qmap.signed)
+
+
+def _check_map(op: str, qmap: object) -> quant.QuantMap:
+    if not isinstance(qmap, quant.QuantMap):
+        raise TypeError(f"{op}: qmap must be a QuantMap (quant.signed_map() or quant.unsigned_map()), "
+                        f"got {type(qmap).__name__}")
+    return qmap
+
+
+def _check_typed(op: str, name: str, t: object, n: int, dtype: torch.dtype) -> Tensor:
+    _check(op, name, t, n)
+    if t.dtype != dtype:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; it must be {str(dtype).removeprefix('torch.')}")
+    return t
+
+
+def quantize_blockwise(x: Tensor, qmap: quant.QuantMap, block_size: int = quant.DEFAULT_BLOCK_SIZE
+                       ) -> tuple[Tensor, Tensor]:
+    """Blockwise 8-bit encoding of the fp32 vector ``x``: ``(codes uint8 [n], scale fp32 [blocks])``.
+
+    The encoding is specified in :mod:`tierstate.kernels.quant` and is bit-identical on every
+    ISA variant and the reference. An unsigned map encodes ``|x|``.
+    """
+    op = "quantize_blockwise"
+    qmap = _check_map(op, qmap)
+    block_size = quant.check_block_size(block_size, f"{op}: block_size")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    n = x.numel()
+    _check_typed(op, "x", x, n, torch.float32)
+    codes = torch.empty(n, dtype=torch.uint8)
+    scale = torch.empty(quant.n_blocks(n, block_size), dtype=torch.float32)
+    kernels = native_kernels()
+    if kernels is None:
+        c, s = quant.quantize_ref(x, qmap, block_size)
+        codes.copy_(c)
+        scale.copy_(s)
+    else:
+        kernels.quantize_blockwise(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), n, block_size, _map_args(qmap))
+    return codes, scale
+
+
+def dequantize_blockwise(codes: Tensor, scale: Tensor, qmap: quant.QuantMap,
+                         block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Tensor:
+    """fp32 values ``table[code] * scale[block]`` of blockwise 8-bit codes."""
+    op = "dequantize_blockwise"
+    qmap = _check_map(op, qmap)
+    block_size = quant.check_block_size(block_size, f"{op}: block_size")
+    if not isinstance(codes, Tensor):
+        raise TypeError(f"{op}: codes must be a torch.Tensor, got {type(codes).__name__}")
+    n = codes.numel()
+    _check_typed(op, "codes", codes, n, torch.uint8)
+    _check_typed(op, "scale", scale, quant.n_blocks(n, block_size), torch.float32)
+    kernels = native_kernels()
+    if kernels is None:
+        return quant.dequantize_ref(codes, scale, qmap, block_size)
+    out = torch.empty(n, dtype=torch.float32)
+    kernels.dequantize_blockwise(codes.data_ptr(), scale.data_ptr(), out.data_ptr(), n, block_size,
+                                 _map_args(qmap))
+    return out
+
+
+def adam_q8_update(
+    state: dict[str, Tensor],
+    grad: Tensor,
+    weight_out: Tensor | None = None,
+    *,
+    config: quant.QuantConfig,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    bias_correction1: float,
+    bias_correction2: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    seed: int = 0,
+    step: int = 0,
+    index_offset: int = 0,
+) -> None:
+    """Adam / AdamW in place on compressed state (8-bit moments, fp32 or bf16 master).
+
+    ``state`` holds the named flat tensors of ``config.state_spec(n)`` (see
+    :mod:`tierstate.kernels.quant`); ``grad`` is fp32/bf16/fp16; ``weight_out`` (bf16/fp16)
+    receives the new weight rounded to nearest even. ``seed``, ``step`` and ``index_offset``
+    drive the stochastic rounding of ``config.master == "bf16_sr"`` (ignored otherwise).
+    """
+    op = "adam_q8_update"
+    if not isinstance(config, quant.QuantConfig):
+        raise TypeError(f"{op}: config must be a tierstate.kernels.quant.QuantConfig, got {type(config).__name__}")
+    if not isinstance(state, dict) or "master" not in state:
+        raise TypeError(f"{op}: state must be a dict of named tensors (QuantConfig.init_state), got "
+                        f"{type(state).__name__}")
+    if not isinstance(state["master"], Tensor):
+        raise TypeError(f"{op}: state['master'] must be a torch.Tensor, got {type(state['master']).__name__}")
+    n = state["master"].numel()
+    spec = config.state_spec(n)
+    missing = sorted(set(spec) - set(state))
+    if missing:
+        raise ValueError(f"{op}: state lacks {', '.join(missing)} (config {config}); build it with "
+                         "config.init_state(weight)")
+    for name, (numel, dtype) in spec.items():
+        _check_typed(op, f"state[{name!r}]", state[name], numel, dtype)
+    g = _grad(op, grad, n)
+    out_ptr, o = _out(op, weight_out, n)
+    if isinstance(index_offset, bool) or not isinstance(index_offset, int) or index_offset < 0 \
+            or index_offset + n > 2**32:
+        raise ValueError(f"{op}: index_offset={index_offset!r} must be an int >= 0 with index_offset + n "
+                         f"(n={n}) <= 2**32; give each parameter its own seed instead of a global index")
+    key = quant.sr_key(seed, step)
+    kernels = native_kernels()
+    if kernels is None:
+        quant.adam_q8_reference(
+            state, grad, weight_out, config=config, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, decoupled=decoupled, bias_correction1=bias_correction1,
+            bias_correction2=bias_correction2, maximize=maximize, grad_scale=grad_scale, seed=seed,
+            step=step, index_offset=index_offset,
+        )
+        return
+    comp = state.get("master.comp") if config.master == "bf16_kahan" else None
+    kernels.adam_q8_update(
+        state["master"].data_ptr(), _ptr(comp), grad.data_ptr(), state["exp_avg.codes"].data_ptr(),
+        state["exp_avg.scale"].data_ptr(), state["exp_avg_sq.codes"].data_ptr(),
+        state["exp_avg_sq.scale"].data_ptr(), out_ptr, n, g, o, _map_args(quant.signed_map()),
+        _map_args(quant.unsigned_map()), float(lr), float(beta1), float(beta2), float(eps),
+        float(weight_decay), bool(decoupled), float(bias_correction1), float(bias_correction2),
+        bool(maximize), float(grad_scale), config.block_size, _MASTER_CODES[config.master], key,
+        index_offset,
+    )

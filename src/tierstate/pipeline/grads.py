@@ -19,6 +19,7 @@ from torch import Tensor
 from ..dist import is_dtensor, local_tensor
 from ..placement import Offload
 from ..tiers import Slot
+from ..weights import streamed as weights_of
 from .grad_stream import GradStream, dense
 
 
@@ -42,8 +43,11 @@ class Gradients:
             # FSDP2 assigns each sharded gradient after its reduce-scatter instead of accumulating
             # it, so the post-accumulate-grad hooks the stream relies on never fire: read .grad.
             streaming = False
-        # parameters touching the device tier keep their gradients on the device (not streamed)
-        streamed = [t for t in range(len(trainable)) if t not in device_heads]
+        # parameters touching the device tier keep their gradients on the device (not streamed);
+        # so do parameters whose weights stream (tierstate.weights): a pinned arena for their
+        # gradients would be as large as the weights that did not fit (140 GB for 70B in bf16),
+        # so each is copied down when its update reads it and dropped once applied
+        streamed = [t for t in range(len(trainable)) if t not in device_heads and weights_of(trainable[t]) is None]
         self.stream_index = {t: k for k, t in enumerate(streamed)}
         pin = offload.pin_memory and device.type == "cuda"
         self.stream = GradStream([trainable[t] for t in streamed], keep_device_grads=offload.keep_device_grads,

@@ -17,6 +17,10 @@ half of the free memory left out of the budget is for them.
 
 The choice and its reason are logged at INFO on the ``"tierstate"`` logger. Moments stay fp32:
 "auto" chooses where state lives, never how precise it is.
+
+:func:`choose_weights` is the same for ``offload_weights(..., offload="auto")``: it reads the
+same rates and budgets and asks :func:`.weights_plan.plan_weights` which blocks stay resident,
+which stream from pinned host RAM or NVMe, and how far ahead to fetch.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .model_spec import from_param_numels
 from .offload import Offload, default_nvme_root
 from .plan_inputs import Budgets, Hardware, PlanError, PlanRequest, gib
 from .planner import choose
+from .weights_plan import WeightPlan, plan_weights
 
 _log = logging.getLogger("tierstate")
 HOST_FRACTION = 0.8  # headroom for the data loader, activations and the allocator's slack
@@ -42,6 +47,12 @@ SUBGROUP_OPTIONS = (1 << 24, 1 << 22, 1 << 20)
 # its records through the disk, but the state still fits.
 BUFFER_OPTIONS = (8, 4, 2)
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+# Share of the free device memory the weights (resident blocks and the window) may plan with when
+# the activations are given; when they are not (0), DEVICE_FRACTION leaves half for them. The
+# remaining 10% is for the caching allocator's fragmentation and cuBLAS workspaces.
+WEIGHT_DEVICE_FRACTION = 0.9
 
 
 def _hardware() -> Hardware:
@@ -186,3 +197,68 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
         f"{gib(device_bytes)} for the state" if search_device else "not searched", plan.time.optimizer * 1e3,
         plan.time.bottleneck, hw.source)
     return offload
+
+
+def choose_weights(block_bytes: Sequence[int], resident_bytes: int, device, *, activation_bytes: int = 0,
+                   compute_seconds_per_block: float | None = None, max_prefetch: int = 4, nvme_dir=None,
+                   host_reserved_bytes: int = 0, micro_batches: int = 1,
+                   activation_checkpointing: bool = False) -> WeightPlan:
+    """The :class:`~.weights_plan.WeightPlan` for ``offload_weights(..., offload="auto")`` on this machine.
+
+    Args:
+        block_bytes: ``WeightStreamer.block_bytes()`` (each block in its compute dtype, in
+            execution order).
+        resident_bytes: ``WeightStreamer.resident_bytes()`` (parameters outside the blocks).
+        device: the compute device (a ``torch.device`` or its string): ``cuda[:i]`` or ``cpu``.
+        activation_bytes: one micro-batch's activations when known; with 0, half of the free
+            device memory is left for them on CUDA (on CPU the host budget's headroom is).
+        compute_seconds_per_block: one block's forward time, e.g. measured on the first step;
+            None keeps the default prefetch depth.
+        max_prefetch: the deepest prefetch to consider.
+        nvme_dir: where NVMe blocks would go (its free space is the disk budget); default the
+            default NVMe folder.
+        host_reserved_bytes: host RAM already promised elsewhere (the optimizer's state and
+            pool), taken off the host budget.
+        micro_batches, activation_checkpointing: as in :func:`.weights_plan.plan_weights`.
+
+    Budgets, read now: host RAM ``HOST_FRACTION`` (``TIERSTATE_AUTO_HOST_FRACTION``) of the
+    available memory less ``host_reserved_bytes``; on CUDA ``WEIGHT_DEVICE_FRACTION`` of the free
+    device memory (``DEVICE_FRACTION`` when ``activation_bytes`` is 0); the free disk under
+    ``nvme_dir``. Rates: as for ``offload="auto"`` (the saved probe profile, else conservative).
+    The choice is logged at INFO. Raises ValueError naming what does not fit.
+    """
+    import psutil
+
+    kind = str(device).split(":")[0]
+    if kind not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: offload='auto' plans weights for a 'cuda' or 'cpu' compute device")
+    if isinstance(host_reserved_bytes, bool) or not isinstance(host_reserved_bytes, int) or host_reserved_bytes < 0:
+        raise ValueError(f"host_reserved_bytes={host_reserved_bytes!r}: must be an int >= 0 (bytes)")
+    fraction = _host_fraction()
+    available = psutil.virtual_memory().available
+    host = max(0, int(available * fraction) - host_reserved_bytes)
+    root = existing_ancestor(nvme_dir if nvme_dir is not None else default_nvme_root())
+    st = os.statvfs(root)
+    disk = st.f_bavail * st.f_frsize
+    if kind == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        compute_budget = int(free * (WEIGHT_DEVICE_FRACTION if activation_bytes else DEVICE_FRACTION))
+    else:
+        compute_budget = host
+    hw = _hardware()
+    try:
+        plan = plan_weights(block_bytes, resident_bytes=resident_bytes, compute=kind,
+                            compute_memory_budget=compute_budget, host_memory_budget=host, profile=hw,
+                            activation_bytes=activation_bytes, compute_seconds_per_block=compute_seconds_per_block,
+                            max_prefetch=max_prefetch, disk_budget=disk, micro_batches=micro_batches,
+                            activation_checkpointing=activation_checkpointing)
+    except PlanError as exc:
+        raise ValueError(f"offload_weights(offload='auto') found no placement: {exc}\nPass offload='cpu', 'nvme' "
+                         "or a tierstate.Offload(...) explicitly, or free memory/disk.") from exc
+    _log.info("tierstate: offload_weights(offload='auto'): %s Budgets: %s %s, host %s (%.0f%% of %s available - "
+              "%s reserved), disk %s free under %s. Rates from %s.",
+              " ".join(plan.describe()), "device" if kind == "cuda" else "host (compute)", gib(compute_budget),
+              gib(host), fraction * 100, gib(available), gib(host_reserved_bytes), gib(disk), root, hw.source)
+    return plan

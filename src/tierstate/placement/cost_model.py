@@ -23,11 +23,17 @@ a test can hold the two against each other:
   power of two, so a 5 GiB arena takes 8 GiB of page-locked RAM. The rounding is its own
   line (``pinned_rounding``) so nobody mistakes it for state;
 - the first step creates each parameter's state from a full-size temporary (and the
-  fp32 master from ``param.float()``): the largest parameter sets that transient peak.
+  fp32 master from ``param.float()``): the largest parameter sets that transient peak;
+- with the weights offloaded (``PlanRequest.weights_offloaded``) the compute copy of the
+  parameters and the activations are priced by the weight plan (:mod:`.weights_plan`), so
+  this breakdown leaves them out; without gradient streaming, a streamed block's gradients
+  go to the optimizer when the block is released, so ``param.grad`` is priced for the
+  parameters outside the blocks and two blocks (the one in backward and the one handed over).
 
 [Note: the step-time model]
 One training step = compute (6 FLOPs per parameter per token, plus attention, at the
-measured matmul rate) + the gradient copy to the host that backward could not hide
+measured matmul rate; under activation checkpointing plus the blocks' forward again, 2 FLOPs per
+block parameter per token) + the gradient copy to the host that backward could not hide
 (backward is taken as 2/3 of compute) + the optimizer step + the weight upload. The
 optimizer step is the gradient pass (global norm and inf check: one read of every
 gradient) plus the sub-group pipeline, in which the CPU update and the NVMe reads/writes
@@ -106,7 +112,9 @@ class StepTime:
 
 
 # -- memory ---------------------------------------------------------------------------------------------
-def _activation_bytes(req: PlanRequest) -> tuple[int, str]:
+def activation_bytes(req: PlanRequest) -> tuple[int, str]:
+    """Activations of one micro-batch (bytes, and how they were estimated); 0 when the shape,
+    micro-batch or sequence length is unknown."""
     shape = req.model.shape
     if shape is None or req.micro_batch is None or req.seq_len is None:
         return 0, ""
@@ -141,7 +149,8 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
     sizes = tier_sizes(n_total, placement.fractions())
     on_dev = req.on_accelerator
     param_tier = TierKind.DEVICE if on_dev else TierKind.HOST
-    items: list[MemoryItem] = [MemoryItem(param_tier, Kind.PARAM, n_total * pb)]
+    # with weight offload the compute copy and the activations are the weight plan's (weights_plan.py)
+    items: list[MemoryItem] = [] if req.weights_offloaded else [MemoryItem(param_tier, Kind.PARAM, n_total * pb)]
     rounding = 0
 
     # gradients: parameters touching the device tier keep theirs on the device, the others are streamed
@@ -168,6 +177,12 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
             items.append(MemoryItem(TierKind.HOST, Kind.GRAD_ACCUM_SCRATCH, sum(n * pb for n in streamed), req.pinned,
                                     "pinned scratch per parameter for accumulation"))
             rounding += scratch - sum(n * pb for n in streamed)
+    elif req.weights_offloaded and model.blocks_known:
+        # a released block's gradient is handed to the optimizer with it: param.grad lives for the
+        # parameters outside the blocks and for two blocks (the one in backward, the one handed over)
+        live = min(n_total, model.outside_numel + 2 * max(model.block_numels))
+        items.append(MemoryItem(param_tier, Kind.GRAD, live * pb, False,
+                                "param.grad outside the blocks + 2 blocks (released with their block)"))
     else:
         items.append(MemoryItem(param_tier, Kind.GRAD, n_total * pb, False, "param.grad"))
 
@@ -213,8 +228,8 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
         if temp:
             items.append(MemoryItem(TierKind.HOST, Kind.FIRST_STEP_TEMPORARY, temp, False, "largest parameter"))
 
-    act, note = _activation_bytes(req)
-    if act:
+    act, note = activation_bytes(req)
+    if act and not req.weights_offloaded:
         items.append(MemoryItem(param_tier, Kind.ACTIVATIONS, act, False, note))
     return items
 
@@ -254,13 +269,20 @@ def predict_time(req: PlanRequest, placement: Placement, hw: Hardware) -> StepTi
         shape = req.model.shape
         if shape is not None:
             flops += 12.0 * shape.n_layer * shape.hidden * req.seq_len * tokens  # attention scores and mix
+        if req.activation_checkpointing:  # backward recomputes each block's forward (a third of its compute)
+            if req.model.blocks_known and shape is not None:
+                flops += (2.0 * sum(req.model.block_numels) + 4.0 * shape.n_layer * shape.hidden * req.seq_len) * tokens
+            else:
+                flops *= 4.0 / 3.0
         compute = flops / (hw.device_flops if req.on_accelerator else hw.host_flops)
 
     d2h = h2d = 0.0
     if req.on_accelerator:
         d2h = req.grad_accum * (n_host + n_nvme) * pb / hw.d2h
         h2d = (n_host + n_nvme) * (pb if req.param_dtype != "fp32" else 4) / hw.h2d
-    d2h_exposed = max(0.0, d2h - BACKWARD_SHARE * compute) if compute is not None else d2h
+    # the recomputed forward runs inside backward: with checkpointing backward is 3 of 4 parts
+    share = 0.75 if req.activation_checkpointing else BACKWARD_SHARE
+    d2h_exposed = max(0.0, d2h - share * compute) if compute is not None else d2h
     device_update = 0.0
     if n_dev:
         device_update = n_dev * (per_param + state) / max(hw.device_bandwidth, 1.0)

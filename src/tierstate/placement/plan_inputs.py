@@ -122,6 +122,9 @@ class PlanRequest:
     seq_len: int | None = None
     grad_accum: int = 1
     activation_checkpointing: bool = False
+    # True when the weights are offloaded (``ts.offload_weights``): their compute copy and the
+    # activations are then priced by the weight plan (placement/weights_plan.py), not here.
+    weights_offloaded: bool = False
     # The optimizer's per-element state besides the master, by torch's key names: the keys its
     # rule declares (``UpdateRule.state_specs``: ``("exp_avg", "exp_avg_sq")`` for AdamW, ``()``
     # for SGD without momentum). ``state_keys`` are moments, stored in ``moment_dtype``;

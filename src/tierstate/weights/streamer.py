@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -68,10 +67,11 @@ class StreamedParam:
         return s
 
     @contextlib.contextmanager
-    def for_update(self) -> Iterator[Tensor]:
-        """A flat view of the parameter's values in host memory; changes reach the compute copy."""
+    def for_update(self, refresh: bool = False) -> Iterator[Tensor]:
+        """A flat view of the parameter's values in host memory; changes reach the compute copy
+        at the block's next use (``refresh``: at once)."""
         s = self.streamer
-        with s._lock, s.window.image_for_update(self.block) as image:
+        with s._lock, s.window.image_for_update(self.block, refresh) as image:
             yield _flat(image, self.place)
 
     @contextlib.contextmanager
@@ -301,7 +301,7 @@ class WeightStreamer:
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"write_param: value has shape {tuple(value.shape)}, parameter {h.place.name!r} "
                              f"has {tuple(param.shape)}")
-        with h.for_update() as flat:
+        with h.for_update(refresh=True) as flat:  # inside gathered() the parameter shows it at once
             flat.copy_(value.detach().reshape(-1).to(device="cpu", dtype=param.dtype))
 
     def named_streamed(self) -> list[tuple[str, Tensor]]:
@@ -481,15 +481,19 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: weights stream to 'cpu' or 'cuda'")
     named = resolve_blocks(model, blocks)
-    assigned, _ = assign(model, named, keep_resident)
+    assigned, resident = assign(model, named, keep_resident)
     nbytes = [b.nbytes for b in assigned]
     if isinstance(offload, str) and offload == "auto":
-        from .auto import choose_tiers  # noqa: PLC0415 - the planner and the probe only for "auto"
-        tiers, prefetch = choose_tiers(model, nbytes, device, prefetch)
+        from ..placement.auto import choose_weights  # noqa: PLC0415 - the planner and the probe only for "auto"
+
+        resident_bytes = sum(p.numel() * p.element_size() for _, p in resident)
+        plan = choose_weights(nbytes, resident_bytes, device, nvme_dir=nvme_dir,
+                              max_prefetch=max(prefetch, 1))
+        tiers, prefetch = list(plan.tier_of), plan.prefetch
     else:
         tiers = _tiers_of(offload, len(assigned), nbytes, device)
     if nvme_dir is None and isinstance(offload, Offload) and offload.nvme_dir is not None:
         nvme_dir = offload.nvme_dirs[0]
-    if nvme_dir is not None and "nvme" not in tiers:
+    if nvme_dir is not None and "nvme" not in tiers and offload != "auto":
         raise ValueError(f"nvme_dir={str(nvme_dir)!r}: no block lives on NVMe with offload={offload!r}")
     return WeightStreamer(model, tiers, named, device, prefetch, nvme_dir, init, keep_resident)

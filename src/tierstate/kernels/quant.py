@@ -1,0 +1,451 @@
+"""Compressed optimizer state: blockwise 8-bit moments and a 16-bit master.
+
+State layout. A parameter of ``n`` elements under a :class:`QuantConfig` is held as a set
+of named flat tensors (the state store keeps exactly these; :meth:`QuantConfig.state_spec`
+lists them with their sizes and dtypes):
+
+- ``exp_avg.codes``      uint8 [n]        first moment, signed map (``SIGNED_MAP``)
+- ``exp_avg.scale``      fp32  [blocks]   its per-block absmax
+- ``exp_avg_sq.codes``   uint8 [n]        second moment, stored as sqrt(v) in the
+                                           unsigned map (``UNSIGNED_MAP``)
+- ``exp_avg_sq.scale``   fp32  [blocks]   per-block max of sqrt(v)
+- ``master``             fp32 [n] (``master="fp32"``) or bf16 [n] (``"bf16_kahan"``,
+                          ``"bf16_sr"``)
+- ``master.comp``        int16 [n]        only for ``"bf16_kahan"``: the part of the fp32
+                                           weight that the bf16 master does not hold, in
+                                           units of 2**-16 of the master's bf16 ulp
+
+``blocks = ceil(n / block_size)``; block ``b`` covers elements ``[b * B, (b + 1) * B)`` of the
+parameter (the last one may be shorter), so a caller that splits a parameter into pieces
+must cut at multiples of ``block_size``. Bytes per parameter: 2 (codes) + 8 / B (scales)
+plus 4 (fp32 master) or 2 (bf16 + stochastic rounding) or 4 (bf16 + compensation: the
+same bytes as fp32, but the master is a ready bf16 weight).
+
+Quantization of a block x[0..B) (the encoding is exact and deterministic; the native
+kernels and :func:`quantize_ref` here produce the same bits):
+
+- ``scale = max |x|`` (for the second moment, ``max sqrt(v)``); a block that holds a NaN
+  or an infinity gets ``scale = NaN`` and every code 0, so it dequantizes to NaN (the
+  failure stays visible; nothing is silently clamped); an all-zero block gets scale 0 and
+  code 0 (exactly 0.0) everywhere, and so does a block whose absmax is below FLT_MIN
+  (1.2e-38, where 1 / scale could overflow): it keeps its scale and dequantizes to zero.
+- ``y = x * inv`` with ``inv = 1 / scale`` (fp32 reciprocal, then an fp32 product).
+- A map is 2**k magnitudes ``P[0] = 0 < P[1] < ... <= 1`` and the fp32 midpoints between
+  neighbours, ``T[j] = fp32((P[j] + P[j + 1]) / 2)``. The code of |y| is the number of
+  midpoints ``<= |y|``: the nearest magnitude, a value exactly at a (fp32-rounded) midpoint
+  taking the upper one. The signed map has 128 magnitudes and puts the sign in bit 7
+  (set when ``y < 0``); the unsigned map has 256.
+- Dequantization: ``value = table[code] * scale``.
+
+The update (:func:`adam_q8_reference`) dequantizes m and v, runs the AdamW/Adam arithmetic
+of :func:`tierstate.kernels.reference.adam_update` in fp32, writes the weight per master
+mode, and requantizes m and v with the block's new scale, all in one pass per block.
+Master modes:
+
+- ``fp32``: as the uncompressed kernels.
+- ``bf16_kahan``: compensated summation. The fp32 working weight is
+  ``w = master + comp * unit(master)`` with ``unit(m) = 2**(max(e, 24) - 150)`` for m's
+  biased fp32 exponent e: 2**-16 of m's bf16 ulp (e >= 24, |m| >= 2**-103). After the
+  update ``master = bf16(w_new)`` (nearest even) and ``comp = rint((w_new - master) /
+  unit(master))`` (nearest even, clamped to int16, 0 for NaN). ``w_new - master`` is exact
+  and at most half an ulp, so master + comp holds w_new to 2**-17 of a bf16 ulp: 24
+  significant bits, fp32's own precision, and updates far below bf16's resolution
+  accumulate in comp until they move the master. A bf16 compensation term (8 significant
+  bits) was measured first and rejected: 1,000 steps of a constant 1e-4 on weights in
+  [1, 2) drifted 2.6e-3 from fp32 (its rounding errors add up with one sign), this term
+  drifts < 1e-6.
+- ``bf16_sr``: ``master = SR(w_new)``, stochastic rounding: the fp32 bits plus a 16-bit
+  random number, truncated. The random number is ``lowbias32(index ^ key) >> 16`` with
+  ``key = sr_key(seed, step)`` and ``index`` the element's index in the parameter
+  (``index_offset + i``), so it depends on neither the thread count, the ISA nor how a
+  caller chunks the parameter. Indices must stay below 2**32 per parameter; mix the
+  parameter's identity into ``seed``.
+
+``weight_out`` (bf16/fp16) receives the fp32 weight of the step rounded to nearest even
+(for ``bf16_sr``: the new bf16 master's value).
+
+Why these maps and the default block of 256 (measured on the moments of the demo GPT,
+2 layers, d_model 128, 446k parameters, after 300 torch AdamW steps; relative L2 error):
+
+=====  ==========  =================================  ===============================
+block  m (signed)  Adam update m / (sqrt(v) + eps),    same, v itself in the unsigned
+                   sqrt(v) in the unsigned map         map
+=====  ==========  =================================  ===============================
+128    1.09 %      1.32 %                              1.30 %
+256    1.20 %      1.58 %                              685 %
+512    1.34 %      1.77 %                              867 %
+=====  ==========  =================================  ===============================
+
+Encoding v directly rounds the smallest v of a block to code 0 (0.058 % of the elements
+at 256) while their m is not zero, and m / eps explodes; sqrt(v) halves the dynamic range
+that the map must span (0.031 % zeroed, harmless at 1.58 %). 256 costs 0.03 B/param of
+scales; 128 lowers the update error from 1.58 % to 1.32 % for 0.03 B more. Speed did not separate them
+(``python -m tierstate.bench.quant_step --blocks 128,256,512``: 3.67x, 3.69x, 3.49x the
+fp32-moment kernel's time, 10M params, 2 threads, one interleaved run).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+MASTER_MODES = ("fp32", "bf16_kahan", "bf16_sr")
+DEFAULT_BLOCK_SIZE = 256
+_MIN_BLOCK, _MAX_BLOCK = 64, 4096
+_FLT_MIN = torch.finfo(torch.float32).tiny
+
+
+# ---- maps ------------------------------------------------------------------------------
+def _decade_means(fraction_items: int) -> list[float]:
+    """Midpoints of ``fraction_items - 1`` equal steps over [0.1, 1] (bitsandbytes' dynamic map)."""
+    edges = [0.1 + 0.9 * j / (fraction_items - 1) for j in range(fraction_items)]
+    return [(a + b) / 2 for a, b in zip(edges[:-1], edges[1:])]
+
+
+def dynamic_magnitudes(bits: int) -> list[float]:
+    """2**bits magnitudes of a dynamic-tree map (Dettmers et al. 2022, "8-bit Optimizers via
+    Block-wise Quantization"): 0, 1.0 and decades 1e-6 .. 1 where the decade 10**(i - 6)
+    holds 2**(i + extra) linearly spaced values, so large values get more fraction bits.
+
+    ``bits=8`` is bitsandbytes' unsigned map exactly (decades 0..6: 2, 4, .., 128 values).
+    ``bits=7`` (the signed map's magnitudes) takes bitsandbytes' signed map's positive side
+    (decades of 1, 2, .., 64 values) and drops its one value in the 1e-6 decade so that
+    +-1.0 fit: 0, 126 values from 3.25e-6 up, and 1.0.
+    """
+    values: list[float] = []
+    if bits == 8:
+        for i in range(7):
+            values += [10.0 ** (i - 6) * m for m in _decade_means(2 ** (i + 1) + 1)]
+    elif bits == 7:
+        for i in range(1, 7):
+            values += [10.0 ** (i - 6) * m for m in _decade_means(2**i + 1)]
+    else:
+        raise ValueError(f"dynamic_magnitudes: bits must be 7 or 8, got {bits!r}")
+    values = sorted([0.0, *values, 1.0])
+    assert len(values) == 2**bits
+    return values
+
+
+@dataclass(frozen=True)
+class QuantMap:
+    """One 8-bit map and its encoder tables (the same arrays the native kernels read).
+
+    ``table``: fp32 [256], the dequantized value of each code (before the block scale).
+    ``thresholds``: fp32 [M], the midpoints between the M + 1 magnitudes, then +inf.
+    ``lut``/``lut_shift``/``lut_base``/``lut_threshold``: the fast encoder: the bucket of |y|
+    is ``clamp((bits(|y|) >> lut_shift) - lut_base, 0, len(lut) - 1)``, ``lut[bucket]`` the
+    count of thresholds at or below the bucket's low end, ``lut_threshold[bucket] =
+    thresholds[lut[bucket]]``, and no bucket holds more than one threshold strictly inside,
+    so ``code = lut[b] + (|y| >= lut_threshold[b])``.
+    """
+
+    name: str
+    signed: bool
+    magnitudes: Tensor
+    table: Tensor
+    thresholds: Tensor
+    lut: Tensor
+    lut_shift: int
+    lut_base: int
+    lut_threshold: Tensor
+
+
+def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
+    mags64 = torch.tensor(magnitudes, dtype=torch.float64)
+    mags = mags64.float()
+    assert bool((mags[1:] > mags[:-1]).all()), "magnitudes must increase strictly in fp32"
+    mids = ((mags64[:-1] + mags64[1:]) / 2).float()
+    thresholds = torch.cat([mids, torch.tensor([math.inf])])
+    if signed:
+        assert mags.numel() == 128
+        table = torch.cat([mags, -mags])
+    else:
+        assert mags.numel() == 256
+        table = mags.clone()
+    # Smallest mantissa-bit count k whose buckets each hold at most one threshold; buckets
+    # start one binade below the smallest threshold and end with the binade of 1.0.
+    tmin = float(mids[0])
+    e0 = math.floor(math.log2(tmin)) - 1
+    bits = mids.view(torch.int32).long()
+    for k in range(3, 12):
+        shift = 23 - k
+        base = (e0 + 127) << k
+        size = (127 - (e0 + 127) + 1) << k
+        bucket = ((bits >> shift) - base).clamp(0, size - 1)
+        # a threshold exactly at its bucket's low end is counted by lut, not "inside"
+        low = ((bucket + base) << shift).to(torch.int32).view(torch.float32)
+        low = torch.where(bucket == 0, torch.zeros_like(low), low)
+        inside = bucket[mids > low]
+        if inside.numel() == 0 or int(torch.bincount(inside).max()) <= 1:
+            break
+    else:
+        raise AssertionError(f"{name}: no LUT resolution separates the thresholds")
+    lows = ((torch.arange(size, dtype=torch.int64) + base) << shift).to(torch.int32).view(torch.float32)
+    lows[0] = 0.0
+    lut = torch.searchsorted(mids, lows, right=True).to(torch.int32)
+    return QuantMap(name, signed, mags, table, thresholds, lut, shift, base, thresholds[lut.long()].contiguous())
+
+
+@lru_cache(maxsize=None)
+def signed_map() -> QuantMap:
+    """Map of the first moment: sign bit + 7-bit dynamic magnitude."""
+    return _build_map("signed-dynamic", dynamic_magnitudes(7), signed=True)
+
+
+@lru_cache(maxsize=None)
+def unsigned_map() -> QuantMap:
+    """Map of the second moment's square root: 8-bit dynamic magnitude."""
+    return _build_map("unsigned-dynamic", dynamic_magnitudes(8), signed=False)
+
+
+# ---- configuration ----------------------------------------------------------------------
+def check_block_size(block_size: object, where: str = "block_size") -> int:
+    """A power of two in [64, 4096] (chunks of the native kernels are multiples of 4096)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"{where} must be an int such as 256, got {type(block_size).__name__}")
+    if block_size < _MIN_BLOCK or block_size > _MAX_BLOCK or block_size & (block_size - 1):
+        raise ValueError(f"{where}={block_size} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}], e.g. 256")
+    return block_size
+
+
+def n_blocks(n: int, block_size: int) -> int:
+    return (n + block_size - 1) // block_size
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How one parameter's Adam state is compressed: 8-bit moments in blocks of
+    ``block_size`` and a master of ``master`` mode (``fp32``, ``bf16_kahan``, ``bf16_sr``)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    master: str = "fp32"
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size, "QuantConfig.block_size")
+        if self.master not in MASTER_MODES:
+            raise ValueError(f"QuantConfig.master={self.master!r}; choose one of {', '.join(MASTER_MODES)}")
+
+    def state_spec(self, n: int) -> dict[str, tuple[int, torch.dtype]]:
+        """Name -> (numel, dtype) of every flat tensor of a parameter of n elements."""
+        blocks = n_blocks(n, self.block_size)
+        spec = {
+            "exp_avg.codes": (n, torch.uint8),
+            "exp_avg.scale": (blocks, torch.float32),
+            "exp_avg_sq.codes": (n, torch.uint8),
+            "exp_avg_sq.scale": (blocks, torch.float32),
+            "master": (n, torch.float32 if self.master == "fp32" else torch.bfloat16),
+        }
+        if self.master == "bf16_kahan":
+            spec["master.comp"] = (n, torch.int16)
+        return spec
+
+    def bytes_per_param(self) -> float:
+        """State bytes per parameter (codes, scales and master), e.g. 6.03 for fp32/256."""
+        master = {"fp32": 4, "bf16_kahan": 4, "bf16_sr": 2}[self.master]
+        return 2 + 8 / self.block_size + master
+
+    def init_state(self, weight: Tensor) -> dict[str, Tensor]:
+        """Fresh state for the fp32 ``weight``: zero moments, the master from the weight."""
+        if not isinstance(weight, Tensor) or weight.dtype != torch.float32:
+            raise TypeError(f"init_state: weight must be a float32 tensor, got {getattr(weight, 'dtype', type(weight))}")
+        w = weight.detach().reshape(-1)
+        state = {name: torch.zeros(numel, dtype=dtype) for name, (numel, dtype) in self.state_spec(w.numel()).items()}
+        if self.master == "fp32":
+            state["master"].copy_(w)
+        else:
+            state["master"].copy_(w)  # round to nearest even
+            if self.master == "bf16_kahan":
+                state["master.comp"].copy_(kahan_comp(w, state["master"]))
+        return state
+
+    def export_full(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The state in full precision: ``param`` (fp32 weight), ``exp_avg``, ``exp_avg_sq``."""
+        n = state["exp_avg.codes"].numel()
+        master = state["master"].float()
+        if self.master == "bf16_kahan":
+            master = kahan_value(state["master"], state["master.comp"])
+        m = dequantize_ref(state["exp_avg.codes"], state["exp_avg.scale"], signed_map(), self.block_size)
+        s = dequantize_ref(state["exp_avg_sq.codes"], state["exp_avg_sq.scale"], unsigned_map(),
+                                 self.block_size)
+        return {"param": master, "exp_avg": m[:n], "exp_avg_sq": s * s}
+
+
+# ---- the reference -------------------------------------------------------------------
+def quantize_ref(x: Tensor, qmap: QuantMap, block_size: int) -> tuple[Tensor, Tensor]:
+    """(codes uint8 [n], scale fp32 [blocks]) of the fp32 vector ``x``; see the module doc."""
+    x = x.reshape(-1)
+    n = x.numel()
+    blocks = n_blocks(n, block_size)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float32)
+    padded[:n] = x
+    padded = padded.view(blocks, block_size)
+    absmax = padded.abs().amax(dim=1) if blocks else torch.zeros(0)
+    finite = torch.isfinite(absmax)
+    # Below FLT_MIN the reciprocal could overflow: such a block encodes as zeros.
+    inv = torch.where(finite & (absmax >= _FLT_MIN), torch.reciprocal(absmax), torch.zeros_like(absmax))
+    y = padded * inv[:, None]
+    codes = torch.searchsorted(qmap.thresholds[:-1], y.abs().contiguous(), right=True)
+    if qmap.signed:
+        codes = codes | ((y < 0).long() << 7)
+    codes = torch.where(finite[:, None], codes, torch.zeros_like(codes))
+    scale = torch.where(finite, absmax, torch.full_like(absmax, math.nan))
+    return codes.reshape(-1)[:n].to(torch.uint8), scale
+
+
+def dequantize_ref(codes: Tensor, scale: Tensor, qmap: QuantMap, block_size: int) -> Tensor:
+    """fp32 [n]: ``table[code] * scale[block]``."""
+    n = codes.numel()
+    values = qmap.table[codes.reshape(-1).long()]
+    per_element = scale.repeat_interleave(block_size)[:n]
+    return values * per_element
+
+
+def comp_unit(master: Tensor, inverse: bool = False) -> Tensor:
+    """fp32 unit of the compensation term per element (or its inverse): 2**(max(e, 24) - 150)."""
+    e = (master.float().view(torch.int32) >> 23) & 0xFF
+    e = e.clamp_min(24)
+    bits = (277 - e) if inverse else (e - 23)
+    return (bits << 23).to(torch.int32).view(torch.float32)
+
+
+def kahan_value(master: Tensor, comp: Tensor) -> Tensor:
+    """The fp32 weight that a bf16 master and its int16 compensation term hold."""
+    m = master.float()
+    return m + comp.float() * comp_unit(m)  # the product is exact (a power of two times an int16)
+
+
+def kahan_comp(w: Tensor, master: Tensor) -> Tensor:
+    """int16 compensation of the fp32 ``w`` whose bf16 master is ``master`` (= bf16(w))."""
+    m = master.float()
+    r = (w - m) * comp_unit(m, inverse=True)
+    r = torch.where(torch.isnan(r), torch.zeros_like(r), r).clamp(-32768.0, 32767.0)
+    return torch.round(r).to(torch.int16)  # round half to even
+
+
+def lowbias32(x: Tensor) -> Tensor:
+    """Chris Wellons' lowbias32 integer hash on int64 tensors holding uint32 values."""
+    m = 0xFFFFFFFF
+    x = x & m
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & m
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def _lowbias32_int(x: int) -> int:
+    return int(lowbias32(torch.tensor([x], dtype=torch.int64))[0])
+
+
+def sr_key(seed: int, step: int) -> int:
+    """The 32-bit key of one step's stochastic rounding: hashes of seed and step (64 bits each)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**64)")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**64:
+        raise ValueError(f"step={step!r} must be an int in [0, 2**64)")
+    k = _lowbias32_int(seed & 0xFFFFFFFF)
+    k = _lowbias32_int(k ^ (seed >> 32))
+    k = _lowbias32_int(k ^ (step & 0xFFFFFFFF))
+    return _lowbias32_int(k ^ (step >> 32))
+
+
+def round_bf16_stochastic(x: Tensor, key: int, index_offset: int = 0) -> Tensor:
+    """bf16 of the fp32 ``x`` by stochastic rounding, element i using index ``index_offset + i``."""
+    bits = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    index = torch.arange(x.numel(), dtype=torch.int64) + index_offset
+    rand = lowbias32(index ^ key) >> 16
+    rounded = ((bits + rand) >> 16) & 0xFFFF
+    rounded = torch.where(torch.isnan(x), torch.full_like(rounded, 0x7FC0), rounded)
+    return rounded.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def adam_q8_math(
+    state: dict[str, Tensor],
+    grad: Tensor,
+    *,
+    config: QuantConfig,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    bias_correction1: float,
+    bias_correction2: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The fp32 part of one step, without writing: ``(w_new, m_new, sqrt(v_new))``."""
+    from .reference import _effective_grad
+
+    block = config.block_size
+    g = _effective_grad(grad, grad_scale, maximize)
+    if config.master == "fp32":
+        w = state["master"].clone()
+    elif config.master == "bf16_kahan":
+        w = kahan_value(state["master"], state["master.comp"])
+    else:
+        w = state["master"].float()
+    if weight_decay != 0:
+        if decoupled:
+            w.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(w, alpha=weight_decay)
+    m = dequantize_ref(state["exp_avg.codes"], state["exp_avg.scale"], signed_map(), block)
+    s = dequantize_ref(state["exp_avg_sq.codes"], state["exp_avg_sq.scale"], unsigned_map(), block)
+    v = s * s
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    s_new = v.sqrt()
+    denom = (s_new / bias_correction2**0.5).add_(eps)
+    w.addcdiv_(m, denom, value=-(lr / bias_correction1))
+    return w, m, s_new
+
+
+def adam_q8_reference(
+    state: dict[str, Tensor],
+    grad: Tensor,
+    weight_out: Tensor | None = None,
+    *,
+    config: QuantConfig,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    bias_correction1: float,
+    bias_correction2: float,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    seed: int = 0,
+    step: int = 0,
+    index_offset: int = 0,
+) -> None:
+    """One Adam/AdamW step on compressed state, in place (pure torch, the native kernel's twin)."""
+    w, m, s_new = adam_q8_math(
+        state, grad, config=config, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        decoupled=decoupled, bias_correction1=bias_correction1, bias_correction2=bias_correction2,
+        maximize=maximize, grad_scale=grad_scale)
+    block = config.block_size
+    codes, scale = quantize_ref(m, signed_map(), block)
+    state["exp_avg.codes"].copy_(codes)
+    state["exp_avg.scale"].copy_(scale)
+    codes, scale = quantize_ref(s_new, unsigned_map(), block)
+    state["exp_avg_sq.codes"].copy_(codes)
+    state["exp_avg_sq.scale"].copy_(scale)
+    if config.master == "fp32":
+        state["master"].copy_(w)
+        value = w
+    elif config.master == "bf16_kahan":
+        state["master"].copy_(w)
+        state["master.comp"].copy_(kahan_comp(w, state["master"]))
+        value = w
+    else:
+        state["master"].copy_(round_bf16_stochastic(w, sr_key(seed, step), index_offset))
+        value = state["master"].float()
+    if weight_out is not None:
+        weight_out.copy_(value)

@@ -1,0 +1,161 @@
+"""Blockwise 8-bit quantization: the native encoder/decoder against the pure-torch reference.
+
+The encoding is integer/compare arithmetic on the same fp32 products in every variant, so
+codes and scales must be bit-identical to ``quant.quantize_ref`` on every ISA (the scalar
+build included), at every size and block size, with no tolerance.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tierstate.kernels as K
+from kernel_helpers import NATIVE_ISAS, needs_native, unaligned_view
+from tierstate.kernels import quant as Q
+
+SIZES = (1, 255, 257, 2**20 + 3)
+MAPS = {"signed": Q.signed_map, "unsigned": Q.unsigned_map}
+
+
+def _moment_like(n: int, seed: int) -> torch.Tensor:
+    """Signed values with magnitudes 10**U(-9, 1), exact zeros, and all-zero blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.pow(10.0, -9 + 10 * torch.rand(n, generator=g)) * torch.randn(n, generator=g).sign()
+    x[torch.rand(n, generator=g) < 0.05] = 0.0
+    if n > 700:
+        x[256:512] = 0.0  # one whole block of 256 is zero
+    return x
+
+
+def _assert_same(x: torch.Tensor, qmap: Q.QuantMap, block: int) -> None:
+    codes, scale = K.quantize_blockwise(x, qmap, block)
+    ref_codes, ref_scale = Q.quantize_ref(x, qmap, block)
+    bad = (codes != ref_codes).nonzero().flatten()
+    assert bad.numel() == 0, (f"{bad.numel()} codes differ, first at {int(bad[0])}: x={x[bad[0]].item()!r} "
+                              f"native {int(codes[bad[0]])} reference {int(ref_codes[bad[0]])}")
+    assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32)), "scales differ"
+    values = K.dequantize_blockwise(codes, scale, qmap, block)
+    ref_values = Q.dequantize_ref(ref_codes, ref_scale, qmap, block)
+    assert torch.equal(values.view(torch.int32), ref_values.view(torch.int32)), "dequantized values differ"
+
+
+@needs_native
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+@pytest.mark.parametrize("map_name", MAPS)
+def test_codes_and_scales_bit_identical(isa, map_name, isa_and_threads):
+    K.set_isa(isa)
+    qmap = MAPS[map_name]()
+    for threads in (1, 2):
+        K.set_num_threads(threads)
+        for n in SIZES:
+            for block in (64, 256, 4096) if n < 2**20 else (256,):
+                x = _moment_like(n, seed=n + block)
+                _assert_same(x.abs() if not qmap.signed else x, qmap, block)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+@pytest.mark.parametrize("map_name", MAPS)
+def test_every_threshold_and_its_neighbours(isa, map_name, isa_and_threads):
+    """Blocks whose absmax is exactly 1 (so y = x): every threshold, 1-3 fp32 ulps either
+    side, and a stride over all fp32 values in [0, 1]. Ties go to the upper code."""
+    K.set_isa(isa)
+    qmap = MAPS[map_name]()
+    t = qmap.thresholds[:-1].view(torch.int32)
+    near = torch.cat([t + d for d in (-3, -2, -1, 0, 1, 2, 3)]).view(torch.float32)
+    sweep = torch.arange(0, 0x3F800000, 997, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([near, sweep])
+    if qmap.signed:
+        x = torch.cat([x, -x])
+    x[::64] = 1.0
+    _assert_same(x, qmap, 64)
+    codes, _ = K.quantize_blockwise(x, qmap, 64)
+    m = t.numel()
+    position = torch.arange(3 * m, 4 * m)  # the "+0 ulp" copy: exactly the thresholds
+    kept = position % 64 != 0               # not overwritten by a block's 1.0
+    at_threshold = codes[position[kept]].long() & (0x7F if qmap.signed else 0xFF)
+    assert torch.equal(at_threshold, (torch.arange(m) + 1)[kept]), "a value at a threshold takes the upper code"
+
+
+def test_encoding_is_nearest_code():
+    """The reference picks the nearest magnitude (checked in float64), except exactly at a
+    midpoint, where it takes the upper one (the midpoint is itself rounded to fp32)."""
+    for make in MAPS.values():
+        qmap = make()
+        y = torch.rand(200_000, generator=torch.Generator().manual_seed(3)) ** 3
+        y[::4096] = 1.0  # every block's absmax is 1, so the normalised value is y itself
+        codes, scale = Q.quantize_ref(y, qmap, 4096)
+        assert bool((scale == 1.0).all())
+        mags = qmap.magnitudes.double()
+        dist = (y.double()[:, None] - mags[None, :]).abs()
+        nearest = dist.argmin(dim=1)
+        got = codes.long() & 0x7F if qmap.signed else codes.long()
+        differs = got != nearest
+        d_got = dist.gather(1, got[:, None]).squeeze(1)
+        d_best = dist.gather(1, nearest[:, None]).squeeze(1)
+        # a different pick is only allowed where the two are equally near to within an fp32 ulp
+        assert bool(((d_got - d_best)[differs] <= 2.0**-24).all())
+        assert int(differs.sum()) <= 2
+
+
+@needs_native
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_non_finite_and_tiny_blocks(isa, isa_and_threads):
+    """NaN or inf in a block: scale NaN, all codes 0, the block dequantizes to NaN. A block
+    whose absmax is below FLT_MIN keeps its scale and encodes as zeros. Other blocks intact."""
+    K.set_isa(isa)
+    block = 64
+    x = torch.randn(6 * block, generator=torch.Generator().manual_seed(4))
+    x[3] = math.nan
+    x[block + 5] = math.inf
+    x[2 * block + 7] = -math.inf
+    x[3 * block: 4 * block] = 1e-39 * torch.randn(block).sign()  # subnormal absmax
+    x[4 * block: 5 * block] = 0.0
+    for qmap in (Q.signed_map(), Q.unsigned_map()):
+        _assert_same(x, qmap, block)
+        codes, scale = K.quantize_blockwise(x, qmap, block)
+        assert torch.isnan(scale[:3]).all() and (codes[: 3 * block] == 0).all()
+        values = K.dequantize_blockwise(codes, scale, qmap, block)
+        assert torch.isnan(values[: 3 * block]).all()
+        assert scale[3].item() == pytest.approx(1e-39, rel=1e-2) and (values[3 * block: 5 * block] == 0).all()
+        assert scale[4].item() == 0.0
+        assert torch.isfinite(values[5 * block:]).all()
+
+
+@needs_native
+def test_unaligned_views(isa_and_threads):
+    """Inputs that start 1-3 elements into a buffer; outputs into fresh tensors."""
+    qmap = Q.signed_map()
+    for offset in (1, 2, 3):
+        x = unaligned_view(_moment_like(1000, offset), offset, torch.float32)
+        _assert_same(x, qmap, 64)
+
+
+def test_quantization_error_is_bounded():
+    """A value's error is at most half its step between neighbouring codes, times the scale."""
+    qmap = Q.signed_map()
+    x = torch.randn(256 * 64, generator=torch.Generator().manual_seed(5))
+    codes, scale = Q.quantize_ref(x, qmap, 256)
+    y = Q.dequantize_ref(codes, scale, qmap, 256)
+    mags = qmap.magnitudes
+    steps = torch.cat([mags[1:] - mags[:-1], mags[-1:] - mags[-2:-1]])
+    bound = steps[(codes.long() & 0x7F)].maximum(steps[((codes.long() & 0x7F) - 1).clamp_min(0)])
+    per_block = scale.repeat_interleave(256)
+    assert bool(((x - y).abs() <= bound * per_block * 0.5 + 1e-7).all())
+
+
+def test_face_errors():
+    x = torch.randn(300)
+    with pytest.raises(ValueError, match="block_size=100"):
+        K.quantize_blockwise(x, Q.signed_map(), 100)
+    with pytest.raises(TypeError, match="x has dtype torch.float64"):
+        K.quantize_blockwise(x.double(), Q.signed_map(), 256)
+    with pytest.raises(TypeError, match="qmap must be a QuantMap"):
+        K.quantize_blockwise(x, "signed", 256)
+    codes, scale = K.quantize_blockwise(x, Q.signed_map(), 256)
+    with pytest.raises(ValueError, match="scale has 1 elements"):
+        K.dequantize_blockwise(codes, scale[:1], Q.signed_map(), 256)
+    with pytest.raises(TypeError, match="codes has dtype torch.int8"):
+        K.dequantize_blockwise(codes.to(torch.int8), scale, Q.signed_map(), 256)
