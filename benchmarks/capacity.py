@@ -112,13 +112,21 @@ class RssSampler:
 
         self.proc = psutil.Process()
         self.peak = self.proc.memory_info().rss
+        self.span = self.peak  # the peak since the last take_span()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
+            rss = self.proc.memory_info().rss
+            self.peak = max(self.peak, rss)
+            self.span = max(self.span, rss)
+
+    def take_span(self) -> int:
+        """The peak since the previous call (sampled), and start a new span."""
+        out, self.span = self.span, self.proc.memory_info().rss
+        return max(out, self.span)
 
     def stop(self) -> int:
         self._stop.set()
@@ -265,12 +273,13 @@ def main(argv=None) -> int:
 
         t0 = time.perf_counter()
         io0 = proc_io()
+        rss.take_span()
         ws = ts.offload_weights(model, "nvme", nvme_dir=wdir, init=init, prefetch=args.prefetch)
         io1 = proc_io()
         bar.show("init + write weights", done[0], cfg.num_hidden_layers, force=True)
         bar.end()
         report["init"] = {"seconds": time.perf_counter() - t0, "write_bytes": io1["write"] - io0["write"],
-                          "rss_after": rss.proc.memory_info().rss}
+                          "rss_after": rss.proc.memory_info().rss, "rss_peak": rss.take_span()}
         inv = model.model.rotary_emb.inv_freq
         if not torch.isfinite(inv).all() or inv.max() > 1.0 or inv.min() <= 0:
             raise RuntimeError(f"rotary inv_freq was not initialized by init: {inv[:4]}")
@@ -303,14 +312,18 @@ def main(argv=None) -> int:
             ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g)
             phase[0], phase[1] = "forward", 0
             io0 = proc_io()
+            rss.take_span()
             t0 = time.perf_counter()
             loss = model(ids, labels=ids).loss
             t1 = time.perf_counter()
+            peak_fwd = rss.take_span()
             loss.backward()
             t2 = time.perf_counter()
+            peak_bwd = rss.take_span()
             opt.step()
             opt.zero_grad()
             t3 = time.perf_counter()
+            peak_step = rss.take_span()
             io1 = proc_io()
             bar.show(f"step {step + 1}/{args.steps} done", cfg.num_hidden_layers, cfg.num_hidden_layers, force=True)
             bar.end()
@@ -321,12 +334,14 @@ def main(argv=None) -> int:
             steps.append({"step": step + 1, "loss": loss.item(), "seconds": t3 - t0, "forward_s": t1 - t0,
                           "backward_s": t2 - t1, "step_s": t3 - t2, "disk_read_bytes": io1["read"] - io0["read"],
                           "disk_write_bytes": io1["write"] - io0["write"], "rss_now": rss.proc.memory_info().rss,
+                          "rss_peak": {"forward": peak_fwd, "backward": peak_bwd, "step": peak_step},
                           "streamer": delta, "optimizer": _as_dict(opt.stats())})
             s = steps[-1]
             print(f"step {s['step']}: {s['seconds']:.1f} s (forward {s['forward_s']:.1f}, backward+update "
                   f"{s['backward_s']:.1f}, step() {s['step_s']:.1f}), loss {s['loss']:.3f}, disk read "
                   f"{s['disk_read_bytes'] / 1e9:.1f} GB, written {s['disk_write_bytes'] / 1e9:.1f} GB, "
-                  f"RSS {s['rss_now'] / GIB:.2f} GiB, weight stalls {delta['stall_seconds']:.1f} s")
+                  f"RSS {s['rss_now'] / GIB:.2f} GiB (peaks: forward {peak_fwd / GIB:.2f}, backward "
+                  f"{peak_bwd / GIB:.2f}, step() {peak_step / GIB:.2f}), weight stalls {delta['stall_seconds']:.1f} s")
             report["steps"], report["streamer"] = steps, st
             if args.json:  # after every step: a run stopped early still leaves its figures
                 args.json.write_text(json.dumps(report, indent=2, default=str))
@@ -359,7 +374,8 @@ def _summary(r: dict) -> None:
     print(f"  model            Llama {r['size']}: {r['params'] / 1e9:.2f} B parameters, batch 1 x {r['seq']}")
     print(f"  peak RSS         {r['peak_rss_sampled'] / GIB:.2f} GiB sampled, VmHWM "
           f"{(r['vm_hwm'] or 0) / GIB:.2f} GiB (target <= 12 GiB)")
-    print(f"  init             {r['init']['seconds']:.0f} s, {r['init']['write_bytes'] / 1e9:.1f} GB written")
+    print(f"  init             {r['init']['seconds']:.0f} s, {r['init']['write_bytes'] / 1e9:.1f} GB written, "
+          f"peak RSS {r['init']['rss_peak'] / GIB:.2f} GiB")
     print(f"  step time        {t:.1f} s (mean of steps {later[0]['step']}..{later[-1]['step']}); "
           f"forward {mean('forward_s'):.1f}, backward with the updates {mean('backward_s'):.1f}, "
           f"step() {mean('step_s'):.1f}")
