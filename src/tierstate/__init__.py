@@ -24,6 +24,7 @@ _EXPORTS = {
     "OffloadOptimizer": ".optim",
     "Offload": ".placement",
     "offload_weights": ".weights", "WeightStreamer": ".weights", "WeightsLostError": ".weights",
+    "save_weights": ".weights", "load_weights": ".weights",
     "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
     # the errors a training loop may want to catch by name
     "StateLostError": ".io", "DiskFullError": ".io", "FileIOError": ".io",
