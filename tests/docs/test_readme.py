@@ -113,6 +113,8 @@ PYTHON_BLOCKS = {
             ("num_attention_heads=32, vocab_size=32000", "num_attention_heads=4, vocab_size=128", "the same"),
             ('"/mnt/nvme0/weights"', 'os.environ["DOC_TMP"] + "/w"', "a folder of the test's own"),
             ('"/mnt/nvme0/state"', 'os.environ["DOC_TMP"] + "/s"', "a folder of the test's own"),
+            ('"/mnt/nvme0/model.safetensors"', 'os.environ["DOC_TMP"] + "/model.safetensors"',
+             "a folder of the test's own"),
         ],
         prints="fetch_bytes",
         why="`loader` is the reader's: three batches of token ids"),
