@@ -60,6 +60,7 @@ import threading
 import time
 from pathlib import Path
 
+from tierstate.bench.e2e import _non_negative, _positive  # the same argument checks as bench e2e
 from tierstate.bench.io import parse_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -115,26 +116,6 @@ def _modes(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(MODES)}")
     return list(dict.fromkeys(names))
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
