@@ -322,7 +322,8 @@ def test_save_memory_stays_near_one_block_while_streaming(tmp_path):
     assert m["streamed"] >= 4 * (m["pool"] + m["block"])  # the model is well past the window
     bound = m["block"] + m["block"] + 16 * mib + 24 * mib  # an image, one tensor, write buffers, slack
     assert m["growth"] < bound, f"save grew RSS by {m['growth'] / mib:.1f} MiB (bound {bound / mib:.1f}): {m}"
-    assert m["control"] > 0.9 * m["streamed"], f"the meter missed the gathered weights: {m}"
+    # gathered blocks take the pool's images first (on the CPU an image is the block's storage)
+    assert m["control"] > 0.9 * (m["streamed"] - m["pool"]), f"the meter missed the gathered weights: {m}"
     with safe_open(str(out), framework="pt") as f:
         assert len(list(f.keys())) == 33
         assert f.get_tensor("blocks.31.weight").shape == (1024, 1024)

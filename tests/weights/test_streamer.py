@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import tierstate as ts
-from tierstate.weights import WeightsLostError
+from tierstate.weights import WeightsLostError, streamed
 
 from _models import VOCAB, batches, gpt2, offload, transformers
 
@@ -102,6 +102,31 @@ def test_read_write_gathered_and_close(tmp_path):
     assert p.shape == (0,)  # a forward now fails with a shape error, not a read of freed memory
     with pytest.raises(RuntimeError):
         m(batches(1)[0])
+
+
+def test_cpu_storage_is_the_image_and_in_place_writes_are_kept(tmp_path):
+    """On the CPU a materialized block's parameters live in its host image (no allocation, no
+    copy), a change made to one in place is written back to the NVMe home, and a grown pool
+    shrinks back once the blocks are released."""
+    m = gpt2()
+    ws = offload(m, "nvme", nvme_dir=tmp_path / "w", prefetch=0)
+    win = ws.window
+    base_pool = ws.stats()["pool_bytes"]
+    name, p = ws.named_streamed()[0]
+    b = streamed(p).block
+    with ws.gathered([b]):
+        image = win.state[b].image
+        assert image.data_ptr() <= p.data_ptr() < image.data_ptr() + image.numel()
+        with torch.no_grad():
+            p.fill_(0.25)
+    with ws.gathered():  # every block at once: the pool grows past its base and evicts block b's image
+        pass
+    assert ws.stats()["pool_bytes"] == base_pool
+    ws.window.flush()
+    ws.window.drop_images()
+    assert win.state[b].image is None  # the next read comes from the file
+    assert torch.equal(ws.read_param(p), torch.full(p.shape, 0.25))
+    ws.close()
 
 
 def test_optimizer_stats_carry_weight_streaming(tmp_path):

@@ -139,6 +139,7 @@ class WeightStreamer:
         _generation[0] += 1
         self._telemetries: "weakref.WeakSet" = weakref.WeakSet()
         self.window.report = self._report
+        self.window.pending = self._update_pending
         self.hooks = BlockHooks(self)
         self._finalizer = weakref.finalize(self, _close_homes, self._homes)
 
@@ -194,6 +195,11 @@ class WeightStreamer:
                     init(mod)
         self.window.fill_home(block.index, byte_view(storage, block.nbytes))
         storage.resize_(0)
+
+    def _update_pending(self, b: int) -> bool:
+        """Whether a parameter of block ``b`` holds a gradient the optimizer has not applied yet
+        (with ``step_in_backward`` it drops a streamed gradient once applied)."""
+        return any(p.grad is not None for p in self.blocks[b].params)
 
     def attach_telemetry(self, telemetry) -> None:
         """Book this streamer's waits and reads (phases ``weight_wait``, ``weight_fetch`` on lane
@@ -267,12 +273,14 @@ class WeightStreamer:
     @contextlib.contextmanager
     def gathered(self, blocks: Sequence[int] | None = None) -> Iterator[None]:
         """Materialize blocks (all by default) for reading their parameters directly, e.g. to
-        evaluate a small model or print a weight. Changes made to the parameters inside are
-        not kept: write weights with :meth:`write_param`. A large model should be read block by
+        evaluate a small model or print a weight. Write weights with :meth:`write_param`:
+        a change made to a parameter in place inside is kept on the CPU (the storage is the
+        block's host image there) but not on CUDA (a device copy). A large model should be read block by
         block (``gathered([i])``), or exported with :func:`tierstate.save_weights`."""
         self._check_open()
         which = range(len(self.blocks)) if blocks is None else list(blocks)
         held = []
+        self.window.quiet_growth += 1  # the pool grows for these blocks, as asked, and shrinks after
         try:
             with self._lock:
                 for b in which:
@@ -282,6 +290,7 @@ class WeightStreamer:
             yield
         finally:
             with self._lock:
+                self.window.quiet_growth -= 1
                 for b in held:
                     self.window.state[b].holds -= 1
                     self.window.release(b)
