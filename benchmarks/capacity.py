@@ -9,7 +9,9 @@ memory), its decoder layers given to ``ts.offload_weights(model, "nvme", init=mo
 model is never whole in RAM), in fp32, so the home holds the only copy of each weight (4 B per
 parameter) and the optimizer keeps no master; then ``ts.AdamW`` with bf16 moments on NVMe
 (4 B per parameter) and ``step_in_backward=True``, so a layer's gradients are applied and
-dropped as its backward ends. Batch 1 x ``--seq`` tokens of random ids.
+dropped as its backward ends. Batch 1 x ``--seq`` tokens of random ids. Freed host memory stays
+in the process heap (``--host-allocator retain``, :mod:`tierstate.host_allocator`): each step's
+fp32 gradients of a 7B layer are 808 MB, which glibc would otherwise map afresh and fault in.
 
 What it prints: per step the time, the disk bytes read and written (``/proc/self/io``), the
 streamer's counters; the peak RSS (sampled every 20 ms, and the kernel's VmHWM); and the floor
@@ -58,6 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the optimizer's sub-group size in elements (default: ts.Offload's)")
     p.add_argument("--buffer-count", type=int, default=None,
                    help="the optimizer's NVMe records held in RAM (default: ts.Offload's)")
+    p.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
+                   help="glibc's policy for freed host memory, for the whole run (the compute floor too): "
+                        "'retain' keeps it in the heap for the next step's gradients and activations "
+                        "(tierstate.host_allocator), 'system' gives it back (default retain)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this file")
     p.add_argument("--no-bench-io", action="store_true", help="skip the disk bandwidth test (no floor then)")
     args = p.parse_args(argv)
@@ -247,6 +253,9 @@ def main(argv=None) -> int:
     print(f"capacity case: Llama {args.size}, {n_params / 1e9:.2f} B parameters, fp32 weights on NVMe "
           f"({n_params * 4 / 1e9:.1f} GB) + bf16 AdamW moments on NVMe ({n_params * 4 / 1e9:.1f} GB), "
           f"batch 1 x {args.seq}, {torch.get_num_threads()} threads, under {args.dir}")
+    if args.host_allocator == "retain":
+        ts.host_allocator.retain_freed_memory()
+    report["host_allocator"] = ts.host_allocator.policy()
     if not args.no_bench_io:
         report["disk"] = disk_bandwidth(args.dir)
         print(f"disk ({report['disk']['command']}): read {report['disk']['read_gbps']:.2f} GB/s, "
@@ -285,7 +294,8 @@ def main(argv=None) -> int:
             raise RuntimeError(f"rotary inv_freq was not initialized by init: {inv[:4]}")
         pool = {k: v for k, v in (("subgroup_numel", args.subgroup_numel), ("buffer_count", args.buffer_count))
                 if v is not None}
-        offload = ts.Offload(nvme=1.0, moment_dtype=torch.bfloat16, nvme_dir=sdir, **pool)
+        offload = ts.Offload(nvme=1.0, moment_dtype=torch.bfloat16, nvme_dir=sdir,
+                             host_allocator=args.host_allocator, **pool)
         report["offload"] = repr(offload)
         opt = ts.AdamW(model.parameters(), lr=1e-5, step_in_backward=True, offload=offload)
         model.train()
