@@ -129,6 +129,27 @@ def test_cpu_storage_is_the_image_and_in_place_writes_are_kept(tmp_path):
     ws.close()
 
 
+def test_a_forward_that_raises_releases_its_block(tmp_path):
+    m = gpt2()
+    ws = offload(m, "nvme", nvme_dir=tmp_path / "w", prefetch=0)
+    block = m.transformer.h[1]
+    b = streamed(block.attn.c_attn.weight).block
+
+    def fail(module, args):
+        raise RuntimeError("injected")
+
+    h = block.attn.register_forward_pre_hook(fail)
+    ids = batches(1)[0]
+    with pytest.raises(RuntimeError, match="injected"):
+        m(ids, labels=ids)
+    h.remove()
+    st = ws.window.state[b]
+    assert st.holds == 0 and not st.materialized  # released, its image free for others
+    assert all(not s.materialized for s in ws.window.state)
+    m(ids, labels=ids).loss.backward()  # and the model still runs
+    ws.close()
+
+
 def test_optimizer_stats_carry_weight_streaming(tmp_path):
     m = gpt2(n_layer=4)
     ws = offload(m, "nvme", nvme_dir=tmp_path / "w", prefetch=0)

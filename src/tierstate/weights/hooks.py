@@ -5,7 +5,8 @@
                        :class:`_AfterBackward`, whose backward runs once the gradients of
                        those inputs exist, i.e. when the block's backward is complete
     forward post-hook  drop the forward hold (the block is released unless backward holds
-                       it); when autograd records, hook the outputs: the first gradient to
+                       it; also when the forward raised); when autograd records, hook the
+                       outputs: the first gradient to
                        reach any of them takes a backward hold (materialize again)
     _AfterBackward     drop the backward hold: release
     end of backward    drop every backward hold left (a block whose inputs need no
@@ -61,7 +62,10 @@ class BlockHooks:
         for block in streamer.blocks:
             b = block.index
             self._handles.append(block.module.register_forward_pre_hook(self._pre(b), with_kwargs=True))
-            self._handles.append(block.module.register_forward_hook(self._post(b), with_kwargs=True))
+            # always_call: a forward that raises still drops its hold (else the block, and on the
+            # CPU its image, stayed pinned for the rest of the run)
+            self._handles.append(block.module.register_forward_hook(self._post(b), with_kwargs=True,
+                                                                    always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:
