@@ -122,6 +122,16 @@ def test_save_reads_updates_not_yet_written_back(tmp_path):
     ws.close()
 
 
+def test_save_after_close_names_the_cause_and_writes_nothing(tmp_path):
+    model = llama()
+    ws = offload(model, "nvme", tmp_path)
+    ws.close()
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(ValueError, match=r"model\.layers\.0\..*closed.*before WeightStreamer.close"):
+        ts.save_weights(model, out)
+    assert not out.exists()
+
+
 def test_a_save_pretrained_file_loads_into_a_streamed_model(tmp_path):
     ref = gpt2(seed=4)
     ref.save_pretrained(tmp_path / "hf")

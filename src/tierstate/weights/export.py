@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..checkpoint.durable import aligned_buffer, fsync_dir, open_file, remove_quietly
 from ..io.errors import FileIOError, from_oserror, io_error
-from .streamer import WeightStreamer, streamed
+from .streamer import WeightStreamer, closed_name, streamed
 
 # torch dtype -> safetensors dtype name (the library's spelling).
 _DTYPES = {
@@ -239,6 +239,9 @@ def save_weights(model: nn.Module, path, *, streamer: WeightStreamer | None = No
     sources = []
     for name, t in entries:
         h = _streamer_of(t, streamer, name)
+        if h is None and closed_name(t) is not None:
+            raise ValueError(f"{name!r} was streamed by a WeightStreamer that is closed: close() drops the "
+                             "streamed weights; call tierstate.save_weights before WeightStreamer.close()")
         if h is None and t.is_meta:
             raise ValueError(f"{name!r} is on the meta device (it has no values): materialize the model, "
                              "or stream it with tierstate.offload_weights(..., init=...), before saving")

@@ -40,6 +40,8 @@ TIERS = ("resident", "cpu", "nvme")
 # (torch's WeakIdKeyDictionary: a WeakKeyDictionary would compare two weak references to
 # tensors with Tensor.__eq__, an elementwise read of weights that may have no storage.)
 _registry: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# Parameters a closed streamer left empty -> their names, so a later save names the cause
+_closed: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 _generation = [0]  # bumped whenever parameters start or stop streaming
 
 
@@ -83,6 +85,11 @@ class StreamedParam:
 def _flat(image: Tensor, place) -> Tensor:
     p = place.param
     return image[place.byte_offset: place.byte_offset + place.nbytes].view(p.dtype)
+
+
+def closed_name(param: Tensor) -> str | None:
+    """The name of ``param`` if a WeightStreamer streamed it and was closed (its values are gone)."""
+    return _closed.get(param)
 
 
 def streamed(param: Tensor) -> StreamedParam | None:
@@ -366,6 +373,7 @@ class WeightStreamer:
                 for b in self.blocks:
                     for pl in b.places:
                         _registry.pop(pl.param, None)
+                        _closed[pl.param] = pl.name
                         pl.param.data = torch.empty(0, dtype=pl.param.dtype, device=self.device)
                     if b.storage is not None:
                         b.storage.resize_(0)
