@@ -9,9 +9,11 @@ memory), its decoder layers given to ``ts.offload_weights(model, "nvme", init=mo
 model is never whole in RAM), in fp32, so the home holds the only copy of each weight (4 B per
 parameter) and the optimizer keeps no master; then ``ts.AdamW`` with bf16 moments on NVMe
 (4 B per parameter) and ``step_in_backward=True``, so a layer's gradients are applied and
-dropped as its backward ends. Batch 1 x ``--seq`` tokens of random ids. Freed host memory stays
-in the process heap (``--host-allocator retain``, :mod:`tierstate.host_allocator`): each step's
-fp32 gradients of a 7B layer are 808 MB, which glibc would otherwise map afresh and fault in.
+dropped as its backward ends. Batch 1 x ``--seq`` tokens of random ids. ``--host-allocator
+retain`` keeps freed host memory in the heap (:mod:`tierstate.host_allocator`), so the 808 MB of
+fp32 gradients a 7B layer makes each step are not mapped and faulted in afresh; it is off by
+default because glibc cannot reuse a freed block for an aligned allocation of the same size, and
+the heap grew to 19 GB while the 7B layers were written (killed for memory on 24 GiB).
 
 What it prints: per step the time, the disk bytes read and written (``/proc/self/io``), the
 streamer's counters; the peak RSS (sampled every 20 ms, and the kernel's VmHWM); and the floor
@@ -60,10 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the optimizer's sub-group size in elements (default: ts.Offload's)")
     p.add_argument("--buffer-count", type=int, default=None,
                    help="the optimizer's NVMe records held in RAM (default: ts.Offload's)")
-    p.add_argument("--host-allocator", choices=("retain", "system"), default="retain",
+    p.add_argument("--host-allocator", choices=("retain", "system"), default="system",
                    help="glibc's policy for freed host memory, for the whole run (the compute floor too): "
                         "'retain' keeps it in the heap for the next step's gradients and activations "
-                        "(tierstate.host_allocator), 'system' gives it back (default retain)")
+                        "(tierstate.host_allocator), 'system' gives it back (default system: with "
+                        "retain the 7B case's heap grew to 19 GB while writing the layers and was "
+                        "killed for memory)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this file")
     p.add_argument("--no-bench-io", action="store_true", help="skip the disk bandwidth test (no floor then)")
     args = p.parse_args(argv)

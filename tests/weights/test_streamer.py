@@ -150,6 +150,30 @@ def test_a_forward_that_raises_releases_its_block(tmp_path):
     ws.close()
 
 
+def test_changed_images_are_written_behind_once_no_update_is_pending(tmp_path):
+    """An image the optimizer changed after its block ran is written back in the background at
+    the next block's use, unless a gradient for that block is still to be applied."""
+    m = gpt2()
+    ws = offload(m, "nvme", nvme_dir=tmp_path / "w", prefetch=0)
+    win = ws.window
+    _, p = ws.named_streamed()[-1]
+    b = streamed(p).block
+    ws.write_param(p, torch.zeros(p.shape))  # as an update does: the image only
+    assert win.state[b].dirty
+    p.grad = torch.ones(p.shape)  # an update still pending: keep the image as it is
+    ws._use(0)
+    assert win.state[b].dirty and win.state[b].write is None
+    p.grad = None
+    before = ws.stats()["writeback_bytes"]
+    ws._use(0)
+    assert not win.state[b].dirty and ws.stats()["writeback_bytes"] > before
+    win.release(0)
+    ws.flush()
+    win.drop_images()
+    assert torch.equal(ws.read_param(p), torch.zeros(p.shape))
+    ws.close()
+
+
 def test_optimizer_stats_carry_weight_streaming(tmp_path):
     m = gpt2(n_layer=4)
     ws = offload(m, "nvme", nvme_dir=tmp_path / "w", prefetch=0)

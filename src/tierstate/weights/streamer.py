@@ -221,6 +221,7 @@ class WeightStreamer:
     def _use(self, b: int) -> None:
         upcoming = self.order.note(b)
         up = set(upcoming)
+        self.window.write_behind()
         self.window.materialize(b, up)
         for u in upcoming:
             self.window.prefetch(u, up)

@@ -387,6 +387,15 @@ class Window:
                 and not st.image_holds and st.fetch is None:
             self._shrink(b)
 
+    def write_behind(self) -> None:
+        """Start writing back every changed image that nothing uses and no update is pending
+        for (the optimizer applied its gradients after the block was released), so its buffer
+        is clean when a read-ahead needs one; never waits."""
+        for b, st in enumerate(self.state):
+            if st.dirty and st.image is not None and st.write is None and not st.materialized \
+                    and not st.image_holds and st.fetch is None and not self.pending(b):
+                self._write_back(b)
+
     def _shrink(self, b: int) -> None:
         """Give a grown pool's buffer back to the allocator (after gathered() of many blocks,
         or a burst the pool could not hold): written first if it changed."""
