@@ -352,6 +352,20 @@ def sr_key(seed: int, step: int) -> int:
     return _lowbias32_int(k ^ (step >> 32))
 
 
+def master_value(config: "QuantConfig", state: dict[str, Tensor]) -> Tensor:
+    """The fp32 weight a master of ``config.master`` mode holds (``state``: its named parts)."""
+    if config.master == "bf16_kahan":
+        return kahan_value(state["master"], state["master.comp"])
+    return state["master"].float()
+
+
+def param_seed(seed: int, param_index: int) -> int:
+    """The stochastic-rounding seed of one parameter: the run's ``seed`` with the parameter's
+    index (its position in ``param_groups``) mixed in by a 64-bit odd multiplier, so that no two
+    parameters share their random numbers."""
+    return (seed ^ ((param_index + 1) * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
+
+
 def round_bf16_stochastic(x: Tensor, key: int, index_offset: int = 0) -> Tensor:
     """bf16 of the fp32 ``x`` by stochastic rounding, element i using index ``index_offset + i``."""
     bits = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
