@@ -302,6 +302,8 @@ class StepEngine:
             self.parts.weights.report_streaming(tel)
         for tier_name, nbytes in self.tier_bytes().items():
             tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
+        for name, value in self.store.nvme_gauges().items():  # StepStats.nvme_bytes_per_param
+            tel.set_gauge(name, value)
         if self.device.type == "cuda":
             tel.set_gauge("pinned_bytes", self.pinned_bytes())
             tel.set_gauge("device_mem", torch.cuda.memory_allocated(self.device))

@@ -9,51 +9,18 @@ from typing import Sequence, Union
 
 import torch
 
-from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, default_nvme_root, nvme_dirs_of
+from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_QUANT_BLOCK, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, Q8,
+                       QUANT_BLOCK_RANGE, default_nvme_root, nvme_dirs_of, state_bytes_per_element)
 
 PathLike = Union[str, os.PathLike]
 
 OFFLOAD_MODES = ("cpu", "nvme", "auto")
 HOST_ALLOCATOR_POLICIES = ("retain", "system")
 
-# Compressed state (tierstate.kernels.quant): 8-bit moments and a 16-bit master.
-Q8 = "q8"
-MASTER_DTYPES = ("fp32", "bf16_kahan", "bf16_sr")
-DEFAULT_QUANT_BLOCK = 256
-_QUANT_BLOCK_RANGE = (64, 4096)  # powers of two; the native kernels' chunks are multiples of 4096
-
 
 def dtype_name(dtype) -> str:
     """``torch.float32`` -> ``"fp32"``, ``torch.bfloat16`` -> ``"bf16"``, ``"q8"`` -> ``"q8"``."""
     return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, dtype if isinstance(dtype, str) else str(dtype))
-
-
-def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant_block: int = DEFAULT_QUANT_BLOCK,
-                            *, moment_keys=("exp_avg", "exp_avg_sq"), fp32_keys=(), needs_master: bool = True
-                            ) -> dict[str, float]:
-    """Bytes per parameter of each stored state key: the one table the optimizer's stats and the
-    planner read.
-
-    ``moment_dtype``: ``"fp32"`` (4 B a moment), ``"bf16"`` (2 B) or ``"q8"`` (1 B of code plus
-    a 4 B scale per ``quant_block`` elements: 1.016 B at 256); ``master_dtype``: ``"fp32"``
-    (4 B), ``"bf16_kahan"`` (2 B bf16 + 2 B int16 compensation, key ``master.comp``) or
-    ``"bf16_sr"`` (2 B). The master is counted only where one is kept (``needs_master``: low
-    precision or accelerator parameters, or any 16-bit master mode). AdamW with q8 moments:
-    6.03 B with an fp32 master, 6.03 with bf16 + compensation, 4.03 with stochastic rounding;
-    2.03 on fp32 host parameters, which are their own fp32 master.
-    """
-    if moment_dtype == Q8:
-        per_moment = {f"{k}.{part}": b for k in moment_keys for part, b in (("codes", 1.0), ("scale", 4.0 / quant_block))}
-    else:
-        per_moment = {k: float({"fp32": 4, "bf16": 2}[moment_dtype]) for k in moment_keys}
-    out = per_moment | {k: 4.0 for k in fp32_keys}
-    if master_dtype != "fp32":
-        out["master"] = 2.0
-        if master_dtype == "bf16_kahan":
-            out["master.comp"] = 2.0
-    elif needs_master:
-        out["master"] = 4.0
-    return out
 
 
 @dataclass(frozen=True)
@@ -188,7 +155,7 @@ class Offload:
             raise ValueError(f"Offload(master_dtype={self.master_dtype!r}, moment_dtype={self.moment_dtype!r}): a "
                              "16-bit master runs in the fused 8-bit kernels only; add moment_dtype='q8'")
         qb = self.quant_block
-        lo, hi = _QUANT_BLOCK_RANGE
+        lo, hi = QUANT_BLOCK_RANGE
         if isinstance(qb, bool) or not isinstance(qb, int) or not lo <= qb <= hi or qb & (qb - 1):
             raise ValueError(f"Offload(quant_block={qb!r}): must be a power of two in [{lo}, {hi}], e.g. 256")
         if isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int) or not 0 <= self.sr_seed < 2**64:

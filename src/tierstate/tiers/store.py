@@ -326,6 +326,19 @@ class StateStore:
     def nbytes_by_tier(self) -> dict[str, int]:
         return {kind.value: tier.nbytes for kind, tier in self.tiers.items()}
 
+    def nvme_gauges(self) -> dict[str, float]:
+        """``nvme_params``: parameters (elements) whose state lives in the NVMe tier;
+        ``nvme_record_bytes_per_param``: bytes of their records (all keys, region alignment
+        included) per parameter: what one read or one write of the tier moves per parameter.
+        Empty without an NVMe tier."""
+        from ..placement import TierKind  # noqa: PLC0415
+
+        tier = self.tiers.get(TierKind.NVME)
+        if tier is None:
+            return {}
+        n = sum(seg.numel for sg in self.layout.subgroups if sg.tier is TierKind.NVME for seg in sg.segments)
+        return {"nvme_params": float(n), "nvme_record_bytes_per_param": tier.nbytes / n if n else 0.0}
+
     @property
     def pinned_nbytes(self) -> int:
         return sum(t.pinned_nbytes for t in self.tiers.values())
