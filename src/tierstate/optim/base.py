@@ -211,6 +211,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kernels.record_worker_spans(True)
         try:
             engine = self._engine
+            engine.store.check_specs(self.param_groups)  # compressed state: before anything changes
             engine.policy = self._policy()  # the attributes may be changed between steps, as torch's
             result = engine.step(scaling_of(self, grad_scaler, host_copies=engine.parts.grads.stream is not None))
             if result.rebuilt:

@@ -145,6 +145,13 @@ def check_compressed(offload: Offload, rule, param_groups: list, trainable: list
             raise ValueError(f"Offload(moment_dtype='q8') with amsgrad=True (param group {i}): the 8-bit kernels "
                              "keep no max_exp_avg_sq; use amsgrad=False or moment_dtype=torch.float32")
     for p in trainable:
+        if quant.master != "fp32" and p.dtype == torch.float32 and p.device.type != "cpu" \
+                and weights_of(p) is None:
+            # the upload copies the stored master itself to the device: a bf16 one, without its
+            # compensation, would silently truncate the fp32 weight every step
+            raise ValueError(f"Offload(master_dtype={quant.master!r}) with float32 parameters on {p.device}: a "
+                             "16-bit master serves 16-bit parameters there; convert the model (model.bfloat16()) "
+                             "or keep master_dtype=torch.float32")
         if local_tensor(p).numel() >= 2**32:
             raise ValueError(f"Offload(moment_dtype='q8'): a parameter of {local_tensor(p).numel()} elements; the "
                              "compressed kernels index elements in 32 bits: split it below 2**32 elements")

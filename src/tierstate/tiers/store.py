@@ -88,6 +88,18 @@ class StateStore:
             keys += ["master", "master.comp"] if self.quant.master == "bf16_kahan" else ["master"]
         return keys
 
+    def check_specs(self, groups: Sequence[Mapping]) -> None:
+        """Refuse hyper-parameters changed since construction so that the rule now keeps a
+        state that compressed storage has no place for (amsgrad=True adds max_exp_avg_sq)."""
+        if self.quant is None:
+            return
+        for gi in range(len(groups)):
+            for spec in self._specs_of(gi):
+                if f"{spec.name}.codes" not in self.dtypes:
+                    raise ValueError(f"param_groups[{gi}] now asks for state {spec.name!r} (amsgrad=True with "
+                                     "Offload(moment_dtype='q8')?): the 8-bit kernels keep exp_avg and exp_avg_sq "
+                                     "only; set it back (amsgrad=False) or use moment_dtype=torch.float32")
+
     def held_keys(self, s: Slot) -> list[str]:
         """The keys whose values exist now: a master only once it was filled."""
         return [k for k in self.keys(s) if not k.startswith("master") or s.master.filled]
