@@ -139,7 +139,9 @@ class QuantMap:
     is ``clamp((bits(|y|) >> lut_shift) - lut_base, 0, len(lut) - 1)``, ``lut[bucket]`` the
     count of thresholds at or below the bucket's low end, ``lut_threshold[bucket] =
     thresholds[lut[bucket]]``, and no bucket holds more than one threshold strictly inside,
-    so ``code = lut[b] + (|y| >= lut_threshold[b])``.
+    so ``code = lut[b] + (|y| >= lut_threshold[b])``. The native kernels read ``lut8`` (the
+    same counts as uint8, then 3 zero bytes: they gather it as 32-bit words) and
+    ``thresholds[lut8[b]]``, tables small enough to stay in L1 (see csrc/kernels/kernels.h).
     """
 
     name: str
@@ -151,6 +153,7 @@ class QuantMap:
     lut_shift: int
     lut_base: int
     lut_threshold: Tensor
+    lut8: Tensor
 
 
 def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
@@ -186,7 +189,10 @@ def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
     lows = ((torch.arange(size, dtype=torch.int64) + base) << shift).to(torch.int32).view(torch.float32)
     lows[0] = 0.0
     lut = torch.searchsorted(mids, lows, right=True).to(torch.int32)
-    return QuantMap(name, signed, mags, table, thresholds, lut, shift, base, thresholds[lut.long()].contiguous())
+    lut8 = torch.cat([lut.to(torch.uint8), torch.zeros(3, dtype=torch.uint8)])
+    assert int(lut.max()) < 256 and thresholds.numel() <= 256
+    return QuantMap(name, signed, mags, table, thresholds.contiguous(), lut, shift, base,
+                    thresholds[lut.long()].contiguous(), lut8)
 
 
 @lru_cache(maxsize=None)
