@@ -155,7 +155,8 @@ def _plot(results: list[dict], path: Path, kinds: list[str]) -> None:
             ax.plot(_smooth(mean, 25), label=f"{fmt} (final {sum(r['final'] for r in runs) / len(runs):.4f})",
                     linewidth=1.2, linestyle="--" if "sr" in fmt or "kahan" in fmt else "-")
         numel = next((r["numel"] for r in results if r["kind"] == kind and "numel" in r), 0)
-        ax.set_title(f"{kind} ({numel / 1e6:.2f}M params), mean of {len({r['seed'] for r in results})} seeds")
+        seeds = len({r["seed"] for r in results if r["kind"] == kind and "losses" in r})
+        ax.set_title(f"{kind} ({numel / 1e6:.2f}M params), mean of {seeds} seed(s)")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (25-step mean)")
         ax.set_yscale("log")
@@ -179,7 +180,7 @@ def _table(results: list[dict], kinds: list[str]) -> list[dict]:
                 continue
             ratios = [r["final"] / base[r["seed"]] for r in runs if r["seed"] in base]
             rows.append({"model": kind, "format": fmt, "final_mean": sum(r["final"] for r in runs) / len(runs),
-                         "ratio_mean": sum(ratios) / len(ratios), "ratio_worst": max(ratios),
+                         "ratio_mean": sum(ratios) / len(ratios), "ratio_worst": max(ratios), "seeds": len(runs),
                          "seconds_mean": sum(r["seconds"] for r in runs) / len(runs)})
     return rows
 
@@ -200,6 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpt2-heads", type=int, default=4)
     ap.add_argument("--workers", type=int, default=2, help="runs at once, one thread each")
     ap.add_argument("--out", default=".", help="folder for quality_curves.png and .json")
+    ap.add_argument("--report-only", action="store_true", help="table and figure from OUT/quality_curves.json")
     args = ap.parse_args(argv)
     for name in ("steps", "seeds", "batch_size", "seq_len", "eval_batches", "workers"):
         if getattr(args, name) < 1:
@@ -214,29 +216,42 @@ def main(argv=None) -> int:
             ap.error(f"--formats: {f!r} is not one of {', '.join(FORMATS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:  # table and figure from the runs a previous (perhaps interrupted) run saved
+        saved = json.loads((out / "quality_curves.json").read_text())
+        return _report(saved["runs"], kinds, out, saved["meta"])
     jobs = [{"kind": k, "format": f, "seed": s, "args": args} for s in range(args.seeds) for k in kinds for f in formats]
     t0 = time.perf_counter()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        results = []
-        for r in pool.imap_unordered(run_one, jobs):
-            results.append(r)
-            done = "skipped: " + r["skipped"][:60] if "skipped" in r else f"final {r['final']:.4f} in {r['seconds']:.0f}s"
-            print(f"[{len(results)}/{len(jobs)}] {r['kind']} {r['format']} seed {r['seed']}: {done}", flush=True)
-    rows = _table(results, kinds)
     meta = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cpu": _cpu_model(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_s": time.perf_counter() - t0,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "torch": torch.__version__, "python": platform.python_version(), "config": {
                 k: v for k, v in vars(args).items() if k != "out"}}
-    (out / "quality_curves.json").write_text(json.dumps({"meta": meta, "table": rows, "runs": [
-        {k: v for k, v in r.items() if k != "args"} for r in results]}, indent=1))
+    results = []
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        for r in pool.imap_unordered(run_one, jobs):
+            results.append({k: v for k, v in r.items() if k != "args"})
+            done = "skipped: " + r["skipped"][:60] if "skipped" in r else f"final {r['final']:.4f} in {r['seconds']:.0f}s"
+            print(f"[{len(results)}/{len(jobs)}] {r['kind']} {r['format']} seed {r['seed']}: {done}", flush=True)
+            meta["wall_s"] = time.perf_counter() - t0
+            # saved after every run: an interrupted sweep still reports (--report-only)
+            (out / "quality_curves.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
+    return _report(results, kinds, out, meta)
+
+
+def _report(results: list[dict], kinds: list[str], out: Path, meta: dict) -> int:
+    # a seed counts only where its fp32-state run finished (the ratios need it)
+    results = [r for r in results if any(b["kind"] == r["kind"] and b["seed"] == r["seed"] and
+                                         b["format"] == "fp32 state" and "final" in b for b in results)]
+    rows = _table(results, kinds)
     _plot(results, out / "quality_curves.png", kinds)
-    print(f"\n{meta['cpu']}, {meta['date']}, {meta['wall_s']:.0f}s wall")
+    (out / "quality_table.json").write_text(json.dumps({"meta": meta, "table": rows}, indent=1))
+    print(f"\n{meta['cpu']}, {meta['date']}, {meta.get('wall_s', 0):.0f}s wall")
     print(f"{'model':6} {'format':24} {'final loss':>10} {'/ fp32':>8} {'worst seed':>10}")
     for r in rows:
         if "skipped" in r:
             print(f"{r['model']:6} {r['format']:24} not run: {r['skipped'][:70]}")
         else:
-            print(f"{r['model']:6} {r['format']:24} {r['final_mean']:10.4f} {r['ratio_mean']:8.4f} {r['ratio_worst']:10.4f}")
+            print(f"{r['model']:6} {r['format']:24} {r['final_mean']:10.4f} {r['ratio_mean']:8.4f} "
+                  f"{r['ratio_worst']:10.4f}  ({r['seeds']} seeds)")
     return 0
 
 
