@@ -26,7 +26,6 @@ import copy
 import warnings
 
 import torch
-from torch import Tensor
 
 from ..kernels import quant as Q
 
