@@ -225,7 +225,7 @@ void check_quant(int64_t n, int64_t block_size, const QuantMapRef& map, const ch
   if (n < 0) throw std::invalid_argument("n must be >= 0");
   if (block_size < kMinQuantBlock || block_size > kMaxQuantBlock || (block_size & (block_size - 1)) != 0)
     throw std::invalid_argument("block_size must be a power of two in [64, 4096]");
-  if (map.table == nullptr || map.lut_threshold == nullptr || map.lut == nullptr || map.lut_size < 1 ||
+  if (map.table == nullptr || map.thresholds == nullptr || map.lut == nullptr || map.lut_size < 1 ||
       map.lut_shift < 0 || map.lut_shift > 23)
     throw std::invalid_argument(std::string("invalid quantization map for ") + what);
 }

@@ -67,14 +67,16 @@ struct VecAvx2 {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
     return {_mm256_i32gather_ps(table, c, 4)};
   }
-  // encode_q8_one (vec_scalar.h) on 8 lanes: two independent gathers by bucket.
+  // encode_q8_one (vec_scalar.h) on 8 lanes: the bucket's byte (a 32-bit gather at byte
+  // offsets, masked), then the threshold of that code.
   static void encode_q8(uint8_t* out, VecAvx2 y, const QuantMapRef& m) {
     const __m256i mag = _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
     __m256i b = _mm256_sub_epi32(_mm256_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
                                  _mm256_set1_epi32(m.lut_base));
     b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(m.lut_size - 1));
-    __m256i c = _mm256_i32gather_epi32(m.lut, b, 4);
-    const __m256 t = _mm256_i32gather_ps(m.lut_threshold, b, 4);
+    __m256i c = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(m.lut), b, 1),
+                                 _mm256_set1_epi32(0xFF));
+    const __m256 t = _mm256_i32gather_ps(m.thresholds, c, 4);
     const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(mag), t, _CMP_GE_OQ));
     c = _mm256_sub_epi32(c, up);  // up is -1 where the value reaches the threshold
     if (m.is_signed) {

@@ -87,14 +87,15 @@ struct VecAvx512 {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     return {_mm512_i32gather_ps(c, table, 4)};
   }
-  // encode_q8_one (vec_scalar.h) on 16 lanes: two independent gathers by bucket.
+  // encode_q8_one (vec_scalar.h) on 16 lanes: the bucket's byte (a 32-bit gather at byte
+  // offsets, masked), then the threshold of that code.
   static void encode_q8(uint8_t* out, VecAvx512 y, const QuantMapRef& m) {
     const __m512i mag = _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
     __m512i b = _mm512_sub_epi32(_mm512_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
                                  _mm512_set1_epi32(m.lut_base));
     b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(m.lut_size - 1));
-    __m512i c = _mm512_i32gather_epi32(b, m.lut, 4);
-    const __m512 t = _mm512_i32gather_ps(b, m.lut_threshold, 4);
+    __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(b, m.lut, 1), _mm512_set1_epi32(0xFF));
+    const __m512 t = _mm512_i32gather_ps(c, m.thresholds, 4);
     const __mmask16 up = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mag), t, _CMP_GE_OQ);
     c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
     if (m.is_signed) {

@@ -114,7 +114,7 @@ inline uint8_t encode_q8_one(float y, const QuantMapRef& m) {
   b = b < 0 ? 0 : b;
   b = b >= m.lut_size ? m.lut_size - 1 : b;
   int32_t c = m.lut[b];
-  c += static_cast<int32_t>(bits_float(mag) >= m.lut_threshold[b]);
+  c += static_cast<int32_t>(bits_float(mag) >= m.thresholds[c]);
   // Branch-free: the signs of moments are random, a branch would mispredict half the time.
   c |= static_cast<int32_t>(m.is_signed & (y < 0.0f)) << 7;
   return static_cast<uint8_t>(c);

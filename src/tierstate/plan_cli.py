@@ -103,7 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="where the parameters live (default: cuda when "
                                                                    "the profile saw one, else cpu)")
     parser.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), help="default bf16 on cuda, fp32 on cpu")
-    parser.add_argument("--moment-dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--moment-dtype", choices=("fp32", "bf16", "q8"), default="fp32",
+                        help="moments in fp32, bf16 or blockwise 8-bit (q8: 1 B + a 4 B scale per --quant-block)")
+    parser.add_argument("--master-dtype", choices=("fp32", "bf16_kahan", "bf16_sr"), default="fp32",
+                        help="the master weight: fp32 (4 B), bf16 + int16 compensation (4 B) or bf16 with "
+                             "stochastic rounding (2 B); the bf16 modes need --moment-dtype q8")
+    parser.add_argument("--quant-block", type=int, default=256, help="elements per scale of q8 moments (default 256)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                         help="the tierstate optimizer whose state is priced (default adamw)")
     parser.add_argument("--amsgrad", action="store_true", default=None,
@@ -188,7 +193,8 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
     streaming = {"auto": None, "on": True, "off": False}[args.grad_streaming]
     moments, fp32_keys = state_keys_of(args)
     req = PlanRequest(model, device=device, param_dtype=args.param_dtype or ("bf16" if device == "cuda" else "fp32"),
-                      moment_dtype=args.moment_dtype, optimizer=args.optimizer, grad_streaming=streaming,
+                      moment_dtype=args.moment_dtype, master_dtype=args.master_dtype, quant_block=args.quant_block,
+                      optimizer=args.optimizer, grad_streaming=streaming,
                       pin_memory=not args.no_pin_memory, subgroup_numel=args.subgroup_numel,
                       buffer_count=args.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
                       grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
@@ -296,7 +302,9 @@ def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None,
     console = Console()
     req, p = plan.request, plan.placement
     console.print(f"[bold]{req.model.name}[/bold]: {req.model.numel:,} parameters ({req.model.source}); "
-                  f"{req.device}, params {req.param_dtype}, moments {req.moment_dtype}, {req.optimizer}")
+                  f"{req.device}, params {req.param_dtype}, moments {req.moment_dtype}"
+                  + (f", master {req.master_dtype}" if req.master_dtype != "fp32" else "")
+                  + f", {req.optimizer}; state {req.state_bytes_per_param:.2f} B/param")
     console.print(f"placement: [bold]Offload(gpu={p.gpu:g}, cpu={p.cpu:g}, nvme={p.nvme:g})[/bold] - {plan.reason}")
     table = Table(title="memory by tier")
     table.add_column("state")

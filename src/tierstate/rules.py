@@ -229,6 +229,28 @@ class AdamRule(UpdateRule):
             maximize=bool(group["maximize"]), grad_scale=grad_scale,
         )
 
+    def update_q8(self, *, state, grad, weight_out, group, step, grad_scale, config, seed, index_offset,
+                  reference_path: bool = False):
+        """Update one piece of compressed state in place (``Offload(moment_dtype="q8")``): the
+        fused 8-bit kernel (:func:`tierstate.kernels.adam_q8_update`), or with
+        ``reference_path`` its pure-torch twin. ``state`` holds the named parts of
+        :meth:`tierstate.kernels.quant.QuantConfig.state_spec`, ``master`` included."""
+        if group["amsgrad"]:
+            raise ValueError("amsgrad=True with Offload(moment_dtype='q8'): the 8-bit kernels keep no "
+                             "max_exp_avg_sq; set amsgrad=False or use moment_dtype=torch.float32")
+        beta1, beta2 = (_as_float(b) for b in group["betas"])
+        kwargs = dict(config=config, lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=_as_float(group["eps"]),
+                      weight_decay=_as_float(group["weight_decay"]), decoupled=self.is_decoupled(group),
+                      bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
+                      maximize=bool(group["maximize"]), grad_scale=grad_scale, seed=seed, step=step,
+                      index_offset=index_offset)
+        if reference_path:
+            from .kernels.quant import adam_q8_reference  # noqa: PLC0415
+
+            adam_q8_reference(state, grad, weight_out, **kwargs)
+        else:
+            kernels.adam_q8_update(state, grad, weight_out, **kwargs)
+
     def update_on_device(self, tasks, *, group, grad_scale):
         """torch's fused Adam/AdamW kernel over every piece at once (one multi-tensor launch).
 

@@ -326,9 +326,9 @@ def test_neon_matches_scalar_bit_for_bit_under_qemu(tmp_path):
     maps = tmp_path / "maps.bin"
     with open(maps, "wb") as f:
         for qmap in (Q.signed_map(), Q.unsigned_map()):
-            head = torch.tensor([qmap.lut.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed)],
-                                dtype=torch.int32)
-            for t in (head, qmap.table, qmap.lut_threshold, qmap.lut):
+            head = torch.tensor([qmap.lut.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed),
+                                 qmap.thresholds.numel()], dtype=torch.int32)
+            for t in (head, qmap.table, qmap.thresholds, qmap.lut8):
                 f.write(t.contiguous().numpy().tobytes())
     binary = _compile(compiler, [DRIVERS / "q8_check.cpp", *(CSRC / s for s in NEON_SOURCES)],
                       tmp_path / "q8_check")

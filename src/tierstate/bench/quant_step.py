@@ -9,11 +9,20 @@ each array read and written once (no write-allocate): fp32 moments 28 (grad 2, m
 a bf16 master + int16 compensation 16 + 8 / block (codes 1 + 1 each, scales 4 + 4 per
 block each), with a stochastically rounded bf16 master 12 + 8 / block. Variants run
 round-robin with a 20 ms gap before each call (see ``tierstate bench step`` for why), and
-the table reports medians: time per step, GB/s of state moved and parameters per second.
+the table reports medians: time per step, GB/s of state moved and parameters per second,
+and the ratio to the floor of the bytes each layout moves: a copy of 64 MiB (read + write),
+interleaved with the kernels at the same thread count, gives the host's memory bandwidth
+of the moment, and a layout's floor is its bytes per parameter over that bandwidth.
+
+``--nvme-dir DIR`` adds the optimizer's NVMe step: ``ts.AdamW`` on bf16 parameters with all
+state in files under DIR (2 buffers, so each step reads and writes all but 2 records), fp32
+state against the compressed layouts, interleaved: step time, the bytes ``stats()`` reports
+per parameter per step, and each layout's time and bytes relative to fp32 state.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -38,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--blocks", default="256", help="comma-separated block sizes of the 8-bit variants")
+    p.add_argument("--nvme-dir", help="also time ts.AdamW steps with all state on NVMe under this folder")
+    p.add_argument("--nvme-params", default="64M", help="parameters of the NVMe comparison (default 64M)")
     args = p.parse_args(argv)
+    if args.threads < 1 or args.rounds < 1:
+        p.error("--threads and --rounds must be >= 1")
     n = _count(args.params)
     blocks = [int(b) for b in args.blocks.split(",")]
     K.set_num_threads(args.threads)
@@ -58,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = (12.0 if mode == "bf16_sr" else 16.0) + 8 / block
             variants[f"q8/{block}+{mode}"] = (
                 nbytes, lambda s=state, c=cfg: K.adam_q8_update(s, g, out, config=c, **HYPER, step=1))
+    src, dst = torch.randn(16 << 20), torch.zeros(16 << 20)  # 64 MiB each, every page touched
+    torch.set_num_threads(args.threads)
+    variants["memory-copy"] = (float("nan"), lambda: dst.copy_(src))
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _, step in variants.values():
         step()
@@ -69,11 +85,53 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - t)
     print(f"{n / 1e6:g}M params, {args.threads} threads, ISA {K.current_isa()}, medians of {args.rounds} rounds")
     base = statistics.median(times["fp32-moments"])
+    bandwidth = 2 * src.numel() * 4 / statistics.median(times.pop("memory-copy"))
+    print(f"memory bandwidth (64 MiB copy, read + write): {bandwidth / 1e9:.1f} GB/s")
     for name, (nbytes, _) in variants.items():
+        if name == "memory-copy":
+            continue
         med = statistics.median(times[name])
+        floor = nbytes * n / bandwidth
         print(f"{name:24s} {nbytes:6.2f} B/param {med * 1e3:8.1f} ms {nbytes * n / med / 1e9:6.1f} GB/s "
-              f"{n / med / 1e6:6.0f} Mparam/s  time {med / base:5.2f}x fp32-moments")
+              f"{n / med / 1e6:6.0f} Mparam/s  time {med / base:5.2f}x fp32-moments  {med / floor:5.2f}x floor")
+    if args.nvme_dir:
+        nvme_steps(args.nvme_dir, _count(args.nvme_params), args.rounds, args.threads)
     return 0
+
+
+def nvme_steps(folder: str, n: int, rounds: int, threads: int) -> None:
+    """ts.AdamW steps with all state on NVMe: fp32 state against the compressed layouts, interleaved."""
+    import tierstate as ts
+
+    layouts = {"fp32 state": {}, "q8 + fp32 master": dict(moment_dtype="q8"),
+               "q8 + bf16_kahan": dict(moment_dtype="q8", master_dtype="bf16_kahan"),
+               "q8 + bf16_sr": dict(moment_dtype="q8", master_dtype="bf16_sr")}
+    K.set_num_threads(threads)
+    runs = {}
+    for i, (name, kw) in enumerate(layouts.items()):
+        p = torch.nn.Parameter(torch.randn(n).bfloat16())
+        p.grad = torch.randn(n).bfloat16()
+        sub = os.path.join(folder, f"layout{i}")  # one folder per optimizer (each locks its own)
+        os.makedirs(sub, exist_ok=True)
+        opt = ts.AdamW([p], lr=1e-3, offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=sub, buffer_count=2, **kw))
+        opt.step()  # the first step fills the records
+        runs[name] = (p, opt, [], [])
+    for _ in range(rounds):
+        for name, (p, opt, times, moved) in runs.items():
+            t = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t)
+            b = opt.stats().nvme_bytes_per_param
+            moved.append(b["read"] + b["write"])
+    base_t = statistics.median(runs["fp32 state"][2])
+    base_b = statistics.median(runs["fp32 state"][3])
+    print(f"\nNVMe step, {n / 1e6:g}M bf16 params, all state in files under {folder}, 2 buffers, medians of {rounds}")
+    for name, (p, opt, times, moved) in runs.items():
+        t, b = statistics.median(times), statistics.median(moved)
+        rec = opt.stats().nvme_bytes_per_param["record"]
+        print(f"{name:18s} record {rec:5.2f} B/param  moved {b:5.2f} B/param/step (read + write)  {t * 1e3:8.1f} ms"
+              f"  {b * n / t / 1e9:5.2f} GB/s  time {t / base_t:4.2f}x, bytes {b / base_b:4.2f}x fp32 state")
+        opt.close()
 
 
 if __name__ == "__main__":

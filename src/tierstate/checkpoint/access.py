@@ -33,6 +33,16 @@ class ParamInfo:
     initialized: bool  # has optimizer state (torch: an entry in optimizer.state)
     step: float | None  # the per-parameter step (None for rules without one)
     keys: dict  # state key -> dtype stored
+    quant_block: int | None = None  # compressed state: elements per scale of the ".scale" keys
+
+    def key_shape(self, key: str) -> tuple[int, ...]:
+        """The shape a state key is saved with: the parameter's, or one scale per block."""
+        if key.endswith(".scale") and self.quant_block:
+            n = 1
+            for d in self.shape:
+                n *= int(d)
+            return (-(-n // self.quant_block),)
+        return self.shape
 
 
 def _pieces(flat: Tensor, piece_numel: int) -> Iterator[Tensor]:
@@ -74,8 +84,34 @@ class OffloadAccess:
             keys = {key: self.store.dtypes[key] for key in self.store.held_keys(s)} if live else {}
             initialized = bool(keys) or live
             step = float(s.step) if (has_step and initialized) else None
-            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, initialized, step, keys))
+            quant = self.store.quant
+            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, initialized, step, keys,
+                                 quant.block_size if quant is not None and keys else None))
         return out
+
+    def check_format(self, index: int, rec: dict, file: str) -> None:
+        """Refuse a record whose state format (full or compressed, block size, master) is not this
+        optimizer's: shards keep the compressed form, and a conversion needs whole parameters."""
+        quant = self.store.quant
+        saved = rec["state"]
+        compressed = any(k.endswith((".codes", ".scale", ".comp")) for k in saved)
+        s = self.slots[index]
+        ours = {k: str(self.store.dtypes[k]).removeprefix("torch.") for k in self.store.keys(s)}
+        mismatch = None
+        if compressed != (quant is not None):
+            mismatch = "compressed" if compressed else "full-precision"
+        elif quant is not None and rec.get("quant_block") != quant.block_size \
+                and -(-s.local.numel() // rec["quant_block"]) != self.store.item_count(s, "exp_avg.scale"):
+            mismatch = f"compressed with quant_block={rec.get('quant_block')}"
+        elif quant is not None:
+            for key, dt in saved.items():
+                if key.startswith("master") and (key not in ours or ours[key] != dt):
+                    mismatch = f"compressed with a {dt} {key!r}"
+        if mismatch:
+            raise ValueError(f"{file}: parameter {index}'s state is {mismatch}, this optimizer keeps "
+                             f"{sorted(ours.items())}; load the checkpoint into an optimizer with its Offload("
+                             "moment_dtype=..., master_dtype=..., quant_block=...) and move the state with "
+                             "opt.load_state_dict(other.state_dict()), which converts it (with a warning)")
 
     def read_state(self, index: int, key: str, piece_numel: int) -> Iterator[Tensor]:
         """The flat state ``key`` of parameter ``index`` as uint8 byte pieces, in order."""
@@ -98,13 +134,17 @@ class OffloadAccess:
     def state_keys_for(self, index: int, group: dict) -> tuple[set, set]:
         """(keys a loaded state must have, keys it may have) for parameter ``index`` under ``group``."""
         required = {spec.name for spec in self.opt.rule.state_specs(group)}
+        if self.store.quant is not None:
+            required = {f"{name}.{part}" for name in required for part in ("codes", "scale")}
+            return required, required | {"master", "master.comp"}
         return required, required | {"master"}
 
     def accepts_state(self, index: int) -> bool:
         return self.slots[index].trainable is not None
 
     def write_state(self, index: int, key: str, offset: int, values: Tensor) -> None:
-        """Store ``values`` at element ``offset`` of parameter ``index``'s state ``key``."""
+        """Store ``values`` at item ``offset`` of parameter ``index``'s state ``key`` (an element,
+        or a block for a scale of compressed state)."""
         s = self.slots[index]
         if key == "master" and not s.needs_master:
             # An fp32 host parameter is its own master: the saved master is its value.
@@ -176,6 +216,13 @@ class TorchAccess:
 
     def state_keys_for(self, index: int, group: dict) -> tuple[set, set]:
         return set(), None  # torch optimizers check their own state lazily; accept what was saved
+
+    def check_format(self, index: int, rec: dict, file: str) -> None:
+        if any(k.endswith((".codes", ".scale", ".comp")) for k in rec["state"]):
+            raise ValueError(f"{file}: parameter {index}'s state is compressed (8-bit moments); "
+                             f"{type(self.opt).__name__} keeps full-precision state: load the checkpoint into a "
+                             "tierstate optimizer with the same Offload(moment_dtype='q8', ...) and give this one "
+                             "tierstate.checkpoint.full_state_dict(that_optimizer)")
 
     def accepts_state(self, index: int) -> bool:
         return True

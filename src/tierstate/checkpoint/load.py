@@ -180,6 +180,7 @@ def _check_compatible(opt, access, manifest: dict, file: str) -> list[dict]:
         if needs_step and rec["step"] is None:
             raise corrupt(file, f"params[{i}]['step']", None, f"{ours} keeps a step count for every parameter "
                           "with state, and the record has state")
+        access.check_format(i, rec, file)
         required, allowed = access.state_keys_for(i, groups[rec["group"]])
         saved_keys = set(rec["state"])
         for key in sorted(required - saved_keys):
@@ -260,7 +261,7 @@ def _apply_shard(directory: str, shard: dict, entries, access, buffers) -> None:
             if hi > lo:
                 values = chunk[lo - d0: hi - d0].view(dtype)
                 offset = (lo - begin) // dtype.itemsize
-                kind, index, *key = name.split(".")
+                kind, index, *key = name.split(".", 2)  # a part: "state.0.exp_avg.codes"
                 if kind == "param":
                     access.write_param(int(index), offset, values)
                 else:

@@ -32,7 +32,11 @@ FIX = ("the manifest is damaged or was edited; load another checkpoint, or save 
 
 _DTYPES = {dtype_name(d): d for d in _DTYPE_TO_ST}
 _HEX_LENGTH = {"crc32": 8, "sha256": 64}
-_TENSOR_NAME = re.compile(r"^(?:state\.(0|[1-9][0-9]*)\.([A-Za-z_][A-Za-z0-9_]*)|param\.(0|[1-9][0-9]*))$")
+# a state key is torch's name, or a part of compressed state ("exp_avg.codes", "master.comp")
+_STATE_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.(?:codes|scale|comp))?"
+_TENSOR_NAME = re.compile(rf"^(?:state\.(0|[1-9][0-9]*)\.({_STATE_KEY})|param\.(0|[1-9][0-9]*))$")
+# the integer parts of compressed state (tierstate.checkpoint.compressed); other state is floating point
+_PART_DTYPES = {".codes": "uint8", ".comp": "int16"}
 
 
 def canonical_bytes(manifest: dict) -> bytes:
@@ -125,6 +129,7 @@ _TOP = {"format", "version", "optimizer", "optimizer_module", "param_groups", "p
         "shards", "tensors", "extra", "writer", "torch_version", "created"}
 _TOP_OPTIONAL = frozenset({"step_count", "skipped_steps"})  # written for tierstate optimizers
 _PARAM = {"index", "group", "shape", "dtype", "initialized", "step", "state"}
+_PARAM_OPTIONAL = frozenset({"quant_block"})  # compressed state: elements per scale of a ".scale" key
 _SHARD = {"file", "bytes", "data_offset", "checksum"}
 _ENTRY = {"shard", "dtype", "shape", "data_offsets"}
 
@@ -166,7 +171,11 @@ def check_manifest(m: dict, file: str, *, with_checksum: bool = True) -> None:
     for i, rec in enumerate(params):
         where = f"params[{i}]"
         c.typed(where, rec, dict, "an object")
-        c.keys(where, rec, _PARAM)
+        c.keys(where, rec, _PARAM, _PARAM_OPTIONAL)
+        if "quant_block" in rec:
+            qb = c.count(f"{where}['quant_block']", rec["quant_block"], low=1)
+            if qb & (qb - 1):
+                raise c.fail(f"{where}['quant_block']", qb, "expected a power of two")
         if c.count(f"{where}['index']", rec["index"]) != i:
             raise c.fail(f"{where}['index']", rec["index"], f"expected {i} (records are in parameter order)")
         if c.count(f"{where}['group']", rec["group"]) != member[i]:
@@ -176,11 +185,17 @@ def check_manifest(m: dict, file: str, *, with_checksum: bool = True) -> None:
         init = c.typed(f"{where}['initialized']", rec["initialized"], bool, "true or false")
         state = c.typed(f"{where}['state']", rec["state"], dict, "an object of state key -> dtype name")
         for key, dt in state.items():
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise c.fail(f"{where}['state']", key, "expected state keys that are identifiers")
+            if not re.fullmatch(_STATE_KEY, key):
+                raise c.fail(f"{where}['state']", key, "expected state keys that are identifiers (or parts of "
+                             "compressed state: '<key>.codes', '<key>.scale', 'master.comp')")
             c.dtype(f"{where}['state'][{key!r}]", dt)
-            if not _DTYPES[dt].is_floating_point:
+            part = next((sfx for sfx in _PART_DTYPES if key.endswith(sfx)), None)
+            if part is not None and dt != _PART_DTYPES[part]:
+                raise c.fail(f"{where}['state'][{key!r}]", dt, f"a '{part}' part is {_PART_DTYPES[part]}")
+            if part is None and not _DTYPES[dt].is_floating_point:
                 raise c.fail(f"{where}['state'][{key!r}]", dt, "optimizer state is floating point")
+            if key.endswith(".scale") and "quant_block" not in rec:
+                raise c.fail(where, sorted(rec), f"state {key!r} is per block, and the record has no 'quant_block'")
         step = rec["step"]
         if step is not None:
             c.typed(f"{where}['step']", step, (int, float), "a number or null")
@@ -242,8 +257,13 @@ def check_manifest(m: dict, file: str, *, with_checksum: bool = True) -> None:
         dt = _DTYPES[c.dtype(f"{where}['dtype']", e["dtype"])]
         if e["dtype"] != want_dtype:
             raise c.fail(f"{where}['dtype']", e["dtype"], f"params[{index}] records {want_dtype}")
-        if c.shape(f"{where}['shape']", e["shape"]) != tuple(rec["shape"]):
-            raise c.fail(f"{where}['shape']", e["shape"], f"params[{index}] records shape {rec['shape']}")
+        want_shape = tuple(rec["shape"])
+        if key is not None and key.endswith(".scale"):  # one scale per block of quant_block elements
+            want_shape = (-(-math.prod(want_shape) // rec["quant_block"]),)
+        if c.shape(f"{where}['shape']", e["shape"]) != want_shape:
+            raise c.fail(f"{where}['shape']", e["shape"], f"params[{index}] records shape {rec['shape']}"
+                         + (f" and quant_block {rec['quant_block']}: {list(want_shape)} expected" if key and
+                            key.endswith(".scale") else ""))
         offs = c.typed(f"{where}['data_offsets']", e["data_offsets"], list, "[begin, end]")
         if len(offs) != 2:
             raise c.fail(f"{where}['data_offsets']", offs, "expected [begin, end]")

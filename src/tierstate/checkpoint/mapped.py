@@ -83,9 +83,10 @@ def mmap_state_dict(opt, scratch_dir: str | os.PathLike, *, host_views: bool = T
             if view is not None:
                 entry[key] = view
             else:
-                numel = s.local.numel()
+                numel = access.store.item_count(s, key)  # a block scale: one item per block
                 pieces = access.read_state(info.index, key, max(1, _PIECE_BYTES // dtype.itemsize))
-                entry[key] = _file_backed(scratch, numel, dtype, pieces).view(s.local.shape)
+                mapped = _file_backed(scratch, numel, dtype, pieces)
+                entry[key] = mapped.view(s.local.shape) if access.store.unit(key) == 1 else mapped
         if info.step is not None:
             entry["step"] = torch.tensor(info.step, dtype=torch.float32)
         state[info.index] = entry

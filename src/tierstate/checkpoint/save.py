@@ -73,6 +73,8 @@ def _placement(opt) -> dict | None:
         "gpu": offload.gpu, "cpu": offload.cpu, "nvme": offload.nvme,
         "nvme_dir": [str(d) for d in offload.nvme_dirs], "subgroup_numel": offload.subgroup_numel,
         "buffer_count": offload.buffer_count, "moment_dtype": dtype_name(offload.moment_dtype),
+        **({"master_dtype": dtype_name(offload.master_dtype), "quant_block": offload.quant_block}
+           if offload.compressed else {}),
     }
 
 
@@ -146,7 +148,8 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     for info in infos:
         numel = _numel(info.shape)
         for key, dtype in info.keys.items():
-            tensors.append((f"state.{info.index}.{key}", dtype, info.shape, numel * dtype.itemsize))
+            shape = info.key_shape(key)  # a block scale: one item per block
+            tensors.append((f"state.{info.index}.{key}", dtype, shape, _numel(shape) * dtype.itemsize))
         if params:
             tensors.append((f"param.{info.index}", info.dtype, info.shape, numel * info.dtype.itemsize))
     plan = _plan_shards(tensors, shard_bytes)
@@ -176,7 +179,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             try:
                 sink.put(torch.frombuffer(bytearray(header), dtype=torch.uint8))
                 for entry in placed:
-                    kind, index, *key = entry.name.split(".")
+                    kind, index, *key = entry.name.split(".", 2)  # a part: "state.0.exp_avg.codes"
                     pieces = (access.read_param(int(index), piece_numel) if kind == "param"
                               else access.read_state(int(index), key[0], piece_numel))
                     for piece in pieces:
@@ -255,7 +258,8 @@ def _saved_groups(opt) -> list[dict]:
 def _param_record(info: ParamInfo) -> dict:
     return {"index": info.index, "group": info.group, "shape": list(info.shape), "dtype": dtype_name(info.dtype),
             "initialized": info.initialized, "step": info.step,
-            "state": {k: dtype_name(d) for k, d in info.keys.items()}}
+            "state": {k: dtype_name(d) for k, d in info.keys.items()},
+            **({"quant_block": info.quant_block} if info.quant_block else {})}
 
 
 def _numel(shape) -> int:

@@ -79,7 +79,11 @@ def check_state_dict(opt, state_dict) -> list[dict]:
                             f"got {type(st).__name__}")
         numel, shape = s.local.numel(), tuple(s.local.shape)
         keys = [spec.name for spec in opt.rule.state_specs(merged[gi])]
-        for key in keys + (["master"] if "master" in st else []):
+        store = opt.state_store
+        if store.quant is not None:  # compressed parts (tierstate.checkpoint.compressed)
+            _check_parts(store, s, st, saved_id, keys)
+            keys = []
+        for key in keys + (["master"] if "master" in st and store.quant is None else []):
             value = st.get(key)
             if value is None:
                 raise ValueError(f"load_state_dict: state {key!r} of parameter {saved_id} is missing (it has "
@@ -98,6 +102,26 @@ def check_state_dict(opt, state_dict) -> list[dict]:
                                  f"{name} needs a whole number >= 0 (the parameter's step count) for every "
                                  "parameter with state")
     return merged
+
+
+def _check_parts(store, s, st: dict, saved_id, names: list) -> None:
+    """The compressed parts of one parameter's state: present, of the stored dtype and item count."""
+    expected = [f"{n}.{part}" for n in names for part in ("codes", "scale")]
+    if "master" in st and s.needs_master:
+        expected += [k for k in store.dtypes if k.startswith("master")]
+    for key in expected:
+        value = st.get(key)
+        if value is None:
+            raise ValueError(f"load_state_dict: state {key!r} of parameter {saved_id} is missing (it has {sorted(st)}); "
+                             f"this optimizer keeps compressed state: {expected}")
+        want = store.item_count(s, key)
+        if not isinstance(value, Tensor) or value.numel() != want:
+            got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(f"load_state_dict: state {key!r} of parameter {saved_id} has shape {got}; {want} "
+                             f"item(s) expected for a parameter of shape {tuple(s.local.shape)}")
+        if value.dtype != store.dtypes[key]:
+            raise TypeError(f"load_state_dict: state {key!r} of parameter {saved_id} has dtype {value.dtype}; "
+                            f"this optimizer stores it as {store.dtypes[key]}")
 
 
 __all__ = ["check_state_dict"]

@@ -139,7 +139,9 @@ class QuantMap:
     is ``clamp((bits(|y|) >> lut_shift) - lut_base, 0, len(lut) - 1)``, ``lut[bucket]`` the
     count of thresholds at or below the bucket's low end, ``lut_threshold[bucket] =
     thresholds[lut[bucket]]``, and no bucket holds more than one threshold strictly inside,
-    so ``code = lut[b] + (|y| >= lut_threshold[b])``.
+    so ``code = lut[b] + (|y| >= lut_threshold[b])``. The native kernels read ``lut8`` (the
+    same counts as uint8, then 3 zero bytes: they gather it as 32-bit words) and
+    ``thresholds[lut8[b]]``, tables small enough to stay in L1 (see csrc/kernels/kernels.h).
     """
 
     name: str
@@ -151,6 +153,7 @@ class QuantMap:
     lut_shift: int
     lut_base: int
     lut_threshold: Tensor
+    lut8: Tensor
 
 
 def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
@@ -186,7 +189,10 @@ def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
     lows = ((torch.arange(size, dtype=torch.int64) + base) << shift).to(torch.int32).view(torch.float32)
     lows[0] = 0.0
     lut = torch.searchsorted(mids, lows, right=True).to(torch.int32)
-    return QuantMap(name, signed, mags, table, thresholds, lut, shift, base, thresholds[lut.long()].contiguous())
+    lut8 = torch.cat([lut.to(torch.uint8), torch.zeros(3, dtype=torch.uint8)])
+    assert int(lut.max()) < 256 and thresholds.numel() <= 256
+    return QuantMap(name, signed, mags, table, thresholds.contiguous(), lut, shift, base,
+                    thresholds[lut.long()].contiguous(), lut8)
 
 
 @lru_cache(maxsize=None)
@@ -337,7 +343,15 @@ def lowbias32(x: Tensor) -> Tensor:
 
 
 def _lowbias32_int(x: int) -> int:
-    return int(lowbias32(torch.tensor([x], dtype=torch.int64))[0])
+    """:func:`lowbias32` of one uint32 in Python integers (no tensor: it runs once per
+    parameter and step, where four tiny torch ops cost 0.5 ms)."""
+    m = 0xFFFFFFFF
+    x &= m
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
 
 
 def sr_key(seed: int, step: int) -> int:
@@ -350,6 +364,20 @@ def sr_key(seed: int, step: int) -> int:
     k = _lowbias32_int(k ^ (seed >> 32))
     k = _lowbias32_int(k ^ (step & 0xFFFFFFFF))
     return _lowbias32_int(k ^ (step >> 32))
+
+
+def master_value(config: "QuantConfig", state: dict[str, Tensor]) -> Tensor:
+    """The fp32 weight a master of ``config.master`` mode holds (``state``: its named parts)."""
+    if config.master == "bf16_kahan":
+        return kahan_value(state["master"], state["master.comp"])
+    return state["master"].float()
+
+
+def param_seed(seed: int, param_index: int) -> int:
+    """The stochastic-rounding seed of one parameter: the run's ``seed`` with the parameter's
+    index (its position in ``param_groups``) mixed in by a 64-bit odd multiplier, so that no two
+    parameters share their random numbers."""
+    return (seed ^ ((param_index + 1) * 0x9E3779B97F4A7C15)) & 0xFFFFFFFFFFFFFFFF
 
 
 def round_bf16_stochastic(x: Tensor, key: int, index_offset: int = 0) -> Tensor:

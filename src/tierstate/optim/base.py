@@ -211,6 +211,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kernels.record_worker_spans(True)
         try:
             engine = self._engine
+            engine.store.check_specs(self.param_groups)  # compressed state: before anything changes
             engine.policy = self._policy()  # the attributes may be changed between steps, as torch's
             result = engine.step(scaling_of(self, grad_scaler, host_copies=engine.parts.grads.stream is not None))
             if result.rebuilt:
@@ -304,8 +305,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         runs its own fused kernels).
         """
         self.sync_state()
+        from ..checkpoint.compressed import convert_for  # noqa: PLC0415
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint is above tiers only
 
+        state_dict = convert_for(self, state_dict)  # full <-> compressed state, with a warning
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -330,7 +333,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._engine.store.forget_all()
         self.state.clear()
         keys = {spec.name for g in self.param_groups for spec in self.rule.state_specs(g)}
-        if keys != set(self._engine.store.dtypes) - {"master"}:
+        if keys != {k.split(".")[0] for k in self._engine.store.dtypes} - {"master"}:  # "exp_avg.codes": a part
             # the loaded hyper-parameters keep other state keys (amsgrad=True adds max_exp_avg_sq,
             # momentum > 0 a momentum_buffer): place the state anew; every state was just forgotten
             self._engine.rebuild()

@@ -72,6 +72,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             # a streamed fp32 weight is updated where it lives (its block's host image), even on
             # an accelerator: it is its own master, as an fp32 host parameter is
             own_master = p.dtype == torch.float32 and (not on_accel or weights_of(p) is not None)
+            own_master = own_master and offload.master_mode == "fp32"  # a 16-bit master is always stored
             slots.append(Slot(len(slots), p, gi, t, needs_master=not own_master))
     if offload.gpu > 0 and any(weights_of(p) is not None for p in trainable):
         raise ValueError(f"Offload(gpu={offload.gpu}) with parameters whose weights stream (ts.offload_weights): "
@@ -79,8 +80,10 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     shards = shard_groups(trainable)
     stores_nothing = not any(spec for g in param_groups for spec in rule.state_specs(g)) and not any(
         s.needs_master for s in slots if s.trainable is not None)
+    quant = check_compressed(offload, rule, param_groups, trainable)
     layout = plan_layout([local_tensor(p).numel() for p in trainable],
-                         tier_fractions(offload, stores_nothing=stores_nothing), offload.subgroup_numel)
+                         tier_fractions(offload, stores_nothing=stores_nothing), offload.subgroup_numel,
+                         align=quant.block_size if quant is not None else 1)
     if offload.gpu > 0 and shards:
         raise ValueError(f"Offload(gpu={offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "
                          "keep the state on the host tiers, e.g. Offload(cpu=0.6, nvme=0.4)")
@@ -92,14 +95,24 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     for g in param_groups:
         for spec in rule.state_specs(g):
             specs.setdefault(spec.name, spec)
-    dtypes = {name: (offload.moment_dtype if spec.moment else torch.float32) for name, spec in specs.items()}
-    inits = {name: spec.init for name, spec in specs.items()}
-    if any(s.needs_master for s in slots if s.trainable is not None):
-        dtypes["master"] = torch.float32
+    any_master = any(s.needs_master for s in slots if s.trainable is not None)
+    if quant is None:
+        dtypes = {name: (offload.moment_dtype if spec.moment else torch.float32) for name, spec in specs.items()}
+        inits = {name: spec.init for name, spec in specs.items()}
+        if any_master:
+            dtypes["master"] = torch.float32
+    else:
+        spec = quant.state_spec(0)
+        dtypes = {f"{name}.{part}": spec[f"exp_avg.{part}"][1] for name in specs for part in ("codes", "scale")}
+        dtypes |= {k: spec[k][1] for k in spec if k.startswith("master")} if any_master else {}
+        inits = {}
+    units = {k: quant.block_size for k in dtypes if k.endswith(".scale")} if quant is not None else None
     by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
     master_on_device = any(by_trainable[t].needs_master for t in heads)
-    tiers = make_tiers(layout, dtypes, inits, offload, device, master_on_device=master_on_device, telemetry=telemetry)
-    store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]))
+    tiers = make_tiers(layout, dtypes, inits, offload, device, master_on_device=master_on_device, telemetry=telemetry,
+                       units=units)
+    store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]), quant=quant,
+                       sr_seed=offload.sr_seed)
     grads = None
     try:
         grads = Gradients(trainable, heads, offload, device, telemetry)
@@ -113,3 +126,33 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
         store.close()
         raise
     return Parts(device, store, trainable, shards, heads, grads, weights, generation)
+
+
+def check_compressed(offload: Offload, rule, param_groups: list, trainable: list):
+    """The QuantConfig of ``Offload(moment_dtype="q8")`` (None otherwise), refusing what the
+    fused 8-bit kernels do not run: other rules than Adam/AdamW, amsgrad, parameters of
+    2**32 elements or more (the stochastic-rounding index is 32-bit)."""
+    quant = offload.quant_config()
+    if quant is None:
+        return None
+    from ..rules import AdamRule  # noqa: PLC0415
+
+    if not isinstance(rule, AdamRule):
+        raise ValueError(f"Offload(moment_dtype='q8') with {rule.torch_name}: compressed state runs in the fused "
+                         "Adam/AdamW kernels only; use ts.AdamW / ts.Adam, or moment_dtype=torch.bfloat16")
+    for i, g in enumerate(param_groups):
+        if g.get("amsgrad"):
+            raise ValueError(f"Offload(moment_dtype='q8') with amsgrad=True (param group {i}): the 8-bit kernels "
+                             "keep no max_exp_avg_sq; use amsgrad=False or moment_dtype=torch.float32")
+    for p in trainable:
+        if quant.master != "fp32" and p.dtype == torch.float32 and p.device.type != "cpu" \
+                and weights_of(p) is None:
+            # the upload copies the stored master itself to the device: a bf16 one, without its
+            # compensation, would silently truncate the fp32 weight every step
+            raise ValueError(f"Offload(master_dtype={quant.master!r}) with float32 parameters on {p.device}: a "
+                             "16-bit master serves 16-bit parameters there; convert the model (model.bfloat16()) "
+                             "or keep master_dtype=torch.float32")
+        if local_tensor(p).numel() >= 2**32:
+            raise ValueError(f"Offload(moment_dtype='q8'): a parameter of {local_tensor(p).numel()} elements; the "
+                             "compressed kernels index elements in 32 bits: split it below 2**32 elements")
+    return quant

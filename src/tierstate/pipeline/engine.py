@@ -302,6 +302,8 @@ class StepEngine:
             self.parts.weights.report_streaming(tel)
         for tier_name, nbytes in self.tier_bytes().items():
             tel.set_gauge(f"tier_bytes/{tier_name}", nbytes)
+        for name, value in self.store.nvme_gauges().items():  # StepStats.nvme_bytes_per_param
+            tel.set_gauge(name, value)
         if self.device.type == "cuda":
             tel.set_gauge("pinned_bytes", self.pinned_bytes())
             tel.set_gauge("device_mem", torch.cuda.memory_allocated(self.device))
@@ -320,11 +322,10 @@ class StepEngine:
     def _kernel_traffic(self, s: Slot, grad: Tensor) -> tuple[int, int]:
         """Host-memory bytes the update of (the host part of) one parameter reads and writes (one fused pass)."""
         n = grad.numel()
-        dtypes = self.store.dtypes
-        state = sum(dtypes[k].itemsize for k in self.store.keys(s) if k != "master")
-        weight = 4 if s.needs_master else s.local.element_size()  # the master, or the fp32 param itself
+        state, master = self.store.bytes_per_element(s)  # a block's scale counts 4 / block
+        weight = master if s.needs_master else s.local.element_size()  # the master, or the fp32 param itself
         out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
-        return n * (grad.element_size() + state + weight), n * (state + weight + out)
+        return round(n * (grad.element_size() + state + weight)), round(n * (state + weight + out))
 
 
 __all__ = ["StepCounters", "StepEngine", "StepPolicy", "StepResult"]

@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from ..kernels.quant import master_value, param_seed
 from ..placement import Segment, SubGroup
 from ..rules import UpdateTask
 from ..tiers import Slot, StateStore
@@ -83,6 +84,8 @@ class HostExecutor:
         return DONE
 
     def _update(self, seg: Segment, views: Mapping[str, Tensor], groups: list) -> None:
+        if self.store.quant is not None:
+            return self._update_q8(seg, views, groups)
         s = self.store.by_trainable(seg.param_index)
         lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
         plo, phi = seg.param_offset, seg.param_offset + seg.numel
@@ -98,6 +101,33 @@ class HostExecutor:
             self.rule.update(weight=weight, grad=self.grads[seg.param_index][plo:phi], state=state, weight_out=out,
                              group=groups[s.group], step=s.step, first_step=seg.param_index in self.fresh,
                              grad_scale=self.grad_scale)
+
+
+    def _update_q8(self, seg: Segment, views: Mapping[str, Tensor], groups: list) -> None:
+        """Compressed state (``Offload(moment_dtype="q8")``): the fused 8-bit kernel on the
+        segment's parts; a key stored per block (a scale) is sliced in blocks (the layout
+        starts every segment on a block boundary)."""
+        s = self.store.by_trainable(seg.param_index)
+        quant = self.store.quant
+        lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
+        plo, phi = seg.param_offset, seg.param_offset + seg.numel
+        state = {}
+        for k, v in views.items():
+            u = self.store.unit(k)
+            state[k] = v[lo // u: (hi + u - 1) // u]
+        with self.store.values_of(s, True) as values:
+            if s.pending_pieces:
+                self.store.take_pending_master(s, seg, state["master"], values, state.get("master.comp"))
+            if s.needs_master:
+                out = self.weight_out(s, plo, phi, values)
+            else:  # an fp32 parameter in host memory is its own fp32 master
+                state["master"], out = values[plo:phi], None
+            self.rule.update_q8(state=state, grad=self.grads[seg.param_index][plo:phi], weight_out=out,
+                                group=groups[s.group], step=s.step, grad_scale=self.grad_scale, config=quant,
+                                seed=param_seed(self.store.sr_seed, s.index), index_offset=plo)
+            if s.needs_master and out is None and s.local.device.type == "cpu":
+                # an fp32 host parameter under a 16-bit master takes the master's fp32 value
+                values[plo:phi].copy_(master_value(quant, state))
 
 
 class DeviceExecutor:

@@ -113,11 +113,18 @@ def device_budget(free_bytes: int, param_bytes: int) -> int | None:
 
 def offload_from_plan(plan) -> Offload:
     """The :class:`Offload` a plan's placement stands for, with the plan's sub-group size and pool."""
-    p = plan.placement
+    p, req = plan.placement, plan.request
+    compression = {}
+    if req.moment_dtype != "fp32" or req.master_dtype != "fp32":  # the request's state format, kept
+        import torch  # noqa: PLC0415 - only where the plan asks for another state format
+
+        compression = dict(moment_dtype={"bf16": torch.bfloat16, "q8": "q8"}[req.moment_dtype],
+                           master_dtype=torch.float32 if req.master_dtype == "fp32" else req.master_dtype,
+                           quant_block=req.quant_block)
     if p.nvme == 0 and p.gpu == 0:
-        return Offload(cpu=1.0)
+        return Offload(cpu=1.0, **compression)
     return Offload(gpu=p.gpu, cpu=p.cpu, nvme=max(0.0, 1.0 - p.gpu - p.cpu),
-                   subgroup_numel=plan.request.subgroup_numel, buffer_count=plan.request.buffer_count)
+                   subgroup_numel=req.subgroup_numel, buffer_count=req.buffer_count, **compression)
 
 
 def _tensors(params: Sequence) -> list:
@@ -133,7 +140,8 @@ def _tensors(params: Sequence) -> list:
     return out
 
 
-def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_keys: Sequence[str]) -> Offload:
+def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_keys: Sequence[str],
+                   moment_dtype: str = "fp32", master_dtype: str = "fp32", quant_block: int = 256) -> Offload:
     """The :class:`Offload` that the planner predicts fastest within this machine's budgets.
 
     ``params`` are the optimizer's parameters or its param-group dicts. ``state_keys`` are the
@@ -141,6 +149,10 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
     e.g. ``("exp_avg", "exp_avg_sq")``; the union of every group's when they differ, a repeat
     counted once); "auto" keeps them in fp32. ``allow_device_tier=False`` keeps the state off the device even on CUDA (the
     optimizer passes it for ``step_in_backward=True``, which updates the host tiers only).
+    ``moment_dtype`` (``"fp32"``, ``"bf16"``, ``"q8"``), ``master_dtype`` (``"fp32"``,
+    ``"bf16_kahan"``, ``"bf16_sr"``) and ``quant_block`` price the state as
+    :class:`Offload` would store it (compressed state keeps off the device tier) and are
+    carried into the returned policy.
     Raises ValueError (naming what is missing) when no placement fits.
     """
     import psutil
@@ -158,7 +170,10 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
     dtypes = {str(p.dtype) for p in trainable}
     param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
     req = PlanRequest(from_param_numels([p.numel() for p in trainable]), device="cuda" if on_cuda else "cpu",
-                      param_dtype=param_dtype, state_keys=state_keys)
+                      param_dtype=param_dtype, state_keys=state_keys, moment_dtype=moment_dtype,
+                      master_dtype=master_dtype, quant_block=quant_block)
+    if moment_dtype == "q8":
+        allow_device_tier = False  # the device tier runs torch's fused Adam, which has no compressed state
     # The parameters (and any gradients) already exist: they are in use, not in the available figure.
     existing = sum(p.numel() * p.element_size() for p in trainable if p.device.type == "cpu")
     existing += sum(p.grad.numel() * p.grad.element_size() for p in trainable

@@ -18,6 +18,41 @@ DEFAULT_SUBGROUP_NUMEL = 1 << 22
 # on the disk, 16 buffers 0.29 s (tierstate bench e2e, loaded machine), at 0.5 GiB more RSS.
 DEFAULT_BUFFER_COUNT = 16
 
+# Compressed state (tierstate.kernels.quant): 8-bit moments and a 16-bit master.
+Q8 = "q8"
+MASTER_DTYPES = ("fp32", "bf16_kahan", "bf16_sr")
+DEFAULT_QUANT_BLOCK = 256
+QUANT_BLOCK_RANGE = (64, 4096)  # powers of two; the native kernels' chunks are multiples of 4096
+
+
+def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant_block: int = DEFAULT_QUANT_BLOCK,
+                            *, moment_keys=("exp_avg", "exp_avg_sq"), fp32_keys=(), needs_master: bool = True
+                            ) -> dict[str, float]:
+    """Bytes per parameter of each stored state key: the one table the optimizer's stats and the
+    planner read.
+
+    ``moment_dtype``: ``"fp32"`` (4 B a moment), ``"bf16"`` (2 B) or ``"q8"`` (1 B of code plus
+    a 4 B scale per ``quant_block`` elements: 1.016 B at 256); ``master_dtype``: ``"fp32"``
+    (4 B), ``"bf16_kahan"`` (2 B bf16 + 2 B int16 compensation, key ``master.comp``) or
+    ``"bf16_sr"`` (2 B). The master is counted only where one is kept (``needs_master``: low
+    precision or accelerator parameters, or any 16-bit master mode). AdamW with q8 moments:
+    6.03 B with an fp32 master, 6.03 with bf16 + compensation, 4.03 with stochastic rounding;
+    2.03 on fp32 host parameters, which are their own fp32 master.
+    """
+    if moment_dtype == Q8:
+        parts = (("codes", 1.0), ("scale", 4.0 / quant_block))
+        per_moment = {f"{k}.{part}": b for k in moment_keys for part, b in parts}
+    else:
+        per_moment = {k: float({"fp32": 4, "bf16": 2}[moment_dtype]) for k in moment_keys}
+    out = per_moment | {k: 4.0 for k in fp32_keys}
+    if master_dtype != "fp32":
+        out["master"] = 2.0
+        if master_dtype == "bf16_kahan":
+            out["master.comp"] = 2.0
+    elif needs_master:
+        out["master"] = 4.0
+    return out
+
 
 def default_nvme_root() -> Path:
     """Where NVMe-tier files go when no ``nvme_dir`` is given, as an absolute path.

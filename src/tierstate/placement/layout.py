@@ -60,6 +60,7 @@ class Layout:
     subgroups: tuple[SubGroup, ...]
     tier_numel: dict  # TierKind -> elements held by that tier
     total: int
+    align: int = 1  # parameters start, and tiers are cut, at multiples of this (see the note)
 
     def segments_of(self, param_index: int) -> list[Segment]:
         return self._param_segments[param_index]
@@ -77,35 +78,39 @@ class Layout:
         object.__setattr__(self, "_param_segments", per_param)
 
 
-def tier_sizes(total: int, fractions: dict) -> dict:
+def tier_sizes(total: int, fractions: dict, align: int = 1) -> dict:
     """Elements per tier for fractions summing to 1, rounded so the sizes sum to ``total``.
 
-    Device and NVMe sizes are rounded to the nearest element; the host takes the rest, so
-    an ``Offload(cpu=1.0)`` never loses an element to rounding.
+    Device and NVMe sizes are rounded to the nearest multiple of ``align`` elements; the host
+    takes the rest, so an ``Offload(cpu=1.0)`` never loses an element to rounding.
     """
-    device = round(total * fractions.get(TierKind.DEVICE, 0.0))
-    nvme = round(total * fractions.get(TierKind.NVME, 0.0))
+    device = round(total * fractions.get(TierKind.DEVICE, 0.0) / align) * align
+    nvme = round(total * fractions.get(TierKind.NVME, 0.0) / align) * align
     nvme = min(nvme, total - device)
     return {TierKind.DEVICE: device, TierKind.HOST: total - device - nvme, TierKind.NVME: nvme}
 
 
-def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: int) -> Layout:
+def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: int, align: int = 1) -> Layout:
     """Cut the flat index space of ``param_numels`` into tiered sub-groups.
 
     Args:
         param_numels: element count of each trainable parameter, in order (zeros allowed).
         fractions: TierKind -> fraction of the elements to place there (sums to 1).
         subgroup_numel: the largest sub-group, in elements.
+        align: the block size of compressed state (1: none); see [Note: block-aligned layouts].
     """
     if subgroup_numel <= 0:
         raise ValueError(f"subgroup_numel={subgroup_numel}: must be positive")
+    if align < 1 or subgroup_numel % align:
+        raise ValueError(f"plan_layout(subgroup_numel={subgroup_numel}, align={align}): align must be >= 1 and "
+                         "divide subgroup_numel")
     numels = tuple(int(n) for n in param_numels)
     starts, acc = [], 0
     for n in numels:
         starts.append(acc)
-        acc += n
+        acc += (n + align - 1) // align * align
     total = acc
-    sizes = tier_sizes(total, fractions)
+    sizes = tier_sizes(total, fractions, align)
 
     subgroups: list[SubGroup] = []
     tier_start = 0
@@ -130,4 +135,4 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
             subgroups.append(SubGroup(len(subgroups), tier, start, n, offset, tuple(segs)))
             offset += n
         tier_start += size
-    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total)
+    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total, align)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
+from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, state_bytes_per_element
 from .layout import TierKind
 from .model_spec import ModelSpec
 
@@ -111,7 +111,9 @@ class PlanRequest:
     model: ModelSpec
     device: str = "cuda"  # where the model's parameters live: "cuda" or "cpu"
     param_dtype: str = "bf16"
-    moment_dtype: str = "fp32"
+    moment_dtype: str = "fp32"  # "fp32", "bf16" or "q8" (Offload.moment_dtype)
+    master_dtype: str = "fp32"  # "fp32", "bf16_kahan" or "bf16_sr" (Offload.master_dtype)
+    quant_block: int = 256  # Offload.quant_block, for moment_dtype="q8"
     optimizer: str = ""  # the optimizer's name, shown in the output (the keys below say what it allocates)
     grad_streaming: bool | None = None  # None: on for CUDA, off for CPU (Offload's default)
     keep_device_grads: bool = False
@@ -152,11 +154,18 @@ class PlanRequest:
             object.__setattr__(self, name, tuple(keys))
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device={self.device!r}: must be 'cuda' or 'cpu'")
-        for name in ("param_dtype", "moment_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be one of {sorted(DTYPE_BYTES)}")
-        if self.moment_dtype == "fp16":
-            raise ValueError("moment_dtype='fp16': moments are stored in fp32 or bf16 (Offload.moment_dtype)")
+        if self.param_dtype not in DTYPE_BYTES:
+            raise ValueError(f"param_dtype={self.param_dtype!r}: must be one of {sorted(DTYPE_BYTES)}")
+        if self.moment_dtype not in ("fp32", "bf16", "q8"):
+            raise ValueError(f"moment_dtype={self.moment_dtype!r}: moments are stored in 'fp32', 'bf16' or 'q8' "
+                             "(Offload.moment_dtype)")
+        if self.master_dtype not in MASTER_DTYPES:
+            raise ValueError(f"master_dtype={self.master_dtype!r}: must be one of {MASTER_DTYPES}")
+        if self.master_dtype != "fp32" and self.moment_dtype != "q8":
+            raise ValueError(f"master_dtype={self.master_dtype!r} needs moment_dtype='q8' (the fused 8-bit kernels)")
+        qb = self.quant_block
+        if isinstance(qb, bool) or not isinstance(qb, int) or not 64 <= qb <= 4096 or qb & (qb - 1):
+            raise ValueError(f"quant_block={qb!r}: must be a power of two in [64, 4096], e.g. 256")
         if not isinstance(self.optimizer, str):
             raise ValueError(f"optimizer={self.optimizer!r}: must be a str (the name shown in the output)")
         for name in ("subgroup_numel", "buffer_count", "grad_accum"):
@@ -182,26 +191,29 @@ class PlanRequest:
 
     @property
     def needs_master(self) -> bool:
-        return self.on_accelerator or self.param_dtype != "fp32"
+        return self.on_accelerator or self.param_dtype != "fp32" or self.master_dtype != "fp32"
 
-    def state_bytes(self) -> dict[str, int]:
-        """State key -> bytes per element, as the optimizer allocates them (the master last)."""
-        mb = DTYPE_BYTES[self.moment_dtype]
-        keys = {key: mb for key in self.state_keys} | {key: 4 for key in self.fp32_state_keys}
-        if self.needs_master:
-            keys["master"] = 4
-        return keys
+    def state_bytes(self) -> dict[str, float]:
+        """State key -> bytes per element, as the optimizer allocates them (the master last):
+        :func:`tierstate.placement.offload.state_bytes_per_element`, the optimizer's own table."""
+        return state_bytes_per_element(self.moment_dtype, self.master_dtype, self.quant_block,
+                                       moment_keys=self.state_keys, fp32_keys=self.fp32_state_keys,
+                                       needs_master=self.needs_master)
 
     @property
-    def state_bytes_per_param(self) -> int:
+    def state_bytes_per_param(self) -> float:
         return sum(self.state_bytes().values())
 
-    def update_bytes_per_param(self) -> int:
-        """Memory traffic of one CPU update of one element (what the kernel reads and writes)."""
+    def update_bytes_per_param(self) -> float:
+        """Memory traffic of one CPU update of one element (what the kernel reads and writes):
+        the gradient, the weight (its master, or the fp32 parameter itself) and the state read
+        and written, the rounded low-precision weight written."""
         pb = DTYPE_BYTES[self.param_dtype]
-        state = sum(b for key, b in self.state_bytes().items() if key != "master")
+        keys = self.state_bytes()
+        state = sum(b for key, b in keys.items() if not key.startswith("master"))
+        weight = sum(b for key, b in keys.items() if key.startswith("master")) or 4.0
         out = pb if self.param_dtype != "fp32" else 0  # the rounded weight written in the same pass
-        return 8 + pb + 2 * state + out
+        return 2 * weight + pb + 2 * state + out
 
     @property
     def tokens_per_step(self) -> int | None:

@@ -48,6 +48,8 @@ class Plan:
             "model": {"name": req.model.name, "params": req.model.numel, "tensors": len(req.model.param_numels),
                       "source": req.model.source},
             "config": {k: v for k, v in asdict(req).items() if k != "model"},
+            # per stored key, the same table the optimizer keeps (placement.defaults.state_bytes_per_element)
+            "state_bytes_per_param": {"total": req.state_bytes_per_param, **req.state_bytes()},
             "placement": asdict(self.placement),
             "reason": self.reason,
             "memory": [{"tier": BUDGET_NAMES[m.tier], "kind": m.kind.value, "bytes": m.nbytes, "pinned": m.pinned,
@@ -109,8 +111,13 @@ def _explain_infeasible(req: PlanRequest, budgets: Budgets, allow_device_tier: b
             missing = shortfalls(req, memory_breakdown(req, split), budgets)
             lines.append(f"  host RAM full ({cpu:.1%} of the state), the rest on NVMe: " + "; ".join(missing))
     fixes = ["raise the budget named above (--host-mem, --disk or a larger --nvme-dir, --device-mem)"]
-    if req.moment_dtype != "bf16":
-        fixes.append("use bf16 moments (--moment-dtype bf16)")
+    if req.moment_dtype == "fp32":
+        fixes.append("use bf16 or 8-bit moments (--moment-dtype bf16: 8 B/param of moments -> 4; --moment-dtype "
+                     "q8: -> 2.03)")
+    elif req.moment_dtype == "bf16":
+        fixes.append("use 8-bit moments (--moment-dtype q8: 4 B/param of moments -> 2.03)")
+    if req.moment_dtype == "q8" and req.master_dtype != "bf16_sr" and req.needs_master:
+        fixes.append("use a bf16 master with stochastic rounding (--master-dtype bf16_sr: 4 B/param -> 2)")
     fixes.append("use a smaller --buffer-count")
     lines.append("Fixes: " + "; or ".join(fixes) + ".")
     return "\n".join(lines)

@@ -11,24 +11,26 @@ from .host import HostTier
 
 
 def make_tiers(layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float], offload: Offload,
-               device: torch.device, *, master_on_device: bool, telemetry) -> dict:
+               device: torch.device, *, master_on_device: bool, telemetry,
+               units: Mapping[str, int] | None = None) -> dict:
     """``{kind: tier}`` for every kind the layout gives elements to.
 
     ``master_on_device``: whether a parameter in the device range keeps an fp32 master there
     (an fp32 parameter wholly on the device is its own master, as in torch, so the device
-    tier then holds no master arena). Host arenas are pinned for a CUDA device.
+    tier then holds no master arena). Host arenas are pinned for a CUDA device. ``units``:
+    state key -> elements per stored item (a compressed moment's block scale).
     """
     pin = offload.pin_memory and device.type == "cuda"
     tiers: dict = {}
     if layout.tier_numel[TierKind.DEVICE] > 0:
         tiers[TierKind.DEVICE] = DeviceTier(
-            layout, {k: d for k, d in dtypes.items() if k != "master" or master_on_device}, inits, device)
+            layout, {k: d for k, d in dtypes.items() if k != "master" or master_on_device}, inits, device, units)
     if layout.tier_numel[TierKind.HOST] > 0:
-        tiers[TierKind.HOST] = HostTier(layout, dtypes, inits, pin_memory=pin)
+        tiers[TierKind.HOST] = HostTier(layout, dtypes, inits, pin_memory=pin, units=units)
     if layout.tier_numel[TierKind.NVME] > 0:
         from .nvme import NvmeTier  # noqa: PLC0415 - the NVMe tier loads the I/O engine
 
-        tiers[TierKind.NVME] = NvmeTier(layout, dtypes, inits, offload, telemetry=telemetry)
+        tiers[TierKind.NVME] = NvmeTier(layout, dtypes, inits, offload, telemetry=telemetry, units=units)
         for folder in offload.nvme_dirs:  # warn when a drive of the tier nearly fills up
             if folder.is_dir():
                 telemetry.watch_disk(folder)

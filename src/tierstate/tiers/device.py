@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..placement import Layout, SubGroup, TierKind
-from .host import ArenaTier
+from .host import ArenaTier, item_range
 
 DEVICE_TIER_ON_CPU_ENV = "TIERSTATE_DEVICE_TIER_ON_CPU"
 
@@ -55,15 +55,16 @@ class DeviceTier(ArenaTier):
     host_views = False  # optimizer.state must never hold device memory
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
-                 device: torch.device) -> None:
+                 device: torch.device, units: Mapping[str, int] | None = None) -> None:
         self.layout = layout
+        self.units = dict(units or {})
         self.device = torch.device(device)
         self.numel = layout.tier_numel[TierKind.DEVICE]
         self.arenas: dict[str, Tensor] = {}
         for key, dtype in dtypes.items():
             # torch.full allocates and fills in one kernel; a failure here is the device's
             # out-of-memory error, raised at construction rather than mid-step.
-            self.arenas[key] = torch.full((self.numel,), float(inits.get(key, 0.0)), dtype=dtype, device=self.device)
+            self.arenas[key] = torch.full((item_range(self.units.get(key, 1), 0, self.numel)[1],), float(inits.get(key, 0.0)), dtype=dtype, device=self.device)
 
     def drain(self) -> None:
         """Wait for the updates queued on the device (CUDA runs them asynchronously)."""
@@ -79,12 +80,12 @@ class DeviceTier(ArenaTier):
 
         On CUDA the copy runs on the current stream, after every update queued on it.
         """
-        lo = sg.tier_offset + offset
+        lo = self._items(key, sg, offset)
         return self.arenas[key][lo: lo + numel].to("cpu", copy=True)
 
     def write_range(self, key: str, sg: SubGroup, offset: int, values: Tensor) -> None:
         """Store ``values`` (any device; converted to the key's dtype) at ``offset`` inside ``sg``."""
-        lo = sg.tier_offset + offset
+        lo = self._items(key, sg, offset)
         self.arenas[key][lo: lo + values.numel()].copy_(values)
 
     def close(self) -> None:

@@ -12,6 +12,13 @@ from ..placement import Layout, SubGroup, TierKind
 _SLICE_ALIGN = 64  # bytes; one cache line, and the AVX-512 vector width, per slice
 
 
+def item_range(unit: int, lo: int, numel: int) -> tuple[int, int]:
+    """Items ``[first, end)`` of a key stored one item per ``unit`` elements (the scale of a
+    block of compressed state: unit = the block size) that cover elements ``[lo, lo + numel)``;
+    ``lo`` is a multiple of ``unit`` (see [Note: block-aligned layouts] in tierstate.placement.layout)."""
+    return lo // unit, (lo + numel + unit - 1) // unit
+
+
 def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tuple[Tensor, list[Tensor]]:
     """One host buffer holding a flat slice per tensor (its dtype and numel), each slice
     64-byte aligned. One allocation instead of one per tensor: the pinned allocator rounds
@@ -29,12 +36,14 @@ def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tupl
 class ArenaTier:
     """State in memory, one flat tensor ("arena") per state key over the tier's range.
 
-    Sub-group ``sg`` owns ``arena[key][sg.tier_offset : sg.tier_offset + sg.numel]``.
-    ``acquire``/``release`` cost nothing here; they exist so the step pipeline treats every
-    tier alike. Subclasses fill ``self.arenas``.
+    Sub-group ``sg`` owns ``arena[key][sg.tier_offset : sg.tier_offset + sg.numel]``; a key
+    stored one item per ``units[key]`` elements (a block's scale) owns the items covering
+    that range (:func:`item_range`). ``acquire``/``release`` cost nothing here; they exist so
+    the step pipeline treats every tier alike. Subclasses fill ``self.arenas``.
     """
 
     arenas: dict[str, Tensor]
+    units: dict[str, int] = {}
     does_io = False  # acquire never waits
     wait_phase = None
     spill_folder = None  # state dicts of memory tiers are views or plain tensors, never files
@@ -57,7 +66,15 @@ class ArenaTier:
 
     def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
         """Views of the sub-group's state (no copy)."""
-        return {k: a[sg.tier_offset: sg.tier_offset + sg.numel] for k, a in self.arenas.items()}
+        out = {}
+        for k, a in self.arenas.items():
+            lo, hi = item_range(self.units.get(k, 1), sg.tier_offset, sg.numel)
+            out[k] = a[lo:hi]
+        return out
+
+    def _items(self, key: str, sg: SubGroup, offset: int) -> int:
+        """The arena index of item ``offset`` of ``key`` inside ``sg``."""
+        return sg.tier_offset // self.units.get(key, 1) + offset
 
     def release(self, sg: SubGroup, dirty: bool) -> None:
         """Nothing to write back: the views are the storage."""
@@ -90,14 +107,16 @@ class HostTier(ArenaTier):
     host_views = True
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, units: Mapping[str, int] | None = None) -> None:
         self.layout = layout
         self.numel = layout.tier_numel[TierKind.HOST]
+        self.units = dict(units or {})
         self.arenas: dict[str, Tensor] = {}
         for key, dtype in dtypes.items():
             # torch.zeros writes every page, so the arenas count in RSS from construction on (as
             # they would after the first step anyway): memory trouble shows at once, not mid-run.
-            arena = torch.zeros(self.numel, dtype=dtype, pin_memory=pin_memory)
+            arena = torch.zeros(item_range(self.units.get(key, 1), 0, self.numel)[1], dtype=dtype,
+                                pin_memory=pin_memory)
             if inits.get(key, 0.0) != 0.0:
                 arena.fill_(inits[key])
             self.arenas[key] = arena
@@ -110,19 +129,19 @@ class HostTier(ArenaTier):
         """Nothing to write back."""
 
     def read_range(self, key: str, sg: SubGroup, offset: int, numel: int) -> Tensor:
-        """``numel`` elements of ``key`` from ``offset`` inside sub-group ``sg`` (a view)."""
-        lo = sg.tier_offset + offset
+        """``numel`` items of ``key`` from item ``offset`` inside sub-group ``sg`` (a view)."""
+        lo = self._items(key, sg, offset)
         return self.arenas[key][lo: lo + numel]
 
     def write_range(self, key: str, sg: SubGroup, offset: int, values: Tensor) -> None:
-        """Store ``values`` (converted to the key's dtype) at ``offset`` inside sub-group ``sg``."""
-        lo = sg.tier_offset + offset
+        """Store ``values`` (converted to the key's dtype) at item ``offset`` inside sub-group ``sg``."""
+        lo = self._items(key, sg, offset)
         self.arenas[key][lo: lo + values.numel()].copy_(values)
 
     def flat_range(self, key: str, flat_start: int, numel: int) -> Tensor:
-        """A view of ``numel`` elements of ``key`` starting at flat index ``flat_start``."""
-        lo = flat_start - self._start
-        return self.arenas[key][lo: lo + numel]
+        """A view of the items of ``key`` that cover ``numel`` elements from flat index ``flat_start``."""
+        lo, hi = item_range(self.units.get(key, 1), flat_start - self._start, numel)
+        return self.arenas[key][lo:hi]
 
     def close(self) -> None:
         self.arenas.clear()

@@ -90,6 +90,8 @@ class NvmeTier:
         inits: state key -> the value a fresh state starts from.
         offload: the policy (``nvme_dirs``, ``nvme_dir``, ``buffer_count``, ``pin_memory``).
         telemetry: where I/O time and bytes are booked (optional).
+        units: state key -> elements per stored item, for keys stored per block (the scales
+            of compressed state); ``read_range``/``write_range`` count those keys in items.
         pin_memory: page-lock the pool (CUDA runs); default ``offload.pin_memory`` when
             CUDA is available.
     """
@@ -101,7 +103,8 @@ class NvmeTier:
     host_views = False  # records move through the pool: no stable view to hand out
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
-                 offload: Offload, telemetry=None, pin_memory: bool | None = None) -> None:
+                 offload: Offload, telemetry=None, pin_memory: bool | None = None,
+                 units: Mapping[str, int] | None = None) -> None:
         self.layout = layout
         self.subgroups = [sg for sg in layout.subgroups if sg.tier is TierKind.NVME]
         if not self.subgroups:
@@ -119,7 +122,7 @@ class NvmeTier:
         try:
             self._res.folders = claim_folders(tuple(Path(d) for d in offload.nvme_dirs), offload.nvme_dir is not None)
             self.folders = [f.path for f in self._res.folders]
-            self._where = Stripes(self.subgroups, self.keys, self.dtypes, len(self.folders))
+            self._where = Stripes(self.subgroups, self.keys, self.dtypes, len(self.folders), units)
             self.record_nbytes = self._where.stride
             self._open_files()
             if pin_memory is None:

@@ -41,12 +41,15 @@ class RecordLayout:
 
     Pure arithmetic, shared by the buffers (views) and the files (offsets)."""
 
-    def __init__(self, keys: list[str], dtypes: Mapping[str, torch.dtype], numel: int) -> None:
+    def __init__(self, keys: list[str], dtypes: Mapping[str, torch.dtype], numel: int,
+                 units: Mapping[str, int] | None = None) -> None:
         self.numel = numel
         self.regions: dict[str, tuple[int, int]] = {}
         cursor = 0
+        units = units or {}
         for key in keys:
-            nbytes = numel * torch.empty((), dtype=dtypes[key]).element_size()
+            unit = units.get(key, 1)  # elements per item: a block's scale covers `unit` elements
+            nbytes = (numel + unit - 1) // unit * torch.empty((), dtype=dtypes[key]).element_size()
             self.regions[key] = (cursor, nbytes)
             cursor = align_up(cursor + nbytes)
         self.nbytes = cursor
@@ -77,16 +80,17 @@ class Stripes:
     tier's finalizer could never run)."""
 
     def __init__(self, subgroups: list[SubGroup], keys: list[str], dtypes: Mapping[str, torch.dtype],
-                 nfiles: int) -> None:
+                 nfiles: int, units: Mapping[str, int] | None = None) -> None:
         self.keys, self.dtypes, self.nfiles = keys, dtypes, nfiles
+        self.units = dict(units or {})
         self._rank = {sg.index: r for r, sg in enumerate(subgroups)}
         self._records: dict[int, RecordLayout] = {}
-        self.stride = RecordLayout(keys, dtypes, max(sg.numel for sg in subgroups)).nbytes
+        self.stride = RecordLayout(keys, dtypes, max(sg.numel for sg in subgroups), self.units).nbytes
 
     def record(self, sg: SubGroup) -> RecordLayout:
         rec = self._records.get(sg.numel)
         if rec is None:
-            rec = self._records[sg.numel] = RecordLayout(self.keys, self.dtypes, sg.numel)
+            rec = self._records[sg.numel] = RecordLayout(self.keys, self.dtypes, sg.numel, self.units)
         return rec
 
     def __call__(self, sg: SubGroup) -> tuple[int, int, RecordLayout]:

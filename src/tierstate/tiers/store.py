@@ -38,11 +38,22 @@ class StateStore:
         values_of: ``(slot, write) ->`` a context manager yielding the flat values of the slot's
             parameter in host-addressable memory: the parameter itself by default; for a
             parameter whose weights stream (:mod:`tierstate.weights`), its block's host image.
+        quant: the :class:`tierstate.kernels.quant.QuantConfig` of compressed state, or None.
+            Each moment ``k`` of the rule is then stored as ``k.codes`` (uint8, one per
+            element) and ``k.scale`` (fp32, one per block of ``quant.block_size`` elements of
+            the parameter), and a master as ``master`` (fp32 or bf16) plus ``master.comp``
+            (int16) for ``bf16_kahan``; see :mod:`tierstate.kernels.quant`. Keys stored per
+            block are counted in blocks ("items") by every method taking offsets or sizes.
     """
 
     def __init__(self, slots: Sequence[Slot], layout: Layout, tiers: Mapping, dtypes: Mapping[str, torch.dtype],
-                 specs_of: Callable[[int], Sequence], values_of: Callable | None = None) -> None:
+                 specs_of: Callable[[int], Sequence], values_of: Callable | None = None, quant=None,
+                 sr_seed: int = 0) -> None:
         self.values_of = values_of if values_of is not None else resident_values
+        self.quant = quant
+        self.sr_seed = sr_seed  # Offload.sr_seed: the stochastic rounding of a bf16_sr master
+        # elements per stored item of each key stored per block (the moments' scales)
+        self.units: dict[str, int] = {k: quant.block_size for k in dtypes if k.endswith(".scale")} if quant else {}
         self.slots = list(slots)
         self.layout = layout
         self.tiers: dict = dict(tiers)
@@ -67,13 +78,58 @@ class StateStore:
         return self.layout.segments_of(s.trainable) if s.trainable is not None else ()
 
     def keys(self, s: Slot) -> list[str]:
-        """The state keys of ``s`` (torch's names), plus ``master`` where it has one."""
-        keys = [spec.name for spec in self._specs_of(s.group)]
-        return keys + (["master"] if s.needs_master else [])
+        """The state keys of ``s`` (torch's names), plus ``master`` where it has one; with
+        compressed state, the stored parts (``exp_avg.codes``, ``exp_avg.scale``, ...)."""
+        names = [spec.name for spec in self._specs_of(s.group)]
+        if self.quant is None:
+            return names + (["master"] if s.needs_master else [])
+        keys = [f"{name}.{part}" for name in names for part in ("codes", "scale")]
+        if s.needs_master:
+            keys += ["master", "master.comp"] if self.quant.master == "bf16_kahan" else ["master"]
+        return keys
+
+    def check_specs(self, groups: Sequence[Mapping]) -> None:
+        """Refuse hyper-parameters changed since construction so that the rule now keeps a
+        state that compressed storage has no place for (amsgrad=True adds max_exp_avg_sq)."""
+        if self.quant is None:
+            return
+        for gi in range(len(groups)):
+            for spec in self._specs_of(gi):
+                if f"{spec.name}.codes" not in self.dtypes:
+                    raise ValueError(f"param_groups[{gi}] now asks for state {spec.name!r} (amsgrad=True with "
+                                     "Offload(moment_dtype='q8')?): the 8-bit kernels keep exp_avg and exp_avg_sq "
+                                     "only; set it back (amsgrad=False) or use moment_dtype=torch.float32")
 
     def held_keys(self, s: Slot) -> list[str]:
         """The keys whose values exist now: a master only once it was filled."""
-        return [k for k in self.keys(s) if k != "master" or s.master.filled]
+        return [k for k in self.keys(s) if not k.startswith("master") or s.master.filled]
+
+    def unit(self, key: str) -> int:
+        """Elements per stored item of ``key``: the block size for a block's scale, else 1."""
+        return self.units.get(key, 1)
+
+    def item_count(self, s: Slot, key: str) -> int:
+        """Stored items of ``key`` for ``s``: its element count, or its block count."""
+        u = self.unit(key)
+        return (s.local.numel() + u - 1) // u
+
+    def bytes_per_element(self, s: Slot) -> tuple[float, float]:
+        """(moments, master) bytes stored per element of ``s`` (a block's scale counts 4 / block)."""
+        moments = master = 0.0
+        for k in self.keys(s):
+            b = self.dtypes[k].itemsize / self.unit(k)
+            if k.startswith("master"):
+                master += b
+            else:
+                moments += b
+        return moments, master
+
+    def _pieces(self, s: Slot, key: str) -> Iterator[tuple[int, SubGroup, int, int]]:
+        """(first item in the parameter, sub-group, first item in it, items) of each segment of ``s``."""
+        u = self.unit(key)
+        for seg in self.segments(s):
+            sg = self.layout.subgroups[seg.subgroup]
+            yield seg.param_offset // u, sg, seg.subgroup_offset // u, (seg.numel + u - 1) // u
 
     # -- reading and writing by parameter and key ---------------------------------------------
     def host_view(self, s: Slot, key: str) -> Tensor | None:
@@ -88,53 +144,51 @@ class StateStore:
             tier = self._empty_param_tier()
         if tier is None or not tier.host_views or key not in tier.arenas:
             return None
-        return tier.flat_range(key, self.layout.param_starts[s.trainable], s.local.numel()).view(s.local.shape)
+        view = tier.flat_range(key, self.layout.param_starts[s.trainable], s.local.numel())
+        return view if self.unit(key) != 1 else view.view(s.local.shape)
 
     def _empty_param_tier(self):
         """The tier of a zero-size parameter (it has no segment): the first that keeps host views."""
         return next((t for t in self.tiers.values() if t.host_views), None)
 
     def read(self, s: Slot, key: str) -> Tensor:
-        """State ``key`` of ``s`` as a CPU tensor shaped like the parameter (a view where one exists)."""
+        """State ``key`` of ``s`` as a CPU tensor shaped like the parameter (a view where one
+        exists); a key stored per block (a scale) is flat, one item per block."""
         view = self.host_view(s, key)
         if view is not None:
             return view
-        return self.read_flat(s, key).view(s.local.shape)
+        flat = self.read_flat(s, key)
+        return flat if self.unit(key) != 1 else flat.view(s.local.shape)
 
     def read_flat(self, s: Slot, key: str, first: int = 0) -> Tensor:
-        """A flat CPU copy of state ``key`` of ``s`` from element ``first`` on, read segment by
+        """A flat CPU copy of state ``key`` of ``s`` from item ``first`` on, read segment by
         segment from whichever tiers hold them."""
-        out = torch.empty(s.local.numel() - first, dtype=self.dtypes[key])
-        for seg in self.segments(s):
-            if seg.param_offset < first:
+        out = torch.empty(self.item_count(s, key) - first, dtype=self.dtypes[key])
+        for p0, sg, offset, count in self._pieces(s, key):
+            if p0 < first:
                 continue
-            sg = self.layout.subgroups[seg.subgroup]
-            lo = seg.param_offset - first
-            out[lo: lo + seg.numel] = self.tiers[sg.tier].read_range(key, sg, seg.subgroup_offset, seg.numel)
+            out[p0 - first: p0 - first + count] = self.tiers[sg.tier].read_range(key, sg, offset, count)
         return out
 
     def read_pieces(self, s: Slot, key: str, piece_numel: int) -> Iterator[Tensor]:
-        """State ``key`` of ``s`` in order, in pieces of at most ``piece_numel`` elements (tier copies)."""
-        for seg in self.segments(s):
-            sg = self.layout.subgroups[seg.subgroup]
+        """State ``key`` of ``s`` in order, in pieces of at most ``piece_numel`` items (tier copies)."""
+        for _, sg, offset, count in self._pieces(s, key):
             tier = self.tiers[sg.tier]
-            for lo in range(0, seg.numel, piece_numel):
-                yield tier.read_range(key, sg, seg.subgroup_offset + lo, min(piece_numel, seg.numel - lo))
+            for lo in range(0, count, piece_numel):
+                yield tier.read_range(key, sg, offset + lo, min(piece_numel, count - lo))
 
     def write(self, s: Slot, key: str, value: Tensor) -> None:
-        """Store the whole state ``key`` of ``s`` (any shape with its numel; converted to the key's dtype)."""
+        """Store the whole state ``key`` of ``s`` (any shape with its item count; converted to the key's dtype)."""
         self.write_at(s, key, 0, value.detach().reshape(-1).to("cpu"))
 
     def write_at(self, s: Slot, key: str, offset: int, values: Tensor) -> None:
-        """Store flat ``values`` at element ``offset`` of state ``key`` of ``s``."""
+        """Store flat ``values`` at item ``offset`` of state ``key`` of ``s``."""
         end = offset + values.numel()
-        for seg in self.segments(s):
-            lo, hi = max(offset, seg.param_offset), min(end, seg.param_offset + seg.numel)
+        for p0, sg, sg_offset, count in self._pieces(s, key):
+            lo, hi = max(offset, p0), min(end, p0 + count)
             if hi <= lo:
                 continue
-            sg = self.layout.subgroups[seg.subgroup]
-            self.tiers[sg.tier].write_range(key, sg, seg.subgroup_offset + (lo - seg.param_offset),
-                                            values[lo - offset: hi - offset])
+            self.tiers[sg.tier].write_range(key, sg, sg_offset + (lo - p0), values[lo - offset: hi - offset])
 
     # -- lifecycle (see [Note: the lifecycle of a parameter's state]) ---------------------------
     def reset_to_init(self, s: Slot, skip: Mapping | None = None) -> None:
@@ -143,11 +197,15 @@ class StateStore:
         if not s.life.regions_dirty:
             return
         for spec in self._specs_of(s.group):
-            if skip is not None and skip.get(spec.name) is not None:
-                continue
-            # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
-            fill = torch.full((1,), spec.init, dtype=self.dtypes[spec.name]).expand(s.local.numel())
-            self.write(s, spec.name, fill)
+            stored = [spec.name] if self.quant is None else [f"{spec.name}.codes", f"{spec.name}.scale"]
+            for key in stored:
+                if skip is not None and skip.get(key) is not None:
+                    continue
+                # compressed moments start at 0: codes 0 and scale 0 (Adam's only init value)
+                init = spec.init if self.quant is None else 0.0
+                # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
+                fill = torch.full((1,), init, dtype=self.dtypes[key]).expand(self.item_count(s, key))
+                self.write(s, key, fill)
 
     def start_state(self, s: Slot) -> None:
         """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
@@ -181,12 +239,17 @@ class StateStore:
                         self._write_master_piece(flat, seg)
         s.master = MasterLife.PENDING if s.pending_pieces else MasterLife.READY
 
-    def take_pending_master(self, s: Slot, seg: Segment, master_view: Tensor, values: Tensor) -> None:
+    def take_pending_master(self, s: Slot, seg: Segment, master_view: Tensor, values: Tensor,
+                            comp_view: Tensor | None = None) -> None:
         """Copy a pending master piece into the sub-group views an update holds (then it is
-        written); ``values``: the parameter's flat values (see ``values_of``)."""
+        written); ``values``: the parameter's flat values (see ``values_of``); ``comp_view``:
+        the piece's ``master.comp`` of a ``bf16_kahan`` master."""
         key = (seg.subgroup, seg.param_offset)
         if key in s.pending_pieces:
-            master_view.copy_(values[seg.param_offset: seg.param_offset + seg.numel])
+            piece = values[seg.param_offset: seg.param_offset + seg.numel]
+            master_view.copy_(piece)
+            if comp_view is not None:
+                comp_view.copy_(self._comp_of(piece, master_view))
             s.pending_pieces.discard(key)
             if not s.pending_pieces:
                 s.master = MasterLife.READY
@@ -198,6 +261,16 @@ class StateStore:
         if not tier.on_device:  # a device tier copies straight from the parameter
             piece = piece.to("cpu", torch.float32)
         tier.write_range("master", sg, seg.subgroup_offset, piece)
+        if self.quant is not None and self.quant.master == "bf16_kahan":
+            master = tier.read_range("master", sg, seg.subgroup_offset, seg.numel)
+            tier.write_range("master.comp", sg, seg.subgroup_offset, self._comp_of(piece, master))
+
+    @staticmethod
+    def _comp_of(values: Tensor, master: Tensor) -> Tensor:
+        """int16 compensation of a bf16 master filled from ``values`` (0 for bf16 parameters)."""
+        from ..kernels.quant import kahan_comp  # noqa: PLC0415 - tiers load kernels only for compressed state
+
+        return kahan_comp(values.to("cpu", torch.float32), master)
 
     def write_pending_masters(self) -> None:
         """Write every pending master piece, so the tiers hold all the state (before any read)."""
@@ -231,10 +304,11 @@ class StateStore:
             value = state.get(key)
             if value is None:
                 continue
-            if not isinstance(value, Tensor) or value.numel() != s.local.numel():
+            if not isinstance(value, Tensor) or value.numel() != self.item_count(s, key):
                 got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, "
-                                 f"the parameter has shape {tuple(s.local.shape)}")
+                want = (f"the parameter has shape {tuple(s.local.shape)}" if self.unit(key) == 1 else
+                        f"it holds one item per block of {self.unit(key)}: {self.item_count(s, key)}")
+                raise ValueError(f"load_state_dict: state {key!r} of parameter {s.index} has shape {got}, {want}")
             self.write(s, key, value)
         if "step" in state:
             s.step = int(float(state["step"]))
@@ -263,6 +337,19 @@ class StateStore:
 
     def nbytes_by_tier(self) -> dict[str, int]:
         return {kind.value: tier.nbytes for kind, tier in self.tiers.items()}
+
+    def nvme_gauges(self) -> dict[str, float]:
+        """``nvme_params``: parameters (elements) whose state lives in the NVMe tier;
+        ``nvme_record_bytes_per_param``: bytes of their records (all keys, region alignment
+        included) per parameter: what one read or one write of the tier moves per parameter.
+        Empty without an NVMe tier."""
+        from ..placement import TierKind  # noqa: PLC0415
+
+        tier = self.tiers.get(TierKind.NVME)
+        if tier is None:
+            return {}
+        n = sum(seg.numel for sg in self.layout.subgroups if sg.tier is TierKind.NVME for seg in sg.segments)
+        return {"nvme_params": float(n), "nvme_record_bytes_per_param": tier.nbytes / n if n else 0.0}
 
     @property
     def pinned_nbytes(self) -> int:

@@ -9,7 +9,8 @@
 // partial blocks and scalar tails, at 1 and 2 threads.
 //
 // maps.bin: for the signed then the unsigned map: int32 lut_size, lut_shift, lut_base,
-// is_signed; float table[256]; float lut_threshold[lut_size]; int32 lut[lut_size].
+// is_signed, n_thresholds; float table[256]; float thresholds[n_thresholds];
+// uint8 lut[lut_size + 3] (3 bytes of padding: the vector kernels gather 32-bit words).
 // Usage: q8_check MAPS_BIN. Exit status 0 when every check passes.
 #include <cmath>
 #include <cstdint>
@@ -25,24 +26,24 @@ namespace k = tierstate::kernels;
 namespace {
 
 struct Map {
-  std::vector<float> table, lut_threshold;
-  std::vector<int32_t> lut;
-  int32_t size = 0, shift = 0, base = 0, is_signed = 0;
+  std::vector<float> table, thresholds;
+  std::vector<uint8_t> lut;
+  int32_t size = 0, shift = 0, base = 0, is_signed = 0, n_thresholds = 0;
   k::QuantMapRef ref() const {
-    return {table.data(), lut_threshold.data(), lut.data(), size, shift, base, is_signed != 0};
+    return {table.data(), thresholds.data(), lut.data(), size, shift, base, is_signed != 0};
   }
 };
 
 bool read_map(FILE* f, Map& m) {
-  int32_t head[4];
+  int32_t head[5];
   if (fread(head, sizeof head, 1, f) != 1) return false;
-  m.size = head[0], m.shift = head[1], m.base = head[2], m.is_signed = head[3];
+  m.size = head[0], m.shift = head[1], m.base = head[2], m.is_signed = head[3], m.n_thresholds = head[4];
   m.table.resize(256);
-  m.lut_threshold.resize(m.size);
-  m.lut.resize(m.size);
+  m.thresholds.resize(m.n_thresholds);
+  m.lut.resize(m.size + 3);
   return fread(m.table.data(), 4, 256, f) == 256 &&
-         fread(m.lut_threshold.data(), 4, m.size, f) == static_cast<size_t>(m.size) &&
-         fread(m.lut.data(), 4, m.size, f) == static_cast<size_t>(m.size);
+         fread(m.thresholds.data(), 4, m.n_thresholds, f) == static_cast<size_t>(m.n_thresholds) &&
+         fread(m.lut.data(), 1, m.size + 3, f) == static_cast<size_t>(m.size + 3);
 }
 
 uint64_t g_state = 12345;

@@ -1,0 +1,158 @@
+"""state_dict() of compressed state: the documented parts, exact round trips, the full-precision
+export, and cross-loading full <-> compressed with a warning."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import tierstate as ts
+from tierstate.checkpoint.compressed import StateFormatWarning, full_state_dict
+from tierstate.kernels import quant as Q
+
+SHAPES = [(37, 300), (1000,), (5,)]
+
+
+def _model(dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(3)
+    return [torch.nn.Parameter(torch.randn(*s, generator=gen).to(dtype)) for s in SHAPES]
+
+
+def _train(opt, params, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        opt.step()
+
+
+def _offload(tmp_path, master="bf16_kahan", nvme=0.5, block=256):
+    return ts.Offload(cpu=1 - nvme, nvme=nvme, nvme_dir=str(tmp_path / "nvme"), moment_dtype="q8",
+                      master_dtype=master if master != "fp32" else torch.float32, quant_block=block,
+                      subgroup_numel=2048)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("master", Q.MASTER_MODES)
+def test_state_dict_parts_and_exact_round_trip(master, tmp_path):
+    params = _model()
+    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path / "a", master))
+    _train(opt, params, 4)
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    n = 37 * 300
+    assert st["exp_avg.codes"].dtype == torch.uint8 and tuple(st["exp_avg.codes"].shape) == (37, 300)
+    assert st["exp_avg.scale"].dtype == torch.float32 and st["exp_avg.scale"].numel() == Q.n_blocks(n, 256)
+    assert st["exp_avg_sq.codes"].dtype == torch.uint8 and st["exp_avg_sq.scale"].numel() == Q.n_blocks(n, 256)
+    assert st["master"].dtype == (torch.float32 if master == "fp32" else torch.bfloat16)
+    assert ("master.comp" in st) == (master == "bf16_kahan")
+    # through torch.save, into a fresh optimizer on other tiers: every byte comes back
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    params2 = _model()
+    opt2 = ts.AdamW(params2, lr=1e-2, offload=_offload(tmp_path / "b", master, nvme=1.0))
+    opt2.load_state_dict(loaded)
+    sd2 = opt2.state_dict()
+    for i in sd["state"]:
+        assert sorted(sd["state"][i]) == sorted(sd2["state"][i])
+        for key, value in sd["state"][i].items():
+            assert _bytes(value) == _bytes(sd2["state"][i][key]), (i, key)
+    # and both continue identically
+    for p, q in zip(params, params2):
+        q.data.copy_(p.data)
+    _train(opt, params, 2, seed=9)
+    _train(opt2, params2, 2, seed=9)
+    for p, q in zip(params, params2):
+        assert torch.equal(p, q)
+    opt.close(), opt2.close()
+
+
+def test_full_state_dict_exports_dequantized_state_torch_loads(tmp_path):
+    params = _model(torch.float32)
+    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path, "bf16_kahan"))
+    _train(opt, params, 3)
+    sd = opt.state_dict()
+    full = full_state_dict(opt)
+    cfg = Q.QuantConfig(256, "bf16_kahan")
+    for i, p in enumerate(params):
+        st, f = sd["state"][i], full["state"][i]
+        assert set(f) == {"step", "exp_avg", "exp_avg_sq", "master"}
+        parts = {k: v.reshape(-1) for k, v in st.items() if k != "step"}
+        want = cfg.export_full(parts)
+        assert f["exp_avg"].dtype == torch.float32 and f["exp_avg"].shape == p.shape
+        assert torch.equal(f["exp_avg"].reshape(-1), want["exp_avg"])
+        assert torch.equal(f["exp_avg_sq"].reshape(-1), want["exp_avg_sq"])
+        assert torch.equal(f["master"].reshape(-1), want["param"])
+        assert torch.equal(f["master"], p.detach())  # an fp32 parameter holds the master's fp32 value
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2)
+    ref.load_state_dict(copy.deepcopy(full))  # torch takes it (master is an extra key it carries)
+    opt.close()
+
+
+def test_cross_loading_converts_with_a_warning(tmp_path):
+    # full -> compressed
+    params = _model()
+    full_opt = ts.AdamW(params, lr=1e-2, offload=ts.Offload(cpu=1.0))
+    _train(full_opt, params, 3)
+    full_sd = full_opt.state_dict()
+    q_params = _model()
+    q_opt = ts.AdamW(q_params, lr=1e-2, offload=_offload(tmp_path / "q", "bf16_kahan"))
+    with pytest.warns(StateFormatWarning, match="converted the state of 3 parameter"):
+        q_opt.load_state_dict(full_sd)
+    qsd = q_opt.state_dict()
+    for i in full_sd["state"]:
+        m, v = full_sd["state"][i]["exp_avg"].float(), full_sd["state"][i]["exp_avg_sq"].float()
+        codes, scale = Q.quantize_ref(m.reshape(-1), Q.signed_map(), 256)
+        assert torch.equal(qsd["state"][i]["exp_avg.codes"].reshape(-1), codes)
+        assert torch.equal(qsd["state"][i]["exp_avg.scale"], scale)
+        codes, scale = Q.quantize_ref(v.reshape(-1).sqrt(), Q.unsigned_map(), 256)
+        assert torch.equal(qsd["state"][i]["exp_avg_sq.codes"].reshape(-1), codes)
+        w = full_sd["state"][i]["master"].reshape(-1)
+        got = Q.kahan_value(qsd["state"][i]["master"].reshape(-1), qsd["state"][i]["master.comp"].reshape(-1))
+        # bf16 + int16 compensation holds an fp32 master to 2**-17 of a bf16 ulp (24 significant bits)
+        assert bool(((got - w).abs() <= w.abs() * 2.0**-23).all())
+        assert int(qsd["state"][i]["step"]) == 3
+    # compressed -> full
+    back = ts.AdamW(_model(), lr=1e-2, offload=ts.Offload(cpu=1.0))
+    with pytest.warns(StateFormatWarning, match="full-precision state"):
+        back.load_state_dict(qsd)
+    bsd = back.state_dict()
+    want = full_state_dict(q_opt)
+    for i in want["state"]:
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert torch.equal(bsd["state"][i][key].float(), want["state"][i][key]), key
+    # another block size converts too
+    other = ts.AdamW(_model(), lr=1e-2, offload=_offload(tmp_path / "o", "bf16_kahan", block=128))
+    with pytest.warns(StateFormatWarning, match="quant_block=128"):
+        other.load_state_dict(qsd)
+    assert other.state_dict()["state"][0]["exp_avg.scale"].numel() == Q.n_blocks(37 * 300, 128)
+    for o in (full_opt, q_opt, back, other):
+        o.close()
+
+
+def test_load_refuses_bad_parts_and_changes_nothing(tmp_path):
+    params = _model()
+    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path, "bf16_sr"))
+    _train(opt, params, 2)
+    sd = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["exp_avg.codes"] = bad["state"][0]["exp_avg.codes"].to(torch.int16)
+    with pytest.raises(TypeError, match=r"'exp_avg.codes' of parameter 0 has dtype torch.int16"):
+        opt.load_state_dict(bad)
+    bad = copy.deepcopy(sd)
+    bad["state"][1]["exp_avg_sq.scale"] = bad["state"][1]["exp_avg_sq.scale"][:-1]
+    with pytest.raises(ValueError, match=r"'exp_avg_sq.scale' of parameter 1 has shape \(3,\); 4 item"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    for i in before["state"]:
+        for k, v in before["state"][i].items():
+            assert torch.equal(v, after["state"][i][k])
+    opt.close()
