@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import host_allocator, kernels
+from ..dist import local_state, present_state
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
 from ..telemetry import Telemetry
@@ -279,13 +280,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if folder is not None and self._state_dict_in_files(store):
             from ..checkpoint import mmap_state_dict
 
-            return mmap_state_dict(self, folder)
+            return present_state(mmap_state_dict(self, folder), self.param_groups)
         sd = super().state_dict()
         index_of = {p: idx for g_saved, g in zip(sd["param_groups"], self.param_groups)
                     for idx, p in zip(g_saved["params"], g["params"])}
         sd["state"] = {index_of[s.param]: st for s in store.slots
                        if s.has_state and (st := store.export(s, self.rule.has_step))}
-        return sd
+        return present_state(sd, self.param_groups)  # FSDP2: DTensor state, as torch's (for DCP)
 
     def _state_dict_in_files(self, store) -> bool:
         if self.state_dict_mmap is not None:
@@ -306,6 +307,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.sync_state()
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint is above tiers only
 
+        state_dict = local_state(state_dict, self.param_groups)  # FSDP2: DTensor state -> this rank's shards
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
