@@ -93,7 +93,17 @@ def snapshot(model: nn.Module, opt, losses: list[float]) -> dict:
     """Full parameters and optimizer state (gathered from every rank's shards), by parameter name."""
     _, osd = get_state_dict(model, opt)
     state = {name: {k: full(v) for k, v in st.items()} for name, st in osd["state"].items()}
-    return {"params": {n: full(p) for n, p in model.named_parameters()}, "state": state, "losses": losses}
+    usage = None
+    if isinstance(opt, ts.AdamW):  # what this rank holds, for the per-rank usage test
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+        files = [f for tier in opt.tiers.values() for f in getattr(tier, "files", ())]
+        usage = {"numel": local, "tier_bytes": {str(k): v for k, v in opt.tier_bytes().items()},
+                 "file_bytes": sum(os.path.getsize(f) for f in files),
+                 "disk_bytes": sum(os.stat(f).st_blocks * 512 for f in files)}
+    usages = [None] * dist.get_world_size()
+    dist.all_gather_object(usages, usage)
+    return {"params": {n: full(p) for n, p in model.named_parameters()}, "state": state, "losses": losses,
+            "usage": usages}
 
 
 def save(model, opt, path: str) -> None:

@@ -121,3 +121,37 @@ def test_sharded_training_equals_one_process(runs, tier, world):
     assert max_diff(sharded["params"], torch_sharded["params"]) < 1e-6
     for name, st in one["state"].items():
         assert max_diff({k: v for k, v in sharded["state"][name].items()}, st) < 1e-6, name
+
+
+# The MLP of _fsdp_worker.py: FSDP2 shards dim 0 of each parameter as torch.chunk does.
+SHAPES = [(64, 32), (64,), (32, 64), (32,), (10, 32), (10,)]
+PAGE = 4096  # each state key of an NVMe record is padded to whole pages (O_DIRECT)
+
+
+def local_numel(world: int, rank: int) -> int:
+    total = 0
+    for shape in SHAPES:
+        rows = [len(c) for c in torch.arange(shape[0]).chunk(world)] + [0] * world
+        total += rows[rank] * (shape[1] if len(shape) > 1 else 1)
+    return total
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_per_rank_host_and_disk_usage_is_total_over_n(runs, world):
+    """Each rank holds the state of its shards only: 8 bytes (exp_avg, exp_avg_sq in fp32) per
+    element of its shards, host or disk, so the ranks together hold what one process holds, and
+    each at most one row per parameter more than total/N (the uneven last chunks)."""
+    total = sum(torch.Size(s).numel() for s in SHAPES)
+    per_rank_bound = total / world + sum(s[1] if len(s) > 1 else 1 for s in SHAPES)
+    host = result(runs, world)["cpu"]["straight"]["usage"]
+    disk = result(runs, world)["nvme"]["straight"]["usage"]
+    assert len(host) == len(disk) == world
+    for rank, (h, d) in enumerate(zip(host, disk)):
+        numel = local_numel(world, rank)
+        assert h["numel"] == d["numel"] == numel <= per_rank_bound
+        assert h["tier_bytes"] == {"host": 8 * numel}, h
+        assert h["file_bytes"] == 0
+        assert set(d["tier_bytes"]) == {"nvme"}
+        assert 8 * numel <= d["file_bytes"] == d["tier_bytes"]["nvme"] <= 8 * numel + 2 * PAGE, d
+        assert d["disk_bytes"] <= d["file_bytes"]  # no blocks allocated beyond the length reported
+    assert sum(h["tier_bytes"]["host"] for h in host) == 8 * total
