@@ -151,6 +151,10 @@ def main() -> None:
             losses = train(variant, model, opt, SAVE_AT + 1, STEPS)
             res[f"resumed_from_{source}"] = snapshot(model, opt, losses)
             del opt
+    launch = [None] * world  # where each rank ran: torchrun's node (GROUP_RANK) and local rank
+    dist.all_gather_object(launch, {k: os.environ.get(k) for k in
+                                    ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID")})
+    result["launch"] = launch
     if rank == 0:
         torch.save(result, os.path.join(args.out, f"result-w{world}.pt"))
     dist.barrier()
