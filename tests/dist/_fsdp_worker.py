@@ -1,7 +1,8 @@
 """One rank of tests/dist/test_fsdp_checkpoint.py, started by torchrun (gloo, CPU).
 
 For each optimizer variant (``torch``: torch.optim.AdamW with clip_grad_norm_; ``cpu`` and
-``nvme``: tierstate.AdamW on that tier) it trains a small MLP on a fixed global batch of
+``nvme``: tierstate.AdamW on that tier; ``<tier>-zero2``: FSDP2 with
+``reshard_after_forward=False``, ZeRO-2; ``cpu-ddp``: DDP, every rank a replica) it trains a small MLP on a fixed global batch of
 GLOBAL_BATCH rows per step, each rank taking its slice of the rows. With more than one rank
 the model is wrapped in FSDP2 (``fully_shard`` per Linear and at the root, so every parameter
 is a DTensor sharded along dim 0, some unevenly); with one rank it stays a plain model, as a
@@ -31,20 +32,24 @@ import tierstate as ts
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 12, 6, 8
 LR, BETAS, WD, CLIP = 1e-2, (0.9, 0.95), 0.1, 0.5
-VARIANTS = ("torch", "cpu", "nvme")
+VARIANTS = ("torch", "cpu", "nvme", "cpu-zero2", "nvme-zero2", "cpu-ddp")
 
 
-def build(world: int) -> nn.Module:
+def build(world: int, wrap: str = "fsdp") -> nn.Module:
+    """The MLP, wrapped: ``fsdp`` (FSDP2 defaults), ``zero2`` (FSDP2 keeping the gathered
+    parameters from forward to backward: ZeRO-2), ``ddp`` (replicated)."""
     torch.manual_seed(0)
     # 10 output rows: uneven shards on 4 ranks (3, 3, 3, 1), even on 2
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+    if world > 1 and wrap == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
     if world > 1:
         from torch.distributed.fsdp import fully_shard
 
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, reshard_after_forward=wrap != "zero2")
+        fully_shard(model, reshard_after_forward=wrap != "zero2")
     return model
 
 
@@ -102,7 +107,8 @@ def snapshot(model: nn.Module, opt, losses: list[float]) -> dict:
                  "disk_bytes": sum(os.stat(f).st_blocks * 512 for f in files)}
     usages = [None] * dist.get_world_size()
     dist.all_gather_object(usages, usage)
-    return {"params": {n: full(p) for n, p in model.named_parameters()}, "state": state, "losses": losses,
+    return {"params": {n.removeprefix("module."): full(p) for n, p in model.named_parameters()}, "state": state,
+            "losses": losses,
             "usage": usages}
 
 
@@ -128,10 +134,13 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {}
-    for variant in args.variants.split(","):
-        res = result[variant] = {}
-        model = build(world)
-        opt = optimizer(variant, model, args.out, f"{variant}-straight-w{world}")
+    for name in args.variants.split(","):
+        variant, _, wrap = name.partition("-")  # e.g. "cpu-zero2": the CPU tier under FSDP2 as ZeRO-2
+        if wrap and world == 1:
+            continue  # one process: nothing to wrap
+        res = result[name] = {}
+        model = build(world, wrap or "fsdp")
+        opt = optimizer(variant, model, args.out, f"{name}-straight-w{world}")
         ckpt = os.path.join(args.out, f"ckpt-{variant}-w{world}")
 
         def maybe_save(step, model=model, opt=opt, ckpt=ckpt, res=res):
@@ -139,10 +148,11 @@ def main() -> None:
                 save(model, opt, ckpt)
                 res["at_save"] = snapshot(model, opt, [])
 
-        losses = train(variant, model, opt, 1, STEPS, maybe_save)
+        losses = train(variant, model, opt, 1, STEPS, None if wrap else maybe_save)
         res["straight"] = snapshot(model, opt, losses)
         del opt
         sources = ([world] if args.save else []) + ([args.resume_from] if args.resume_from else [])
+        sources = [] if wrap else sources
         for source in sources:
             model = build(world)
             opt = optimizer(variant, model, args.out, f"{variant}-from{source}-w{world}")

@@ -106,12 +106,15 @@ def test_resume_on_other_world_sizes(runs, tier, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("tier", TIERS)
-def test_sharded_training_equals_one_process(runs, tier, world):
+@pytest.mark.parametrize("variant", TIERS + ("cpu-zero2", "nvme-zero2", "cpu-ddp"))
+def test_sharded_training_equals_one_process(runs, variant, world):
     """N ranks on N slices of the global batch train as one process on the whole batch (12 steps,
-    clipping active), on both tiers; torch.optim.AdamW under FSDP2 is held to the same bound."""
+    clipping active), on both tiers, under FSDP2, FSDP2 as ZeRO-2 (``reshard_after_forward=False``,
+    the sharded mode docs/distributed.md recommends to DDP users) and DDP; torch.optim.AdamW under
+    FSDP2 is held to the same bound."""
+    tier = variant.partition("-")[0]
     one = result(runs, 1)[tier]["straight"]
-    sharded = result(runs, world)[tier]["straight"]
+    sharded = result(runs, world)[variant]["straight"]
     torch_sharded = result(runs, world)["torch"]["straight"]
     assert len(sharded["losses"]) == 12
     assert sharded["losses"][-1] < sharded["losses"][0]
@@ -143,8 +146,12 @@ def test_per_rank_host_and_disk_usage_is_total_over_n(runs, world):
     each at most one row per parameter more than total/N (the uneven last chunks)."""
     total = sum(torch.Size(s).numel() for s in SHAPES)
     per_rank_bound = total / world + sum(s[1] if len(s) > 1 else 1 for s in SHAPES)
+    zero2 = "" if world == 1 else "-zero2"
     host = result(runs, world)["cpu"]["straight"]["usage"]
     disk = result(runs, world)["nvme"]["straight"]["usage"]
+    if zero2:  # ZeRO-2 shards the state as FSDP2's defaults do
+        assert result(runs, world)["cpu" + zero2]["straight"]["usage"] == host
+        assert result(runs, world)["nvme" + zero2]["straight"]["usage"] == disk
     assert len(host) == len(disk) == world
     for rank, (h, d) in enumerate(zip(host, disk)):
         numel = local_numel(world, rank)
@@ -155,3 +162,6 @@ def test_per_rank_host_and_disk_usage_is_total_over_n(runs, world):
         assert 8 * numel <= d["file_bytes"] == d["tier_bytes"]["nvme"] <= 8 * numel + 2 * PAGE, d
         assert d["disk_bytes"] <= d["file_bytes"]  # no blocks allocated beyond the length reported
     assert sum(h["tier_bytes"]["host"] for h in host) == 8 * total
+    if world > 1:  # DDP, for contrast: every rank holds the whole state
+        for h in result(runs, world)["cpu-ddp"]["straight"]["usage"]:
+            assert h["tier_bytes"] == {"host": 8 * total}
