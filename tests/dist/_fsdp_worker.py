@@ -2,7 +2,8 @@
 
 For each optimizer variant (``torch``: torch.optim.AdamW with clip_grad_norm_; ``cpu`` and
 ``nvme``: tierstate.AdamW on that tier; ``<tier>-zero2``: FSDP2 with
-``reshard_after_forward=False``, ZeRO-2; ``cpu-ddp``: DDP, every rank a replica) it trains a small MLP on a fixed global batch of
+``reshard_after_forward=False``, ZeRO-2; ``cpu-ddp``: DDP, every rank a replica;
+``<tier>-zero1``: DDP with ZeroRedundancyOptimizer(optimizer_class=tierstate.AdamW)) it trains a small MLP on a fixed global batch of
 GLOBAL_BATCH rows per step, each rank taking its slice of the rows. With more than one rank
 the model is wrapped in FSDP2 (``fully_shard`` per Linear and at the root, so every parameter
 is a DTensor sharded along dim 0, some unevenly); with one rank it stays a plain model, as a
@@ -32,7 +33,7 @@ import tierstate as ts
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 12, 6, 8
 LR, BETAS, WD, CLIP = 1e-2, (0.9, 0.95), 0.1, 0.5
-VARIANTS = ("torch", "cpu", "nvme", "cpu-zero2", "nvme-zero2", "cpu-ddp")
+VARIANTS = ("torch", "cpu", "nvme", "cpu-zero2", "nvme-zero2", "cpu-ddp", "cpu-zero1", "nvme-zero1")
 
 
 def build(world: int, wrap: str = "fsdp") -> nn.Module:
@@ -41,7 +42,7 @@ def build(world: int, wrap: str = "fsdp") -> nn.Module:
     torch.manual_seed(0)
     # 10 output rows: uneven shards on 4 ranks (3, 3, 3, 1), even on 2
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
-    if world > 1 and wrap == "ddp":
+    if world > 1 and wrap in ("ddp", "zero1"):
         return nn.parallel.DistributedDataParallel(model)
     if world > 1:
         from torch.distributed.fsdp import fully_shard
@@ -53,10 +54,17 @@ def build(world: int, wrap: str = "fsdp") -> nn.Module:
     return model
 
 
-def optimizer(variant: str, model: nn.Module, out: str, tag: str):
+def optimizer(variant: str, model: nn.Module, out: str, tag: str, wrap: str = ""):
     if variant == "torch":
         return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
-    nvme = {"nvme_dir": os.path.join(out, f"nvme-{tag}-rank{dist.get_rank()}")} if variant == "nvme" else {}
+    nvme = {"nvme_dir": os.path.join(out, f"nvme-{tag}-rank{{rank}}")} if variant == "nvme" else {}
+    if wrap == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # each rank's tierstate.AdamW holds 1/N of the parameters: clipping is done on the whole
+        # (all-reduced) gradients before the step, see train()
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=ts.AdamW, lr=LR, betas=BETAS,
+                                       weight_decay=WD, offload=variant, **nvme)
     return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP,
                     offload=variant, **nvme)
 
@@ -76,7 +84,7 @@ def train(variant: str, model: nn.Module, opt, first: int, last: int, on_step=No
         x, y = batch(step, rank, world)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        if variant == "torch":
+        if not isinstance(opt, ts.AdamW):  # torch's AdamW, or tierstate's under ZeroRedundancyOptimizer
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -96,8 +104,13 @@ def full(t):
 
 def snapshot(model: nn.Module, opt, losses: list[float]) -> dict:
     """Full parameters and optimizer state (gathered from every rank's shards), by parameter name."""
-    _, osd = get_state_dict(model, opt)
-    state = {name: {k: full(v) for k, v in st.items()} for name, st in osd["state"].items()}
+    zero = getattr(opt, "optim", None)  # ZeroRedundancyOptimizer: this rank's tierstate.AdamW
+    state = {}
+    if zero is None:
+        _, osd = get_state_dict(model, opt)
+        state = {name: {k: full(v) for k, v in st.items()} for name, st in osd["state"].items()}
+    else:
+        opt = zero
     usage = None
     if isinstance(opt, ts.AdamW):  # what this rank holds, for the per-rank usage test
         local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
@@ -140,7 +153,7 @@ def main() -> None:
             continue  # one process: nothing to wrap
         res = result[name] = {}
         model = build(world, wrap or "fsdp")
-        opt = optimizer(variant, model, args.out, f"{name}-straight-w{world}")
+        opt = optimizer(variant, model, args.out, f"{name}-straight-w{world}", wrap)
         ckpt = os.path.join(args.out, f"ckpt-{variant}-w{world}")
 
         def maybe_save(step, model=model, opt=opt, ckpt=ckpt, res=res):
