@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -63,10 +64,11 @@ def main() -> None:
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    kw = {"nvme_dir": args.nvme_dir} if args.offload == "nvme" and args.nvme_dir else {}
     setups = {}
     for wrap in WRAPS:
         model = build(wrap, args.width, args.layers)
+        # one folder per wrapping (four optimizers in this process) and per rank
+        kw = {"nvme_dir": os.path.join(args.nvme_dir, wrap)} if args.offload == "nvme" and args.nvme_dir else {}
         if wrap == "zero1":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
