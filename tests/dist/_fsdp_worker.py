@@ -40,8 +40,10 @@ def build(world: int, wrap: str = "fsdp") -> nn.Module:
     """The MLP, wrapped: ``fsdp`` (FSDP2 defaults), ``zero2`` (FSDP2 keeping the gathered
     parameters from forward to backward: ZeRO-2), ``ddp`` (replicated)."""
     torch.manual_seed(0)
-    # 10 output rows: uneven shards on 4 ranks (3, 3, 3, 1), even on 2
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+    # 10 output rows: uneven shards on 4 ranks (3, 3, 3, 1), even on 2; 2 rows: ranks 2 and 3 of 4
+    # hold an empty shard
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10), nn.Tanh(),
+                          nn.Linear(10, 2))
     if world > 1 and wrap in ("ddp", "zero1"):
         return nn.parallel.DistributedDataParallel(model)
     if world > 1:
@@ -70,7 +72,7 @@ def optimizer(variant: str, model: nn.Module, out: str, tag: str, wrap: str = ""
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    target = torch.randn(32, 10, generator=torch.Generator().manual_seed(7)) / 4  # a fixed map to learn
+    target = torch.randn(32, 2, generator=torch.Generator().manual_seed(7)) / 4  # a fixed map to learn
     x = torch.randn(GLOBAL_BATCH, 32, generator=torch.Generator().manual_seed(1000 + step))
     y = torch.tanh(x @ target)
     rows = GLOBAL_BATCH // world
@@ -125,6 +127,20 @@ def snapshot(model: nn.Module, opt, losses: list[float]) -> dict:
             "usage": usages}
 
 
+def full_round_trip(variant: str, model: nn.Module, opt, out: str, name: str) -> dict:
+    """The optimizer's full state dict (plain whole tensors, as a single-process run would have)
+    loaded into a fresh optimizer over the same sharded model: the state it then presents."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    whole = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    fresh = optimizer(variant, model, out, f"{name}-fresh-w{dist.get_world_size()}")
+    set_optimizer_state_dict(model, fresh, whole, options=StateDictOptions(full_state_dict=True))
+    got = snapshot(model, fresh, [])["state"]
+    del fresh
+    return got
+
+
 def save(model, opt, path: str) -> None:
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
@@ -163,6 +179,8 @@ def main() -> None:
 
         losses = train(variant, model, opt, 1, STEPS, None if wrap else maybe_save)
         res["straight"] = snapshot(model, opt, losses)
+        if not wrap:
+            res["full_round_trip"] = full_round_trip(variant, model, opt, args.out, name)
         del opt
         sources = ([world] if args.save else []) + ([args.resume_from] if args.resume_from else [])
         sources = [] if wrap else sources

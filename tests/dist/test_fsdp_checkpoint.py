@@ -85,6 +85,20 @@ def test_loaded_state_is_the_saved_state(runs, variant, world):
             assert torch.equal(got, value), (name, key, float((got - value).abs().max()))
 
 
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_full_state_dict_round_trip(runs, variant, world):
+    """``get_optimizer_state_dict(full_state_dict=True)`` (plain whole tensors) loaded through
+    ``set_optimizer_state_dict(full_state_dict=True)`` into a fresh optimizer over the sharded
+    model: each rank takes its shard, including the ranks whose shard of a parameter is empty."""
+    r = result(runs, world)[variant]
+    state, back = r["straight"]["state"], r["full_round_trip"]
+    assert back.keys() == state.keys()
+    for name, st in state.items():
+        for key, value in st.items():
+            assert torch.equal(back[name][key], value), (name, key)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_resume_on_the_same_ranks_is_exact(runs, variant):
     r = result(runs, 2)[variant]
@@ -128,7 +142,7 @@ def test_sharded_training_equals_one_process(runs, variant, world):
 
 
 # The MLP of _fsdp_worker.py: FSDP2 shards dim 0 of each parameter as torch.chunk does.
-SHAPES = [(64, 32), (64,), (32, 64), (32,), (10, 32), (10,)]
+SHAPES = [(64, 32), (64,), (32, 64), (32,), (10, 32), (10,), (2, 10), (2,)]
 PAGE = 4096  # each state key of an NVMe record is padded to whole pages (O_DIRECT)
 
 
