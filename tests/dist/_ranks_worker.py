@@ -68,7 +68,7 @@ def fail(out: str) -> None:
             opt.zero_grad()
     except BaseException as exc:  # noqa: BLE001 - recorded for the test, then raised again
         with open(os.path.join(out, f"fail-{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "type": type(exc).__name__, "message": str(exc),
+            json.dump({"rank": rank, "type": type(exc).__name__, "message": str(exc), "at": time.time(),
                        "seconds": time.monotonic() - start, "traceback": traceback.format_exc()}, f)
         raise
 
