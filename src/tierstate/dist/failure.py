@@ -40,6 +40,7 @@ EXIT_STATUS = 75  # EX_TEMPFAIL: this rank did not fail itself, a peer did
 _PREFIX = "tierstate/"
 _log = logging.getLogger("tierstate")
 _armed_for = None  # the store the hooks of this process report to
+_armed_pid = None  # a forked child inherits the hook, not the right to use the parent's store connection
 _lock = threading.Lock()
 
 
@@ -74,7 +75,7 @@ def arm() -> bool:
 
     Called by every tierstate optimizer's constructor; calling it yourself early (right after
     ``init_process_group``) also covers failures before the optimizer exists."""
-    global _armed_for
+    global _armed_for, _armed_pid
     if not _enabled():
         return False
     import torch.distributed as dist
@@ -86,7 +87,7 @@ def arm() -> bool:
         if _armed_for is store:
             return True
         first = _armed_for is None
-        _armed_for = store
+        _armed_for, _armed_pid = store, os.getpid()
         rank, world = dist.get_rank(), dist.get_world_size()
         if first:
             previous = sys.excepthook
@@ -109,7 +110,7 @@ def report_failure(exc: BaseException) -> None:
     ACK_WAIT_S for them to have read it. For code that catches an error and cannot go on
     (the uncaught case is reported by the hook :func:`arm` installs)."""
     store = _armed_for
-    if store is None or isinstance(exc, (PeerFailedError, KeyboardInterrupt)):
+    if store is None or os.getpid() != _armed_pid or isinstance(exc, (PeerFailedError, KeyboardInterrupt)):
         return
     import torch.distributed as dist
 
@@ -130,7 +131,7 @@ def _write_error_file(exc_type, exc, tb) -> None:
     unless the script's own ``@record`` did): torchrun then reports the failing rank, with
     its traceback, as the job's root cause rather than a peer this module ended later."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
+    if not path or os.getpid() != _armed_pid or os.path.exists(path):
         return
     import json
     import traceback
@@ -147,7 +148,7 @@ def _write_error_file(exc_type, exc, tb) -> None:
 def _mark_ending() -> None:
     """The failing rank's traceback is out and its process ends now: the peers may end too."""
     store = _armed_for
-    if store is None:
+    if store is None or os.getpid() != _armed_pid:
         return
     import torch.distributed as dist
 
