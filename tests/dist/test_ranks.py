@@ -27,9 +27,11 @@ from tierstate.dist.failure import EXIT_STATUS
 WORKER = Path(__file__).with_name("_ranks_worker.py")
 IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 180
-# torchrun and two ranks importing torch take 8-15 s on 2 shared cores; the failing rank
-# raises at its third step, and the others must be gone within seconds of it.
-FAIL_BOUND_S = 60
+# From a rank's failure to the end of the whole job: measured 3.1-3.6 s (uncaught) and
+# 8.2-8.4 s (caught, reported, the rank hanging) on 2 shared cores; a hang would be 30 minutes.
+FAIL_BOUND_S = 30
+# A whole launch with a rank killed: torchrun and two ranks importing torch take 8-25 s.
+LAUNCH_BOUND_S = 120
 
 needs_gloo = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="this torch build has no torch.distributed with gloo")
@@ -77,11 +79,12 @@ def test_threads_and_nvme_folders_per_rank(tmp_path, world):
 @needs_gloo
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
-    done, seconds = launch(tmp_path, "fail")
+    done, _ = launch(tmp_path, "fail")
+    ended = time.time()
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert seconds < FAIL_BOUND_S, (seconds, out[-4000:])
     failed = read(tmp_path / "fail-1.json")
+    assert ended - failed["at"] < FAIL_BOUND_S, (ended - failed["at"], out[-4000:])
     assert failed["type"] == "ValueError"
     # rank 0 was waiting in a collective for rank 1: it ends with the name of rank 1's error
     assert "PeerFailedError: rank 1 failed (ValueError: bad batch on rank 1 at step 3); ending rank 0" in out, out[-4000:]
@@ -96,10 +99,12 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
 def test_a_reported_failure_ends_the_others_while_the_rank_hangs(tmp_path):
     """The failing rank catches its error, reports it and stays alive: without the report the
     other rank would wait in its collective for the group's timeout (30 minutes for gloo)."""
-    done, seconds = launch(tmp_path, "fail-caught")
+    done, _ = launch(tmp_path, "fail-caught")
+    ended = time.time()
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert seconds < FAIL_BOUND_S, (seconds, out[-4000:])
+    failed = read(tmp_path / "fail-1.json")
+    assert ended - failed["at"] < FAIL_BOUND_S, (ended - failed["at"], out[-4000:])
     assert "PeerFailedError: rank 1 failed (ValueError: bad batch on rank 1 at step 3); ending rank 0" in out, out[-4000:]
 
 
@@ -108,7 +113,7 @@ def test_a_reported_failure_ends_the_others_while_the_rank_hangs(tmp_path):
 def test_a_lost_ranks_scratch_is_swept_on_restart(tmp_path):
     done, seconds = launch(tmp_path, "lost")
     assert done.returncode != 0
-    assert seconds < FAIL_BOUND_S, (seconds, done.stderr[-4000:])
+    assert seconds < LAUNCH_BOUND_S, (seconds, done.stderr[-4000:])
     lost = {r: read(tmp_path / f"lost-{r}.json") for r in range(2)}
     # SIGKILL leaves rank 1's state files and marker behind (rank 0 may have cleaned up its own
     # when gloo raised "Connection closed by peer", or been ended by torchrun's SIGTERM)
