@@ -1,6 +1,10 @@
-"""Data-parallel training with torchrun: DDP over gloo (CPU) or nccl (GPU), one tierstate
-optimizer per rank. DDP all-reduces the gradients, so every rank's optimizer takes the same
-step and the replicas stay identical (checked at the end).
+"""Data-parallel training with torchrun: DDP over gloo (CPU) or nccl (GPU) with tierstate.
+
+DDP all-reduces the gradients, so every rank could take the same step over a whole copy of the
+optimizer state (``--state replicate``: N copies of the state on a node). By default the state
+is sharded instead (``--state zero1``): torch's ``ZeroRedundancyOptimizer`` gives each rank's
+``tierstate.AdamW`` 1/N of the parameters (whole tensors), each rank steps those and broadcasts
+them, so each rank holds 1/N of the state. The replicas stay identical (checked at the end).
 
     torchrun --nproc-per-node 2 examples/torchrun_ddp.py --tiny
 """
@@ -18,7 +22,10 @@ from common import build_model, dataset_for, figures, parser, steps_of
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--state", choices=("zero1", "replicate"), default="zero1",
+                   help="zero1: each rank holds 1/N of the optimizer state (default); replicate: a whole copy each")
+    args = p.parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -26,8 +33,16 @@ def main() -> None:
     torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(args.model, args.tiny).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = ts.AdamW(ddp.parameters(), lr=1e-2 if args.tiny else 3e-4, betas=(0.9, 0.95), offload="cpu",
-                   max_grad_norm=1.0)
+    hyper = dict(lr=1e-2 if args.tiny else 3e-4, betas=(0.9, 0.95), offload="cpu")
+    if args.state == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # Each rank's tierstate.AdamW sees only its 1/N of the parameters, so its own clipping
+        # would use a partial norm: clip the whole (all-reduced) gradients before step() instead.
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=ts.AdamW, **hyper)
+        local = opt.optim  # this rank's tierstate.AdamW
+    else:
+        opt = local = ts.AdamW(ddp.parameters(), max_grad_norm=1.0, **hyper)
     data = dataset_for(model, args.tiny)
     sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
@@ -39,6 +54,8 @@ def main() -> None:
         for batch in loader:
             loss = ddp(**{k: v.to(device) for k, v in batch.items()}).loss
             loss.backward()
+            if local is not opt:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             first = loss.item() if first is None else first
@@ -51,11 +68,14 @@ def main() -> None:
     checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1).cpu()
     sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(sums, checksum)
+    held = [0] * world  # optimizer state bytes each rank holds
+    dist.all_gather_object(held, sum(local.tier_bytes().values()))
     if rank == 0:
         agree = all(torch.equal(s, sums[0]) for s in sums)
         print(f"{world} ranks: loss {first:.3f} -> {loss.item():.3f} over {steps} steps; "
-              f"optimizer step {opt.stats().wall_s * 1e3:.1f} ms; replicas identical: {agree}")
-        print(f"rank 0 {figures(opt, steps, runtime)}")
+              f"optimizer step {local.stats().wall_s * 1e3:.1f} ms; replicas identical: {agree}")
+        print(f"state per rank ({args.state}): " + ", ".join(f"{b / 2**20:.2f} MiB" for b in held))
+        print(f"rank 0 {figures(local, steps, runtime)}")
         if not agree:
             raise SystemExit("replicas diverged")
     # Tear the group down together: a rank that destroys its gloo group while another still

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from .. import host_allocator, kernels
+from ..dist import failure as fail_fast
+from ..dist import local_state, present_state
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
 from ..telemetry import Telemetry
@@ -78,6 +80,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         refuse_nothing_to_train(type(self).__name__, self._all_params())
         self._engine = StepEngine(self, self.rule, self.offload, self._policy(), self.telemetry, self._counters)
         self._publish_all()
+        fail_fast.arm()  # one rank of several: its failure ends the others, naming it
         # CPU training: keep freed host memory for reuse (see tierstate.host_allocator), the
         # policy actually in effect ("system" where the C library has no such knob).
         if self.offload.host_allocator_for(self.device) == "retain":
@@ -280,13 +283,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if folder is not None and self._state_dict_in_files(store):
             from ..checkpoint import mmap_state_dict
 
-            return mmap_state_dict(self, folder)
+            return present_state(mmap_state_dict(self, folder), self.param_groups)
         sd = super().state_dict()
         index_of = {p: idx for g_saved, g in zip(sd["param_groups"], self.param_groups)
                     for idx, p in zip(g_saved["params"], g["params"])}
         sd["state"] = {index_of[s.param]: st for s in store.slots
                        if s.has_state and (st := store.export(s, self.rule.has_step))}
-        return sd
+        return present_state(sd, self.param_groups)  # FSDP2: DTensor state, as torch's (for DCP)
 
     def _state_dict_in_files(self, store) -> bool:
         if self.state_dict_mmap is not None:
@@ -308,6 +311,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         from ..checkpoint.compressed import convert_for  # noqa: PLC0415
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint is above tiers only
 
+        state_dict = local_state(state_dict, self.param_groups)  # FSDP2: DTensor state -> this rank's shards
         state_dict = convert_for(self, state_dict)  # full <-> compressed state, with a warning
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})

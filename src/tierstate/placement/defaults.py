@@ -76,7 +76,10 @@ def nvme_dirs_of(nvme_dir) -> tuple[Path, ...]:
     made absolute now (see :func:`default_nvme_root` for why). Raises ``TypeError`` for
     a value that is not a path, ``ValueError`` for an empty list, an empty path, or a
     folder listed twice (after resolving ``..`` and symlinks): two stripes of one tier in
-    one folder would share a lock, and one drive would carry twice its share.
+    one folder would share a lock, and one drive would carry twice its share. A path may
+    name this process's rank: ``{rank}``, ``{local_rank}``, ``{world_size}``,
+    ``{local_world_size}`` (:func:`tierstate.dist.expand_rank_template`), so that the ranks
+    of a job, which must not share a folder, each get their own.
     """
     if nvme_dir is None:
         return (default_nvme_root(),)
@@ -98,6 +101,10 @@ def nvme_dirs_of(nvme_dir) -> tuple[Path, ...]:
         text = os.fspath(entry)
         if isinstance(text, bytes):
             text = os.fsdecode(text)
+        if "{" in text or "}" in text:  # "/nvme/ts/{rank}": a folder per rank (torch only then)
+            from ..dist.ranks import expand_rank_template
+
+            text = expand_rank_template(text, f"Offload(nvme_dir) entry {i}")
         if not text:
             raise ValueError(f"Offload(nvme_dir={nvme_dir!r}): an empty path names no folder (it would mean the "
                              "working directory); give the folder explicitly, or None for the default")
