@@ -66,6 +66,12 @@ def present_state(state_dict: dict, param_groups: list[dict]) -> dict:
         if not isinstance(p, DTensor):
             continue
         for key in _state_tensor_keys(st):
+            if st[key].numel() != p._local_tensor.numel():
+                raise ValueError(
+                    f"state_dict(): state {key!r} of parameter {index} has {st[key].numel()} elements, not its "
+                    f"shard's {p._local_tensor.numel()}: compressed state (Offload(moment_dtype='q8'), per-block "
+                    "scales) cannot be presented as DTensor state for torch.distributed.checkpoint; use "
+                    "moment_dtype=torch.bfloat16 or float32 under FSDP2, or save each rank with ts.save_optimizer")
             st[key] = DTensor.from_local(st[key].reshape(p._local_tensor.shape), p.device_mesh, p.placements,
                                          run_check=False, shape=p.shape, stride=p.stride())
     return state_dict
