@@ -1,0 +1,169 @@
+"""Each decoder layer's weights in one record on its tier, fetched whole before the layer runs.
+
+A layer's parameters are laid out back to back in one flat image (each on a 64-byte boundary,
+:data:`tierstate.weights.blocks.PARAM_ALIGN`), and the image lives in the homes of
+:mod:`tierstate.weights.homes`: host RAM (the image is the home, used in place) or one
+4 KiB-aligned O_DIRECT record per layer in a file, with a CRC-32C checked after every read.
+
+Images of NVMe layers come from a pool of ``prefetch + 1`` aligned buffers: the layer that
+runs and the ones read ahead. The block schedule runs every micro-batch through a layer
+before it moves on, so each NVMe layer is read once per generated token (per round of
+micro-batches), not once per micro-batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import io as tio
+from ..placement.defaults import default_nvme_root
+from ..weights.blocks import PARAM_ALIGN, align_up
+from ..weights.homes import RECORD_ALIGN, HostHome, NvmeHome
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter inside its layer's image."""
+
+    name: str  # relative to the layer module ("attn.c_attn.weight")
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def layer_layout(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list[Slot], int]:
+    """The slots of ``layer``'s parameters (floating ones cast to ``dtype``) and the image size."""
+    slots, cursor = [], 0
+    for name, p in layer.named_parameters():
+        dt = dtype if p.dtype.is_floating_point else p.dtype
+        n = p.numel() * torch.empty(0, dtype=dt).element_size()
+        cursor = align_up(cursor, PARAM_ALIGN)
+        slots.append(Slot(name, dt, tuple(p.shape), cursor, n))
+        cursor += n
+    return slots, align_up(max(cursor, 1), PARAM_ALIGN)
+
+
+def typed(image: Tensor, slot: Slot) -> Tensor:
+    return image[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+class WeightStore:
+    """The layers' weights on their tiers; ``acquire(l)`` gives layer ``l``'s image."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], tiers: Sequence[str], dtype: torch.dtype, *,
+                 nvme_dir: Path | None, prefetch: int = 1) -> None:
+        if len(tiers) != len(layers):
+            raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
+        self.layers = list(layers)
+        self.tiers = list(tiers)
+        self.layouts = [layer_layout(m, dtype) for m in self.layers]
+        sizes = {i: n for i, (_, n) in enumerate(self.layouts)}
+        cpu = {i: n for i, n in sizes.items() if self.tiers[i] == "cpu"}
+        nvme = {i: n for i, n in sizes.items() if self.tiers[i] == "nvme"}
+        self.host = HostHome(cpu, pin=False)
+        self.nvme: NvmeHome | None = None
+        self._free: list[Tensor] = []
+        self._loaded: dict[int, tuple[Tensor, object | None]] = {}  # layer -> (buffer, read in flight)
+        self.prefetch_depth = max(int(prefetch), 1)
+        self.read_bytes = 0
+        self.stall_seconds = 0.0
+        if nvme:
+            explicit = nvme_dir is not None
+            folder = Path(nvme_dir) / "weights" if explicit else None
+            self.nvme = NvmeHome(nvme, folder, explicit, default_nvme_root())
+            record = max(self.nvme.record_nbytes.values())
+            for _ in range(min(self.prefetch_depth + 1, len(nvme))):
+                self._free.append(tio.aligned_empty(record, RECORD_ALIGN))
+        self.pool_nbytes = sum(b.numel() for b in self._free)
+        self.host_nbytes = self.host.nbytes
+        self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
+
+    # -- filling -------------------------------------------------------------------------------
+    def fill(self, source, layer_names: Sequence[str]) -> None:
+        """Read every layer's tensors from ``source`` (a tensor at a time, straight into the
+        layer's image) and write NVMe layers to their records; one image in memory at a time."""
+        scratch = None
+        for i, prefix in enumerate(layer_names):
+            slots, n = self.layouts[i]
+            if self.tiers[i] == "cpu":
+                image = self.host.image(i)
+            else:
+                if scratch is None:
+                    scratch = self._free.pop()
+                image = scratch
+                image.zero_()  # the padding is part of the checksummed record
+            for s in slots:
+                source.read_into(f"{prefix}.{s.name}", typed(image, s))
+            if self.tiers[i] == "nvme":
+                self.nvme.write(i, image).get()
+        if scratch is not None:
+            self._free.append(scratch)
+
+    # -- fetching ------------------------------------------------------------------------------
+    def prefetch(self, order: Sequence[int]) -> None:
+        """Start reading the NVMe layers of ``order`` (the next layers to run) while buffers last."""
+        for i in order:
+            if self.tiers[i] != "nvme" or i in self._loaded:
+                continue
+            if not self._free:
+                return
+            buf = self._free.pop()
+            self._loaded[i] = (buf, self.nvme.read(i, buf))
+
+    def acquire(self, i: int) -> Tensor:
+        """Layer ``i``'s image (read now if no read-ahead brought it)."""
+        if self.tiers[i] == "cpu":
+            return self.host.image(i)
+        if i not in self._loaded:
+            self.prefetch([i])
+            if i not in self._loaded:
+                raise RuntimeError("every weight buffer is held: release a layer before acquiring another")
+        buf, fut = self._loaded[i]
+        if fut is not None:
+            t0 = time.perf_counter()
+            try:
+                fut.get()
+                self.nvme.verify(i, buf)
+            except BaseException:
+                del self._loaded[i]
+                self._free.append(buf)
+                raise
+            finally:
+                self.stall_seconds += time.perf_counter() - t0
+            self.read_bytes += self.nvme.record_nbytes[i]
+            self._loaded[i] = (buf, None)
+        return buf
+
+    def release(self, i: int) -> None:
+        """Layer ``i`` has run: its NVMe buffer may take the next read."""
+        if self.tiers[i] == "nvme" and i in self._loaded:
+            buf, fut = self._loaded.pop(i)
+            if fut is not None:
+                try:
+                    fut.get()
+                except OSError:
+                    pass  # a read nobody will use: its error surfaces when the layer is acquired again
+            self._free.append(buf)
+
+    def bind(self, i: int, image: Tensor) -> None:
+        """Point layer ``i``'s parameters at views of ``image`` (no copy)."""
+        layer = self.layers[i]
+        for s in self.layouts[i][0]:
+            mod_name, _, pname = s.name.rpartition(".")
+            mod = layer.get_submodule(mod_name) if mod_name else layer
+            mod._parameters[pname] = typed(image, s)
+
+    def close(self) -> None:
+        for i in list(self._loaded):
+            self.release(i)
+        self._free.clear()
+        self.host.close()
+        if self.nvme is not None:
+            self.nvme.close()
+            self.nvme = None
