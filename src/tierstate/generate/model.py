@@ -84,7 +84,8 @@ class OffloadedLM:
     @classmethod
     def from_pretrained(cls, model, *, weights="auto", kv="cpu", nvme_dir=None, micro_batch: int | None = None,
                         num_micro_batches: int = 1, dtype: torch.dtype | None = None, prefetch: int = 1,
-                        attn_implementation: str | None = None, tokenizer=None, budget=None) -> "OffloadedLM":
+                        attn_implementation: str | None = None, tokenizer=None, budget=None, workload=None,
+                        hardware=None) -> "OffloadedLM":
         """Load a causal LM's weights into their tiers, a tensor at a time.
 
         Args:
@@ -108,7 +109,13 @@ class OffloadedLM:
             prefetch: NVMe layers read ahead of the one running (>= 1).
             attn_implementation: transformers' attention ("sdpa" by default, "eager").
             tokenizer: a tokenizer for string prompts (default: the folder's, when it has one).
-            budget: for ``"auto"``: a ``tierstate.placement.generate_plan.GenerateBudget``.
+            budget: for ``"auto"``: a ``tierstate.placement.generate_plan.GenerateBudget``
+                (default: the RSS now plus 80% of the available RAM; the free disk).
+            workload: for ``"auto"``: the ``GenerateWorkload(batch, prompt_len, new_tokens)``
+                to plan for (default 8 prompts of 128 tokens, 32 new tokens each).
+            hardware: for ``"auto"``: a ``GenerateHardware`` (default: the saved ``tierstate
+                probe`` profile, else conservative rates; ``tierstate.generate.policy.
+                measure_hardware`` measures them in a few seconds).
         """
         from transformers import AutoConfig, PreTrainedModel  # noqa: PLC0415
 
@@ -142,13 +149,14 @@ class OffloadedLM:
         try:
             return cls._build(config, source, weights=weights, kv=kv, nvme_dir=nvme_dir, micro_batch=micro_batch,
                               num_micro_batches=num_micro_batches, dtype=dtype, prefetch=prefetch,
-                              attn_implementation=attn_implementation, tokenizer=tokenizer, budget=budget)
+                              attn_implementation=attn_implementation, tokenizer=tokenizer, budget=budget,
+                              workload=workload, hardware=hardware)
         finally:
             source.close()
 
     @classmethod
     def _build(cls, config, source, *, weights, kv, nvme_dir, micro_batch, num_micro_batches, dtype, prefetch,
-               attn_implementation, tokenizer, budget) -> "OffloadedLM":
+               attn_implementation, tokenizer, budget, workload, hardware) -> "OffloadedLM":
         adapter = build_meta(config, attn_implementation)
         model = adapter.model
         prefix = adapter.layer_prefix + "."
@@ -160,17 +168,17 @@ class OffloadedLM:
         layer_nbytes = [layer_layout(m, dtype)[1] for m in adapter.layers]
         plan = None
         if weights == "auto" or kv == "auto":
-            from ..placement.generate_plan import plan_for_model  # noqa: PLC0415
+            from .policy import plan_for_model  # noqa: PLC0415
 
             plan = plan_for_model(config, dtype, layer_nbytes, budget=budget, nvme_dir=nvme_dir,
-                                  micro_batch=micro_batch, num_micro_batches=num_micro_batches)
+                                  micro_batch=micro_batch, num_micro_batches=None if micro_batch is None
+                                  else num_micro_batches, workload=workload, hardware=hardware)
             if weights == "auto":
                 weights = plan.weight_tiers
             if kv == "auto":
                 kv = plan.kv_tiers
             if micro_batch is None:
-                micro_batch = plan.micro_batch
-                num_micro_batches = plan.num_micro_batches
+                micro_batch, num_micro_batches = plan.micro_batch, plan.num_micro_batches
         w_tiers = _tiers(weights, layer_nbytes, "weights")
         kv_tiers = _tiers(kv, [1] * len(layer_nbytes), "kv")
         if nvme_dir is None and isinstance(weights, Offload) and weights.nvme_dir is not None:
