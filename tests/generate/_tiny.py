@@ -29,3 +29,18 @@ def padded_batch(seed: int = 1, rows: int = 5, width: int = 9, pads=(0, 3, 1, 5,
         mask[i, :n] = 0
         ids[i, :n] = 0
     return ids, mask
+
+
+def save_with_tokenizer(model, folder) -> list[str]:
+    """Save ``model`` and a word-level tokenizer over its vocabulary ("w0" ... "w499") into
+    ``folder``; returns a few prompts in that vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w0")
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return ["w10 w20 w30", "w5 w6", "w100 w200 w300 w400 w17"]

@@ -134,6 +134,8 @@ class OffloadedLM:
                             "LlamaForCausalLM, or the folder of one saved with save_pretrained")
         elif isinstance(model, (str, os.PathLike)):
             path = Path(model)
+            if not path.exists():
+                raise FileNotFoundError(2, "no such model folder or safetensors file", str(path))
             folder = path if path.is_dir() else path.parent
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(2, "no config.json: pass the folder written by save_pretrained", str(folder))
