@@ -313,6 +313,7 @@ class OffloadedLM:
                 st.weight_read_bytes -= w0
                 st.weight_stall_seconds -= ws0
             finally:
+                self.weights.release_all()  # a round that failed part-way holds read-ahead buffers
                 kv.close()
             outs.append(out)
             for f in ("sequences", "prefill_seconds", "decode_seconds", "weight_read_bytes", "kv_read_bytes",

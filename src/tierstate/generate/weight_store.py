@@ -159,9 +159,13 @@ class WeightStore:
             mod = layer.get_submodule(mod_name) if mod_name else layer
             mod._parameters[pname] = typed(image, s)
 
-    def close(self) -> None:
+    def release_all(self) -> None:
+        """Return every NVMe buffer (after a round, or a round that failed part-way)."""
         for i in list(self._loaded):
             self.release(i)
+
+    def close(self) -> None:
+        self.release_all()
         self._free.clear()
         self.host.close()
         if self.nvme is not None:
