@@ -31,8 +31,9 @@ RAM = ``base`` (the process before any weight: Python, torch, transformers; meas
 + resident tensors (embeddings, final norm, head) + layers kept in RAM + the NVMe weight pool
 (``prefetch + 1`` buffers of the largest record) + KV records in RAM + the NVMe KV pool (3
 buffers of the largest record) + activations (the hidden states of the whole round, and one
-micro-batch's largest temporary at prefill: ``q x (4 hidden + 2 intermediate)`` elements,
-plus the round's float32 logits). Disk = the NVMe weight records + the NVMe KV records.
+micro-batch's largest temporaries at prefill: ``q x (6 hidden + 4 intermediate)`` elements
+and a float32 norm, plus the round's float32 logits) + a runtime constant (first-use imports,
+thread pools; measured). Disk = the NVMe weight records + the NVMe KV records.
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ from typing import Sequence
 from .plan_inputs import PlanError, gib
 
 RECORD_ALIGN = 4096  # the O_DIRECT record alignment of tierstate.weights.homes
+# RSS a generate call adds beyond the parts the model names: modules imported on first use
+# (masking, attention), the I/O engine's and torch's thread pools, allocator slack. Measured
+# 17.7 MB on two runs of benchmarks/generate_capacity.py --size small (all-RAM and streamed);
+# 24 MiB keeps a margin.
+RUNTIME_OVERHEAD = 24 << 20
 
 
 def _up(n: float) -> int:
@@ -209,11 +215,13 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
     kv_host = m * sum(kv_rec)
     kv_pool = (min(3, (L - m) * len(sizes)) * max(kv_rec)) if m < L else 0
     e = shape.dtype_bytes
+    # the round's hidden states; one micro-batch's prefill temporaries (q, k, v, attention out,
+    # residual, the float32 norm; gate, up, their product and the activation of the MLP); logits
     acts = (rows * wl.prompt_len * shape.hidden * e
-            + c.micro_batch * wl.prompt_len * (4 * shape.hidden + 2 * shape.intermediate) * e
+            + c.micro_batch * wl.prompt_len * ((6 * shape.hidden + 4 * shape.intermediate) * e + 4 * shape.hidden)
             + 2 * rows * shape.vocab * 4)
     parts = {"base": hw.base_rss, "resident": shape.resident_bytes, "weights_in_ram": host_w, "weight_pool": w_pool,
-             "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts}
+             "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts, "runtime": RUNTIME_OVERHEAD}
     disk = sum(nvme_records) + (L - m) * sum(kv_rec)
     return sum(parts.values()), disk, parts
 
