@@ -85,7 +85,7 @@ class OffloadedLM:
     def from_pretrained(cls, model, *, weights="auto", kv="cpu", nvme_dir=None, micro_batch: int | None = None,
                         num_micro_batches: int = 1, dtype: torch.dtype | None = None, prefetch: int = 1,
                         attn_implementation: str | None = None, tokenizer=None, budget=None, workload=None,
-                        hardware=None) -> "OffloadedLM":
+                        hardware=None, compress: str | None = None, group: int = 64) -> "OffloadedLM":
         """Load a causal LM's weights into their tiers, a tensor at a time.
 
         Args:
@@ -116,6 +116,10 @@ class OffloadedLM:
             hardware: for ``"auto"``: a ``GenerateHardware`` (default: the saved ``tierstate
                 probe`` profile, else conservative rates; ``tierstate.generate.policy.
                 measure_hardware`` measures them in a few seconds).
+            compress: ``"int8"`` or ``"int4"``: store the layers' matrices group-wise quantized
+                (``group`` values per float32 scale) in their tiers, dequantized to ``dtype``
+                when a layer is fetched (:mod:`tierstate.generate.compress`); None: as loaded.
+                The planner prices the uncompressed sizes (an upper bound).
         """
         from transformers import AutoConfig, PreTrainedModel  # noqa: PLC0415
 
@@ -152,13 +156,13 @@ class OffloadedLM:
             return cls._build(config, source, weights=weights, kv=kv, nvme_dir=nvme_dir, micro_batch=micro_batch,
                               num_micro_batches=num_micro_batches, dtype=dtype, prefetch=prefetch,
                               attn_implementation=attn_implementation, tokenizer=tokenizer, budget=budget,
-                              workload=workload, hardware=hardware)
+                              workload=workload, hardware=hardware, compress=compress, group=group)
         finally:
             source.close()
 
     @classmethod
     def _build(cls, config, source, *, weights, kv, nvme_dir, micro_batch, num_micro_batches, dtype, prefetch,
-               attn_implementation, tokenizer, budget, workload, hardware) -> "OffloadedLM":
+               attn_implementation, tokenizer, budget, workload, hardware, compress, group) -> "OffloadedLM":
         adapter = build_meta(config, attn_implementation)
         model = adapter.model
         prefix = adapter.layer_prefix + "."
@@ -210,7 +214,8 @@ class OffloadedLM:
                         m._parameters[a] = value
                     else:
                         m._buffers[a] = value
-        store = WeightStore(adapter.layers, w_tiers, dtype, nvme_dir=nvme_dir, prefetch=prefetch)
+        store = WeightStore(adapter.layers, w_tiers, dtype, nvme_dir=nvme_dir, prefetch=prefetch, compress=compress,
+                            group=group)
         try:
             missing = [f"{prefix}{i}.{s.name}" for i, (slots, _) in enumerate(store.layouts) for s in slots
                        if f"{prefix}{i}.{s.name}" not in source]

@@ -24,6 +24,7 @@ from .. import io as tio
 from ..placement.defaults import default_nvme_root
 from ..weights.blocks import PARAM_ALIGN, align_up
 from ..weights.homes import RECORD_ALIGN, HostHome, NvmeHome
+from . import compress as cq
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,53 @@ def typed(image: Tensor, slot: Slot) -> Tensor:
     return image[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
+@dataclass(frozen=True)
+class Stored:
+    """Where one parameter sits in a compressed layer's stored image: quantized values and
+    scales, or (``scales_nbytes == 0``) its raw bytes."""
+
+    slot: Slot
+    offset: int
+    nbytes: int
+    scales_offset: int = 0
+    scales_nbytes: int = 0
+
+
+def stored_layout(slots: list[Slot], mode: str, group: int) -> tuple[list[Stored], int]:
+    out, cursor = [], 0
+    for s in slots:
+        numel = s.nbytes // torch.empty(0, dtype=s.dtype).element_size()
+        cursor = align_up(cursor, PARAM_ALIGN)
+        if cq.quantizable(s.shape, s.dtype, group):
+            vn, sn = cq.stored_nbytes(numel, mode, group)
+            so = align_up(cursor + vn, PARAM_ALIGN)
+            out.append(Stored(s, cursor, vn, so, sn))
+            cursor = so + sn
+        else:
+            out.append(Stored(s, cursor, s.nbytes))
+            cursor += s.nbytes
+    return out, align_up(max(cursor, 1), PARAM_ALIGN)
+
+
 class WeightStore:
     """The layers' weights on their tiers; ``acquire(l)`` gives layer ``l``'s image."""
 
     def __init__(self, layers: Sequence[torch.nn.Module], tiers: Sequence[str], dtype: torch.dtype, *,
-                 nvme_dir: Path | None, prefetch: int = 1) -> None:
+                 nvme_dir: Path | None, prefetch: int = 1, compress: str | None = None, group: int = 64) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
+        if compress is not None and compress not in cq.MODES:
+            raise ValueError(f"compress={compress!r}: expected None, 'int8' or 'int4'")
+        if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
+            raise ValueError(f"group={group!r}: expected an even int >= 2 (values per quantization scale, e.g. 64)")
         self.layers = list(layers)
         self.tiers = list(tiers)
         self.layouts = [layer_layout(m, dtype) for m in self.layers]
-        sizes = {i: n for i, (_, n) in enumerate(self.layouts)}
+        self.compress, self.group = compress, group
+        self.stored = [stored_layout(slots, compress, group) for slots, _ in self.layouts] if compress else None
+        sizes = {i: n for i, (_, n) in enumerate(self.stored or self.layouts)}
+        # the layer that runs, dequantized (compress only): one buffer, layers run one at a time
+        self._compute = (torch.empty(max(n for _, n in self.layouts), dtype=torch.uint8) if compress else None)
         cpu = {i: n for i, n in sizes.items() if self.tiers[i] == "cpu"}
         nvme = {i: n for i, n in sizes.items() if self.tiers[i] == "nvme"}
         self.host = HostHome(cpu, pin=False)
@@ -80,7 +117,7 @@ class WeightStore:
             record = max(self.nvme.record_nbytes.values())
             for _ in range(min(self.prefetch_depth + 1, len(nvme))):
                 self._free.append(tio.aligned_empty(record, RECORD_ALIGN))
-        self.pool_nbytes = sum(b.numel() for b in self._free)
+        self.pool_nbytes = sum(b.numel() for b in self._free) + (self._compute.numel() if compress else 0)
         self.host_nbytes = self.host.nbytes
         self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
 
@@ -98,8 +135,22 @@ class WeightStore:
                     scratch = self._free.pop()
                 image = scratch
                 image.zero_()  # the padding is part of the checksummed record
-            for s in slots:
-                source.read_into(f"{prefix}.{s.name}", typed(image, s))
+            if self.compress:
+                for st in self.stored[i][0]:
+                    s = st.slot
+                    if st.scales_nbytes:
+                        full = torch.empty(s.shape, dtype=s.dtype)
+                        source.read_into(f"{prefix}.{s.name}", full)
+                        cq.quantize_into(full, image[st.offset:st.offset + st.nbytes],
+                                         image[st.scales_offset:st.scales_offset + st.scales_nbytes].view(torch.float32),
+                                         self.compress, self.group)
+                        del full
+                    else:
+                        source.read_into(f"{prefix}.{s.name}",
+                                         image[st.offset:st.offset + st.nbytes].view(s.dtype).view(s.shape))
+            else:
+                for s in slots:
+                    source.read_into(f"{prefix}.{s.name}", typed(image, s))
             if self.tiers[i] == "nvme":
                 self.nvme.write(i, image).get()
         if scratch is not None:
@@ -117,7 +168,24 @@ class WeightStore:
             self._loaded[i] = (buf, self.nvme.read(i, buf))
 
     def acquire(self, i: int) -> Tensor:
-        """Layer ``i``'s image (read now if no read-ahead brought it)."""
+        """Layer ``i``'s image in the compute layout (read now if no read-ahead brought it;
+        dequantized into the compute buffer when the weights are stored compressed)."""
+        image = self._stored_image(i)
+        if not self.compress:
+            return image
+        out = self._compute
+        for st in self.stored[i][0]:
+            s = st.slot
+            dst = typed(out, s)
+            if st.scales_nbytes:
+                cq.dequantize_into(image[st.offset:st.offset + st.nbytes],
+                                   image[st.scales_offset:st.scales_offset + st.scales_nbytes].view(torch.float32),
+                                   dst, self.compress, self.group)
+            else:
+                dst.copy_(image[st.offset:st.offset + st.nbytes].view(s.dtype).view(s.shape))
+        return out
+
+    def _stored_image(self, i: int) -> Tensor:
         if self.tiers[i] == "cpu":
             return self.host.image(i)
         if i not in self._loaded:
