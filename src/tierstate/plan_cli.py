@@ -363,7 +363,7 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "generate", False):
         from .generate.cli import plan_main
 
-        return plan_main(args)
+        return plan_main(args, _load_hardware, parse_size)
     try:
         req, hw, budgets, sources = build_inputs(args)
         options = [parse_compare(c) for c in args.compare]

@@ -151,14 +151,14 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_main(args: argparse.Namespace) -> int:
+def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
     """``tierstate plan MODEL --generate``: print the chosen placement, its predicted tokens/s,
-    the bottleneck and the rejected alternatives."""
-    from ..placement.generate_plan import GenerateBudget, GenerateWorkload, PlanError, plan_generate, \
-        shape_from_config  # noqa: PLC0415
-    from ..plan_cli import _load_hardware, parse_size  # noqa: PLC0415
+    the bottleneck and the rejected alternatives. ``load_hardware(path)`` and
+    ``parse_size(text, name)`` are ``tierstate plan``'s own (passed in: plan_cli imports this
+    module, not the other way round)."""
+    from ..placement.generate_plan import (GenerateBudget, GenerateHardware, GenerateWorkload,  # noqa: PLC0415
+                                           PlanError, plan_generate, shape_from_config)
     from .policy import available_ram, default_budget, rss_bytes  # noqa: PLC0415
-    from ..placement.generate_plan import GenerateHardware  # noqa: PLC0415
 
     try:
         if not args.model:
@@ -166,7 +166,7 @@ def plan_main(args: argparse.Namespace) -> int:
         config = model_config(args.model)
         dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[args.param_dtype or "bf16"]
         shape = shape_from_config(config, dtype_bytes)
-        hw_rates, _ = _load_hardware(args.profile)
+        hw_rates, _ = load_hardware(args.profile)
         hw = GenerateHardware.from_rates(hw_rates, base_rss=rss_bytes())
         budget = default_budget(args.nvme_dir)
         budget = GenerateBudget(ram=parse_size(args.host_mem, "--host-mem") if args.host_mem else budget.ram,
