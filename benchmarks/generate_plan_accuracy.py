@@ -49,7 +49,25 @@ def main(argv=None) -> int:
     from tierstate.placement.generate_plan import Choice, GenerateWorkload, shape_from_config, timing
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    own = args.dir is None
     base = Path(args.dir or tempfile.mkdtemp(prefix="ts-plan-acc-"))
+    try:
+        return _run(args, base, dtype)
+    finally:
+        if own:
+            import shutil
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def _run(args, base: Path, dtype) -> int:
+    import torch
+    from transformers import LlamaConfig
+
+    from tierstate.generate import OffloadedLM
+    from tierstate.generate.policy import measure_hardware
+    from tierstate.generate.synthetic import write_random_checkpoint
+    from tierstate.placement.generate_plan import Choice, GenerateWorkload, shape_from_config, timing
+
     cfg = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
                       max_position_embeddings=4096, tie_word_embeddings=False)
