@@ -236,20 +236,24 @@ def _layer_classes(shape: GenerateShape, k: int, m: int) -> dict[tuple[int, int,
 
 
 def _step(shape: GenerateShape, hw: GenerateHardware, classes, sizes: list[int], q: int, T: int, acc: dict) -> float:
-    """One step of one round: every layer over every micro-batch, then the head."""
+    """One step of one round: every layer over every micro-batch, then the head. Micro-batches
+    of one size cost the same: a round has at most two sizes, priced once each."""
+    counts: dict[int, int] = {}
+    for mb in sizes:
+        counts[mb] = counts.get(mb, 0) + 1
     total = 0.0
     for (wb, params, w_nvme, kv_nvme), count in classes.items():
         comp = calls = ram = kv_io = 0.0
-        for mb in sizes:
+        for mb, n in counts.items():
             row = kv_row_bytes(shape, mb)
-            comp += max(2 * mb * q * params / hw.flops, wb / hw.ram_bandwidth)
-            comp += 4 * mb * q * T * shape.n_heads * shape.head_dim / hw.flops
-            calls += hw.call_seconds
-            ram += 2 * T * row / hw.ram_bandwidth
+            comp += n * (max(2 * mb * q * params / hw.flops, wb / hw.ram_bandwidth)
+                         + 4 * mb * q * T * shape.n_heads * shape.head_dim / hw.flops)
+            calls += n * hw.call_seconds
+            ram += n * 2 * T * row / hw.ram_bandwidth
             if kv_nvme:
                 past = T - q
-                kv_io += 2 * _up(past * row) / hw.disk_read if past else 0.0
-                kv_io += 2 * (_up(T * row) - (past * row) // RECORD_ALIGN * RECORD_ALIGN) / hw.disk_write
+                kv_io += n * (2 * _up(past * row) / hw.disk_read if past else 0.0)
+                kv_io += n * 2 * (_up(T * row) - (past * row) // RECORD_ALIGN * RECORD_ALIGN) / hw.disk_write
         w_io = wb / hw.disk_read if w_nvme else 0.0
         cpu_side, io = comp + calls + ram, w_io + kv_io
         t = max(cpu_side, io) * count
@@ -258,9 +262,9 @@ def _step(shape: GenerateShape, hw: GenerateHardware, classes, sizes: list[int],
             acc["disk_weights" if w_io >= kv_io else "disk_kv"] += t
         else:
             acc[max((("compute", comp), ("calls", calls), ("ram", ram)), key=lambda kv: kv[1])[0]] += t
-    head = sum(hw.call_seconds + max(2 * mb * shape.vocab * shape.hidden / hw.flops,
-                                     shape.vocab * shape.hidden * shape.dtype_bytes / hw.ram_bandwidth)
-               for mb in sizes)
+    head = sum(n * (hw.call_seconds + max(2 * mb * shape.vocab * shape.hidden / hw.flops,
+                                          shape.vocab * shape.hidden * shape.dtype_bytes / hw.ram_bandwidth))
+               for mb, n in counts.items())
     acc["compute"] += head
     return total + head
 
