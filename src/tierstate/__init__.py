@@ -25,6 +25,7 @@ _EXPORTS = {
     "Offload": ".placement",
     "offload_weights": ".weights", "WeightStreamer": ".weights", "WeightsLostError": ".weights",
     "save_weights": ".weights", "load_weights": ".weights",
+    "OffloadedLM": ".generate", "KVLostError": ".generate",
     "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
     # the errors a training loop may want to catch by name
     "StateLostError": ".io", "DiskFullError": ".io", "FileIOError": ".io",

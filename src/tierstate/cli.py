@@ -1,4 +1,5 @@
-"""The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``bench {step,io,e2e,overhead}``, ``report``.
+"""The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``generate``, ``bench {step,io,e2e,overhead}``,
+``report``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``. Only the module of the subcommand being run is imported, so
@@ -33,6 +34,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("demo",), "tierstate.demo.cli", "train a small GPT with offloaded optimizer state and show what happened"),
     Command(("probe",), "tierstate.placement.probe", "measure this machine's memory, PCIe and disk bandwidth"),
     Command(("plan",), "tierstate.plan_cli", "show where a model's optimizer state would be placed"),
+    Command(("generate",), "tierstate.generate.cli",
+            "generate with a causal LM whose weights and KV cache live in host RAM and on NVMe"),
     Command(("bench", "step"), "tierstate.bench.step",
             "time optimizer steps against their floor: memory bandwidth (--offload cpu) or the disk (nvme)"),
     Command(("bench", "io"), "tierstate.bench.io", "time the NVMe tier's reads and writes"),

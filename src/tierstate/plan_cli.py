@@ -8,6 +8,9 @@
     tierstate plan 1.3B --optimizer sgd --momentum 0.9
     tierstate plan llama-7b --device cpu --offload-weights auto --micro-batch 1 --seq-len 2048 \\
         --activation-checkpointing --host-mem 12GiB
+    tierstate plan llama-13b --generate --batch 32 --prompt-len 64 --new-tokens 32 --host-mem 16GiB
+
+``--generate`` plans offloaded generation instead (:mod:`tierstate.placement.generate_plan`).
 
 ``--offload-weights auto`` (or ``cpu``/``nvme``) also plans the weights (parameter offload):
 which blocks stay resident, which stream from pinned host RAM or NVMe, the window and the
@@ -140,6 +143,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "RAM and NVMe homes, window and prefetch; cpu/nvme stream every block from that tier")
     parser.add_argument("--max-prefetch", type=int, default=4, help="deepest weight prefetch to consider (default 4)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    gen = parser.add_argument_group("generation (--generate)")
+    gen.add_argument("--generate", action="store_true",
+                     help="plan offloaded generation instead: weight and KV placement, micro-batch size and count")
+    gen.add_argument("--batch", type=int, default=8, help="prompts to generate for (default 8)")
+    gen.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default 128)")
+    gen.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    gen.add_argument("--num-micro-batches", type=int, help="fix the micro-batch count (default: searched)")
 
 
 def state_keys_of(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -358,6 +368,10 @@ def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None,
 
 def main(args: argparse.Namespace) -> int:
     """Run ``tierstate plan``: 0 on success, 2 when the budgets cannot be met or the input is invalid."""
+    if getattr(args, "generate", False):
+        from .generate.cli import plan_main
+
+        return plan_main(args, _load_hardware, parse_size)
     try:
         req, hw, budgets, sources = build_inputs(args)
         options = [parse_compare(c) for c in args.compare]

@@ -1,0 +1,200 @@
+"""The KV cache of every (layer, micro-batch) on its tier.
+
+[Note: the record of one layer and one micro-batch]
+Keys and values are kept token-major, ``[max_len, mb, kv_heads, head_dim]``, so the tokens a
+step appends are one contiguous run of bytes: a step rewrites only the 4 KiB pages those
+new rows touch (the page they share with older rows included, from the buffer that holds
+them all), never the whole cache. A record is the keys' region then the values' region,
+each 4 KiB-aligned, so both O_DIRECT reads (rows ``[0, past)`` of each region) start on a
+page. A host-RAM record is used in place; an NVMe record is read into one of a pool of
+aligned buffers (the record that runs, the next one read ahead, the previous one whose
+write may still be in flight).
+
+Every NVMe read is checked: a CRC-32C of the valid rows of each region, taken when the rows
+were written, is compared after the read (``WeightsLostError`` semantics: the file and the
+offset are named).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .. import io as tio
+from ..io import StateLostError
+from ..io.errors import FileIOError
+from ..placement.defaults import default_nvme_root
+from ..weights.homes import RECORD_ALIGN, NvmeHome
+
+
+class KVLostError(StateLostError):
+    """A KV cache record read back from NVMe does not match what was written."""
+
+    def __init__(self, err, reason: str, path: str, offset: int) -> None:
+        self.reason = reason
+        FileIOError.__init__(self, err, f"the KV cache {reason}: generate again (the cache exists only "
+                             "for one generate call)", path, offset)
+
+    def __reduce__(self):
+        return (type(self), (self.errno, self.reason, self.filename, self.offset))
+
+
+def _up(n: int) -> int:
+    return (n + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN
+
+
+def _down(n: int) -> int:
+    return n // RECORD_ALIGN * RECORD_ALIGN
+
+
+class KVStore:
+    """Keys and values of ``n_layers x len(micro_sizes)`` records; record ``s = layer * J + j``."""
+
+    def __init__(self, n_layers: int, micro_sizes: list[int], kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, tiers: list[str], *, nvme_dir: Path | None) -> None:
+        self.J = len(micro_sizes)
+        self.micro_sizes = list(micro_sizes)
+        self.max_len = max_len
+        self.dtype = dtype
+        self.tiers = list(tiers)  # per layer
+        item = torch.empty(0, dtype=dtype).element_size()
+        self.row = [mb * kv_heads * head_dim * item for mb in micro_sizes]  # bytes of one token's keys
+        self.shape = [(max_len, mb, kv_heads, head_dim) for mb in micro_sizes]
+        self.region = [_up(max_len * r) for r in self.row]
+        self.host: dict[int, Tensor] = {}
+        nvme_sizes: dict[int, int] = {}
+        for layer in range(n_layers):
+            for j in range(self.J):
+                s = layer * self.J + j
+                if self.tiers[layer] == "cpu":
+                    self.host[s] = torch.empty(2 * self.region[j], dtype=torch.uint8)
+                else:
+                    nvme_sizes[s] = 2 * self.region[j]
+        self.host_nbytes = sum(t.numel() for t in self.host.values())
+        self.nvme: NvmeHome | None = None
+        self._free: list[tuple[Tensor, object | None]] = []  # (buffer, write in flight from it)
+        self._loaded: dict[int, tuple[Tensor, object | None, object | None, int]] = {}
+        self.crc: dict[int, tuple[int, int]] = {}
+        self.read_bytes = self.write_bytes = 0
+        self.stall_seconds = 0.0
+        if nvme_sizes:
+            explicit = nvme_dir is not None
+            folder = Path(nvme_dir) / "kv" if explicit else None
+            self.nvme = NvmeHome(nvme_sizes, folder, explicit, default_nvme_root())
+            big = max(nvme_sizes.values())
+            for _ in range(min(3, len(nvme_sizes))):
+                self._free.append((tio.aligned_empty(big, RECORD_ALIGN), None))
+        self.pool_nbytes = sum(b.numel() for b, _ in self._free)
+        self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
+
+    def _views(self, s: int, buf: Tensor) -> tuple[Tensor, Tensor]:
+        j = s % self.J
+        reg, shape = self.region[j], self.shape[j]
+        n = shape[0] * self.row[j]
+        k = buf[:n].view(self.dtype).view(shape)
+        v = buf[reg:reg + n].view(self.dtype).view(shape)
+        return k, v
+
+    def on_nvme(self, s: int) -> bool:
+        return self.tiers[s // self.J] == "nvme"
+
+    # -- NVMe reads ----------------------------------------------------------------------------
+    def prefetch(self, s: int, past: int) -> None:
+        """Start reading record ``s``'s first ``past`` rows if it is on NVMe and a buffer is free."""
+        if not self.on_nvme(s) or s in self._loaded or not self._free:
+            return
+        buf, write = self._free.pop()
+        if write is not None:
+            self._wait(write)
+        j = s % self.J
+        n = _up(past * self.row[j])
+        base = self.nvme.offsets[s]
+        kf = self.nvme.file.pread(buf, base, n) if n else None
+        vf = self.nvme.file.pread(buf[self.region[j]:], base + self.region[j], n) if n else None
+        self._loaded[s] = (buf, kf, vf, past)
+
+    def acquire(self, s: int, past: int) -> tuple[Tensor, Tensor]:
+        """Record ``s``'s key and value rows ``[max_len, mb, kv_heads, head_dim]``, the first
+        ``past`` filled."""
+        if not self.on_nvme(s):
+            return self._views(s, self.host[s])
+        if s not in self._loaded:
+            self.prefetch(s, past)
+        buf, kf, vf, got = self._loaded[s]
+        if got != past:
+            raise RuntimeError(f"KV record {s} was read ahead with {got} rows, the step needs {past}")
+        t0 = time.perf_counter()
+        try:
+            for f in (kf, vf):
+                if f is not None:
+                    f.get()
+            self._verify(s, buf, past)
+        except BaseException:
+            del self._loaded[s]
+            self._free.append((buf, None))
+            raise
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+        self.read_bytes += 2 * _up(past * self.row[s % self.J])
+        self._loaded[s] = (buf, None, None, past)
+        return self._views(s, buf)
+
+    def _verify(self, s: int, buf: Tensor, past: int) -> None:
+        if past == 0:
+            return
+        j = s % self.J
+        n = past * self.row[j]
+        got = (tio.crc32c(buf[:n]), tio.crc32c(buf[self.region[j]:self.region[j] + n]))
+        want = self.crc.get(s)
+        if got != want:
+            raise KVLostError(None, f"record of layer {s // self.J}, micro-batch {j} ({past} tokens) read back "
+                              f"with CRC-32C {got[0]:#010x}/{got[1]:#010x}, expected "
+                              f"{'none: never written' if want is None else f'{want[0]:#010x}/{want[1]:#010x}'}",
+                              str(self.nvme.path), self.nvme.offsets[s])
+
+    def commit(self, s: int, past: int, new: int) -> None:
+        """Rows ``[past, past + new)`` were appended: write the pages they touch (NVMe) and
+        let the buffer go to the next read once the write ends."""
+        if not self.on_nvme(s):
+            return
+        buf, _, _, _ = self._loaded.pop(s)
+        j = s % self.J
+        row, reg, base = self.row[j], self.region[j], self.nvme.offsets[s]
+        end = (past + new) * row
+        lo, hi = _down(past * row), _up(end)
+        self.crc[s] = (tio.crc32c(buf[:end]), tio.crc32c(buf[reg:reg + end]))
+        wk = self.nvme.file.pwrite(buf[lo:], base + lo, hi - lo)
+        wv = self.nvme.file.pwrite(buf[reg + lo:], base + reg + lo, hi - lo)
+        self.write_bytes += 2 * (hi - lo)
+        self._free.insert(0, (buf, (wk, wv)))  # reused last: its write gets the most time
+
+    def _wait(self, writes) -> None:
+        t0 = time.perf_counter()
+        try:
+            for w in writes:
+                w.get()
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        for s, (buf, kf, vf, _) in list(self._loaded.items()):
+            for f in (kf, vf):
+                if f is not None:
+                    try:
+                        f.get()
+                    except OSError:
+                        pass  # the cache is being dropped
+        self._loaded.clear()
+        for buf, w in self._free:
+            if w is not None:
+                try:
+                    self._wait(w)
+                except OSError:
+                    pass
+        self._free.clear()
+        self.host.clear()
+        if self.nvme is not None:
+            self.nvme.close()
+            self.nvme = None

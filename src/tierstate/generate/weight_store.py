@@ -1,0 +1,241 @@
+"""Each decoder layer's weights in one record on its tier, fetched whole before the layer runs.
+
+A layer's parameters are laid out back to back in one flat image (each on a 64-byte boundary,
+:data:`tierstate.weights.blocks.PARAM_ALIGN`), and the image lives in the homes of
+:mod:`tierstate.weights.homes`: host RAM (the image is the home, used in place) or one
+4 KiB-aligned O_DIRECT record per layer in a file, with a CRC-32C checked after every read.
+
+Images of NVMe layers come from a pool of ``prefetch + 1`` aligned buffers: the layer that
+runs and the ones read ahead. The block schedule runs every micro-batch through a layer
+before it moves on, so each NVMe layer is read once per generated token (per round of
+micro-batches), not once per micro-batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .. import io as tio
+from ..placement.defaults import default_nvme_root
+from ..weights.blocks import PARAM_ALIGN, align_up
+from ..weights.homes import RECORD_ALIGN, HostHome, NvmeHome
+from . import compress as cq
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter inside its layer's image."""
+
+    name: str  # relative to the layer module ("attn.c_attn.weight")
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def layer_layout(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[list[Slot], int]:
+    """The slots of ``layer``'s parameters (floating ones cast to ``dtype``) and the image size."""
+    slots, cursor = [], 0
+    for name, p in layer.named_parameters():
+        dt = dtype if p.dtype.is_floating_point else p.dtype
+        n = p.numel() * torch.empty(0, dtype=dt).element_size()
+        cursor = align_up(cursor, PARAM_ALIGN)
+        slots.append(Slot(name, dt, tuple(p.shape), cursor, n))
+        cursor += n
+    return slots, align_up(max(cursor, 1), PARAM_ALIGN)
+
+
+def typed(image: Tensor, slot: Slot) -> Tensor:
+    return image[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one parameter sits in a compressed layer's stored image: quantized values and
+    scales, or (``scales_nbytes == 0``) its raw bytes."""
+
+    slot: Slot
+    offset: int
+    nbytes: int
+    scales_offset: int = 0
+    scales_nbytes: int = 0
+
+
+def stored_layout(slots: list[Slot], mode: str, group: int) -> tuple[list[Stored], int]:
+    out, cursor = [], 0
+    for s in slots:
+        numel = s.nbytes // torch.empty(0, dtype=s.dtype).element_size()
+        cursor = align_up(cursor, PARAM_ALIGN)
+        if cq.quantizable(s.shape, s.dtype, group):
+            vn, sn = cq.stored_nbytes(numel, mode, group)
+            so = align_up(cursor + vn, PARAM_ALIGN)
+            out.append(Stored(s, cursor, vn, so, sn))
+            cursor = so + sn
+        else:
+            out.append(Stored(s, cursor, s.nbytes))
+            cursor += s.nbytes
+    return out, align_up(max(cursor, 1), PARAM_ALIGN)
+
+
+class WeightStore:
+    """The layers' weights on their tiers; ``acquire(l)`` gives layer ``l``'s image."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], tiers: Sequence[str], dtype: torch.dtype, *,
+                 nvme_dir: Path | None, prefetch: int = 1, compress: str | None = None, group: int = 64) -> None:
+        if len(tiers) != len(layers):
+            raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
+        if compress is not None and compress not in cq.MODES:
+            raise ValueError(f"compress={compress!r}: expected None, 'int8' or 'int4'")
+        if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
+            raise ValueError(f"group={group!r}: expected an even int >= 2 (values per quantization scale, e.g. 64)")
+        self.layers = list(layers)
+        self.tiers = list(tiers)
+        self.layouts = [layer_layout(m, dtype) for m in self.layers]
+        self.compress, self.group = compress, group
+        self.stored = [stored_layout(slots, compress, group) for slots, _ in self.layouts] if compress else None
+        sizes = {i: n for i, (_, n) in enumerate(self.stored or self.layouts)}
+        # the layer that runs, dequantized (compress only): one buffer, layers run one at a time
+        self._compute = (torch.empty(max(n for _, n in self.layouts), dtype=torch.uint8) if compress else None)
+        cpu = {i: n for i, n in sizes.items() if self.tiers[i] == "cpu"}
+        nvme = {i: n for i, n in sizes.items() if self.tiers[i] == "nvme"}
+        self.host = HostHome(cpu, pin=False)
+        self.nvme: NvmeHome | None = None
+        self._free: list[Tensor] = []
+        self._loaded: dict[int, tuple[Tensor, object | None]] = {}  # layer -> (buffer, read in flight)
+        self.prefetch_depth = max(int(prefetch), 1)
+        self.read_bytes = 0
+        self.stall_seconds = 0.0
+        if nvme:
+            explicit = nvme_dir is not None
+            folder = Path(nvme_dir) / "weights" if explicit else None
+            self.nvme = NvmeHome(nvme, folder, explicit, default_nvme_root())
+            record = max(self.nvme.record_nbytes.values())
+            for _ in range(min(self.prefetch_depth + 1, len(nvme))):
+                self._free.append(tio.aligned_empty(record, RECORD_ALIGN))
+        self.pool_nbytes = sum(b.numel() for b in self._free) + (self._compute.numel() if compress else 0)
+        self.host_nbytes = self.host.nbytes
+        self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
+
+    # -- filling -------------------------------------------------------------------------------
+    def fill(self, source, layer_names: Sequence[str]) -> None:
+        """Read every layer's tensors from ``source`` (a tensor at a time, straight into the
+        layer's image) and write NVMe layers to their records; one image in memory at a time."""
+        scratch = None
+        for i, prefix in enumerate(layer_names):
+            slots, n = self.layouts[i]
+            if self.tiers[i] == "cpu":
+                image = self.host.image(i)
+            else:
+                if scratch is None:
+                    scratch = self._free.pop()
+                image = scratch
+                image.zero_()  # the padding is part of the checksummed record
+            if self.compress:
+                for st in self.stored[i][0]:
+                    s = st.slot
+                    if st.scales_nbytes:
+                        full = torch.empty(s.shape, dtype=s.dtype)
+                        source.read_into(f"{prefix}.{s.name}", full)
+                        cq.quantize_into(full, image[st.offset:st.offset + st.nbytes],
+                                         image[st.scales_offset:st.scales_offset + st.scales_nbytes].view(torch.float32),
+                                         self.compress, self.group)
+                        del full
+                    else:
+                        source.read_into(f"{prefix}.{s.name}",
+                                         image[st.offset:st.offset + st.nbytes].view(s.dtype).view(s.shape))
+            else:
+                for s in slots:
+                    source.read_into(f"{prefix}.{s.name}", typed(image, s))
+            if self.tiers[i] == "nvme":
+                self.nvme.write(i, image).get()
+        if scratch is not None:
+            self._free.append(scratch)
+
+    # -- fetching ------------------------------------------------------------------------------
+    def prefetch(self, order: Sequence[int]) -> None:
+        """Start reading the NVMe layers of ``order`` (the next layers to run) while buffers last."""
+        for i in order:
+            if self.tiers[i] != "nvme" or i in self._loaded:
+                continue
+            if not self._free:
+                return
+            buf = self._free.pop()
+            self._loaded[i] = (buf, self.nvme.read(i, buf))
+
+    def acquire(self, i: int) -> Tensor:
+        """Layer ``i``'s image in the compute layout (read now if no read-ahead brought it;
+        dequantized into the compute buffer when the weights are stored compressed)."""
+        image = self._stored_image(i)
+        if not self.compress:
+            return image
+        out = self._compute
+        for st in self.stored[i][0]:
+            s = st.slot
+            dst = typed(out, s)
+            if st.scales_nbytes:
+                cq.dequantize_into(image[st.offset:st.offset + st.nbytes],
+                                   image[st.scales_offset:st.scales_offset + st.scales_nbytes].view(torch.float32),
+                                   dst, self.compress, self.group)
+            else:
+                dst.copy_(image[st.offset:st.offset + st.nbytes].view(s.dtype).view(s.shape))
+        return out
+
+    def _stored_image(self, i: int) -> Tensor:
+        if self.tiers[i] == "cpu":
+            return self.host.image(i)
+        if i not in self._loaded:
+            self.prefetch([i])
+            if i not in self._loaded:
+                raise RuntimeError("every weight buffer is held: release a layer before acquiring another")
+        buf, fut = self._loaded[i]
+        if fut is not None:
+            t0 = time.perf_counter()
+            try:
+                fut.get()
+                self.nvme.verify(i, buf)
+            except BaseException:
+                del self._loaded[i]
+                self._free.append(buf)
+                raise
+            finally:
+                self.stall_seconds += time.perf_counter() - t0
+            self.read_bytes += self.nvme.record_nbytes[i]
+            self._loaded[i] = (buf, None)
+        return buf
+
+    def release(self, i: int) -> None:
+        """Layer ``i`` has run: its NVMe buffer may take the next read."""
+        if self.tiers[i] == "nvme" and i in self._loaded:
+            buf, fut = self._loaded.pop(i)
+            if fut is not None:
+                try:
+                    fut.get()
+                except OSError:
+                    pass  # a read nobody will use: its error surfaces when the layer is acquired again
+            self._free.append(buf)
+
+    def bind(self, i: int, image: Tensor) -> None:
+        """Point layer ``i``'s parameters at views of ``image`` (no copy)."""
+        layer = self.layers[i]
+        for s in self.layouts[i][0]:
+            mod_name, _, pname = s.name.rpartition(".")
+            mod = layer.get_submodule(mod_name) if mod_name else layer
+            mod._parameters[pname] = typed(image, s)
+
+    def release_all(self) -> None:
+        """Return every NVMe buffer (after a round, or a round that failed part-way)."""
+        for i in list(self._loaded):
+            self.release(i)
+
+    def close(self) -> None:
+        self.release_all()
+        self._free.clear()
+        self.host.close()
+        if self.nvme is not None:
+            self.nvme.close()
+            self.nvme = None

@@ -1,0 +1,109 @@
+"""The generation planner: budgets respected, its memory model equal to what OffloadedLM
+allocates, and choices that move the way the time model says they should."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierstate.generate import OffloadedLM
+from tierstate.placement.generate_plan import (Choice, GenerateBudget, GenerateHardware, GenerateWorkload, PlanError,
+                                               memory, plan_generate, shape_from_config)
+
+from _tiny import padded_batch, tiny
+
+HW = GenerateHardware("test rates", flops=100e9, ram_bandwidth=10e9, disk_read=1e9, disk_write=1e9,
+                      call_seconds=3e-4, base_rss=500 << 20)
+
+
+def _llama13b():
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                       num_key_value_heads=40, vocab_size=32000)
+
+
+def test_shape_counts_match_transformers():
+    for family in ("gpt2", "llama"):
+        model = tiny(family)
+        shape = shape_from_config(model.config, 4)
+        layers = model.transformer.h if family == "gpt2" else model.model.layers
+        assert shape.layer_params[0] == sum(p.numel() for p in layers[0].parameters())
+        outside = sum(p.numel() for n, p in model.named_parameters() if not n.startswith(("transformer.h.",
+                                                                                          "model.layers.")))
+        assert shape.resident_bytes == 4 * outside
+
+
+def test_memory_model_equals_what_offloadedlm_allocates(tmp_path):
+    model = tiny("llama", layers=4)
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    ids, mask = padded_batch()
+    wl = GenerateWorkload(batch=5, prompt_len=ids.shape[1], new_tokens=4)
+    choice = Choice(weight_cpu_layers=1, kv_cpu_layers=2, micro_batch=2, num_micro_batches=3)
+    with OffloadedLM.from_pretrained(folder, weights=["cpu", "nvme", "nvme", "nvme"],
+                                     kv=["cpu", "cpu", "nvme", "nvme"], nvme_dir=tmp_path / "nv", micro_batch=2,
+                                     num_micro_batches=3) as lm:
+        shape = shape_from_config(model.config, 4, [n for _, n in lm.weights.layouts])
+        ram, disk, parts = memory(shape, wl, HW, choice)
+        assert parts["resident"] == lm.resident_nbytes
+        assert parts["weights_in_ram"] == lm.weights.host_nbytes
+        assert parts["weight_pool"] == lm.weights.pool_nbytes
+        from tierstate.generate.kv_store import KVStore
+        kv = KVStore(4, [2, 2, 1], lm.adapter.kv_heads, lm.adapter.head_dim, wl.prompt_len + wl.new_tokens,
+                     lm.dtype, lm.kv, nvme_dir=tmp_path / "nv")
+        try:
+            assert parts["kv_in_ram"] == kv.host_nbytes
+            assert parts["kv_pool"] == kv.pool_nbytes
+            assert disk == lm.weights.nvme_nbytes + kv.nvme_nbytes
+        finally:
+            kv.close()
+
+
+def test_budgets_respected_and_tighter_ram_moves_weights_to_nvme():
+    shape = shape_from_config(_llama13b(), 2)
+    wl = GenerateWorkload(batch=8, prompt_len=32, new_tokens=8)
+    roomy = plan_generate(shape, wl, HW, GenerateBudget(ram=64 << 30, disk=64 << 30))
+    tight = plan_generate(shape, wl, HW, GenerateBudget(ram=8 << 30, disk=64 << 30))
+    assert roomy.weight_tiers.count("nvme") == 0
+    assert 0 < tight.weight_tiers.count("cpu") < tight.weight_tiers.count("nvme")
+    assert tight.ram_bytes <= 8 << 30 and tight.disk_bytes <= 64 << 30
+    assert tight.tokens_per_s < roomy.tokens_per_s
+    assert tight.rejected and any("RAM" in why for _, why in tight.rejected)
+    text = "\n".join(tight.describe())
+    assert "bottleneck" in text and "rejected" in text
+
+
+def test_disk_bound_decode_prefers_one_big_round():
+    """With weights on disk, each read serves a whole round: the planner batches all sequences
+    into one round rather than several."""
+    shape = shape_from_config(_llama13b(), 2)
+    wl = GenerateWorkload(batch=32, prompt_len=8, new_tokens=32)
+    plan = plan_generate(shape, wl, HW, GenerateBudget(ram=6 << 30, disk=64 << 30))
+    assert plan.micro_batch * plan.num_micro_batches >= 32
+    assert plan.bottleneck.startswith("disk")
+
+
+def test_nothing_fits_names_the_need():
+    shape = shape_from_config(_llama13b(), 2)
+    with pytest.raises(PlanError, match="RAM"):
+        plan_generate(shape, GenerateWorkload(4, 16, 4), HW, GenerateBudget(ram=1 << 30, disk=64 << 30))
+    with pytest.raises(ValueError, match="batch=0"):
+        plan_generate(shape, GenerateWorkload(0, 16, 4), HW)
+
+
+def test_auto_follows_the_plan(tmp_path):
+    model = tiny("gpt2", layers=8)
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    shape = shape_from_config(model.config, 4)
+    ids, mask = padded_batch()
+    wl = GenerateWorkload(5, ids.shape[1], 4)
+    # RAM for two layers and the NVMe pool (two more): half the weights go to NVMe
+    budget = GenerateBudget(ram=memory(shape, wl, HW, Choice(2, 8, 5, 1))[0], disk=1 << 30)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, eos_token_id=None)
+    with OffloadedLM.from_pretrained(folder, weights="auto", kv="auto", nvme_dir=tmp_path / "nv", budget=budget,
+                                     hardware=HW, workload=wl) as lm:
+        assert lm.plan is not None
+        assert lm.weight_tiers == list(lm.plan.weight_tiers)
+        assert "nvme" in lm.weight_tiers and lm.plan.ram_bytes <= budget.ram
+        out = lm.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, eos_token_id=[])
+    assert torch.equal(out, ref)
