@@ -102,7 +102,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]))
     grads = None
     try:
-        grads = Gradients(trainable, heads, offload, device, telemetry)
+        grads = Gradients(trainable, heads, offload, device, telemetry, hook_norms=not step_in_backward)
         weights = WeightsOut(store, trainable, heads, device)
         store.values_of = weights.values_of
         for handle in weights.streamed.values():

@@ -244,7 +244,8 @@ class StepEngine:
             return result
         host_grads, device_grads = grads.split(active)
         decision = decide(active, host_grads, device_grads, self.parts.heads, scaling, self.parts.shard_groups,
-                          self.policy.max_grad_norm, self.device, tel)
+                          self.policy.max_grad_norm, self.device, tel, hook_sumsq=grads.hook_sumsq)
+        grads.step_taken()
         if decision.verdict is Verdict.SKIP:
             self._skip(decision, active, scaling)
             return StepResult(rebuilt=rebuilt)
