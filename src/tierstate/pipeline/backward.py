@@ -81,6 +81,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -302,10 +303,11 @@ class BackwardDriver:
             self.stopped = True
             return False
         self.sumsq += sumsq
-        self.sums[s.trainable] = sumsq
-        g = s.param.grad
-        self.versions[s.trainable] = (g, g._version) if g is not None else (None, None)
-        self.lives[s.trainable] = (s.life, s.step, s.master, set(s.pending_pieces))
+        if self.speculative:  # what a rollback and the commit check need
+            self.sums[s.trainable] = sumsq
+            g = s.param.grad  # held weakly: a gradient released once applied must be freed
+            self.versions[s.trainable] = (None, None) if g is None else (weakref.ref(g), g._version)
+            self.lives[s.trainable] = (s.life, s.step, s.master, set(s.pending_pieces))
         self.grads[s.trainable] = grad
         if self.engine.prepare(s, grad):
             self.fresh.add(s.trainable)
@@ -442,7 +444,8 @@ class BackwardDriver:
             t = s.trainable
             if t not in self.sums:
                 return None  # a gradient no hook took (set by hand, or a pass not taken)
-            grad, version = self.versions[t]
+            ref, version = self.versions[t]
+            grad = None if ref is None else ref()
             if s.param.grad is not grad or (grad is not None and grad._version != version):
                 return None  # changed after its hook (scaler.unscale_, clip_grad_norm_, ...)
             sums.append(self.sums[t] * (scaling.inv_scale * scaling.inv_scale))
