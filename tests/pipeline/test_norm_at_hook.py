@@ -113,3 +113,15 @@ def test_nonfinite_raise_still_names_the_parameter():
         opt.step()
     for p, b in zip(net.parameters(), before):
         assert torch.equal(p, b)
+
+
+def test_frozen_parameters_of_an_eager_rule_are_not_hooked():
+    """Adagrad places state for frozen parameters too; a tensor without requires_grad cannot be
+    hooked, and its gradient, if it gets one later, is read by the step."""
+    net = _net(torch.float32)
+    net[0].bias.requires_grad_(False)
+    opt = ts.Adagrad(net.parameters(), lr=1e-2, offload="cpu")
+    _loss(net, 0, torch.float32).backward()
+    opt.step()
+    assert "grad_norm" not in opt.stats().phases
+    assert opt.last_grad_norm > 0

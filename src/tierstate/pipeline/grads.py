@@ -51,7 +51,9 @@ class HookNorms:
         self._sums: dict[int, tuple[weakref.ref, int, float]] = {}  # trainable -> (grad, version, sum)
         self._fired: dict[int, int] = {}
         self.accumulating = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(t)) for t, p in params.items()]
+        # (a frozen parameter cannot be hooked; one unfrozen later is read by the step)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(t)) for t, p in params.items()
+                         if p.requires_grad]
 
     def _hook(self, t: int):
         def on_grad(param: Tensor) -> None:
