@@ -60,7 +60,10 @@ speculate only during the backward that, by the last step's count, is the final 
 The copies cost host memory and bandwidth: the state of every sub-group updated during
 backward (master and moments: 12 B/param for AdamW), kept across steps for reuse, plus
 one extra write of those bytes per step; a rollback adds a copy back and the plain step.
-Without clipping, scaler or accumulation no copy is kept after the first step.
+Without clipping, scaler or accumulation no copy is kept after the first step. Since a
+rollback costs more than the update it undoes, the steps after one take nothing during
+backward (1, then 2, 4, ... up to 16 steps while rollbacks repeat), so a run where clipping
+is active on most steps pays about the plain step, not twice it.
 
 [Note: what this mode cannot do]
 - with parameters whose weights stream (``ts.offload_weights``) updates cannot be
@@ -100,6 +103,10 @@ if TYPE_CHECKING:
 _LANE = "backward-update"
 # sub-groups whose gradients may wait for their NVMe record when weights stream (see _update_waiting)
 STREAMED_WAITING = 4
+# After a rollback the next 1, 2, 4, ... (at most this many) steps update nothing during backward
+# (see [Note: speculative updates and rollback]): with clipping active on every step (GPT-2 124M
+# early in training, max_grad_norm=1.0) each rollback cost more than the update it undid.
+_MAX_HOLD = 16
 
 
 class BackwardDriver:
@@ -126,6 +133,8 @@ class BackwardDriver:
         self.expected_passes = 1  # backward passes per step, as the last step counted them
         self.spec_scale = 1.0  # the loss scale's inverse the last step used
         self.undo: dict[int, dict] = {}  # sub-group -> its copies, reused across steps
+        self.hold_for = 0  # steps left that take nothing during backward (after a rollback)
+        self.hold_next = 1  # how many the next rollback holds for (doubles up to _MAX_HOLD)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None  # the worker, started at its first use
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in engine.parts.trainable]
@@ -160,6 +169,7 @@ class BackwardDriver:
         self.lives: dict[int, tuple] = {}  # trainable index -> (life, step, master, pending) before prepare
         self.saved: list[int] = []  # sub-groups whose copies hold their state from before this cycle
         self.speculative = self._speculates()
+        self.holding = self.speculative and self.hold_for > 0
         self.executor = self.engine.host_executor(self.grads, self.fresh, self.spec_scale if self.speculative else 1.0)
 
     def _speculates(self) -> bool:
@@ -176,7 +186,7 @@ class BackwardDriver:
         micro-batch would see the updated weights), and only in the last of them."""
         if not self.speculative:
             return True
-        return self.known and self.passes >= self.expected_passes
+        return self.known and not self.holding and self.passes >= self.expected_passes
 
     def _begin(self) -> None:
         """First gradient of a backward pass: count, per sub-group, the parameters to wait for."""
@@ -566,12 +576,18 @@ class BackwardDriver:
         self.known = True
         self.expected_passes = max(1, self.passes)
         sumsq = self._commits(active, scaling)
+        if self.holding:
+            self.hold_for -= 1
         if sumsq is None:
             if self.saved or self.prepared:
                 self.rollback()
+                # clipping active or the scale moving tends to last: the next steps take nothing
+                # during backward (no copies, no rollback, the plain step's cost), then try again
+                self.hold_for, self.hold_next = self.hold_next, min(_MAX_HOLD, 2 * self.hold_next)
             self.spec_scale = scaling.inv_scale if math.isfinite(scaling.inv_scale) else 1.0
             self.close_cycle()
             return None
+        self.hold_next = 1
         try:
             scaling.report(True)
             engine.counters.last_grad_norm = math.sqrt(sumsq)
