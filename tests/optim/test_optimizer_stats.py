@@ -54,7 +54,8 @@ def test_phases_add_up_to_the_step_and_trace_is_valid(tmp_path) -> None:
         opt.step()
     stats = opt.stats()
     d = stats.as_dict()
-    assert d["phases"]["cpu_update"] > 0 and d["phases"]["grad_norm"] > 0
+    # the norm for clipping was taken by the gradients' hooks in backward (no read in the step)
+    assert d["phases"]["cpu_update"] > 0 and "grad_norm" not in d["phases"]
     # "other" is what no phase covered, so the main lane's phases sum to the wall time
     assert sum(d["phases"].values()) == pytest.approx(d["wall_s"], rel=1e-6, abs=1e-9)
     opt.stop_trace()

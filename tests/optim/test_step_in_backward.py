@@ -150,6 +150,7 @@ def test_state_moves_during_backward(where: str) -> None:
     net = make_net(torch.float32)
     opt = run_updates_on(ts.AdamW(net.parameters(), lr=1e-2, offload=ts.Offload(subgroup_numel=SG),
                                   step_in_backward=True), where)
+    train(net, opt, steps=1)  # the first step updates nothing during backward (it learns the passes per step)
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
     seen = {}
 
@@ -229,12 +230,15 @@ def test_nvme_plan_reads_the_next_backward_ahead(tmp_path) -> None:
     opt.close()
 
 
-def test_second_backward_before_step_raises() -> None:
+def test_more_backward_passes_than_the_last_step_raises() -> None:
+    """Accumulation is learned from the first step (tests/optim/test_speculative_backward.py); a
+    step with more backward passes than that finds its updates already made."""
     net = make_net(torch.float32)
     opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
     gen = torch.Generator().manual_seed(1)
+    train(net, opt, steps=1)
     loss_of(net, 1, gen).backward()
-    with pytest.raises(RuntimeError, match="second gradient before step"):
+    with pytest.raises(RuntimeError, match="backward pass 2 before step"):
         loss_of(net, 1, gen).backward()
     opt.close()
 
@@ -287,16 +291,8 @@ def test_zero_grad_without_step_completes_the_step(caplog) -> None:
 
 def test_refuses_what_it_cannot_do() -> None:
     net = make_net(torch.float32)
-    with pytest.raises(ValueError, match="max_grad_norm"):
-        ts.AdamW(net.parameters(), max_grad_norm=1.0, step_in_backward=True)
     with pytest.raises(TypeError, match="step_in_backward must be True or False"):
         ts.AdamW(net.parameters(), step_in_backward="yes")
-    opt = ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(loss_of(net, 1, torch.Generator().manual_seed(1))).backward()
-    with pytest.raises(ValueError, match="GradScaler"):
-        scaler.step(opt)
-    opt.close()
 
 
 def test_parameter_unfrozen_later_is_refused_not_dropped() -> None:
@@ -392,6 +388,7 @@ def test_close_between_backward_and_step_stops_the_worker() -> None:
     net = make_net(torch.float32)
     opt = run_updates_on(ts.AdamW(net.parameters(), offload=ts.Offload(subgroup_numel=SG), step_in_backward=True),
                          "worker")
+    train(net, opt, steps=1)  # the first step updates nothing during backward
     loss_of(net, 1, torch.Generator().manual_seed(1)).backward()
     worker = opt._engine.backward._thread
     assert worker is not None and worker.is_alive()
@@ -447,7 +444,8 @@ def test_updates_during_backward_keep_the_nvme_plan(where: str, tmp_path) -> Non
         plans.clear()
         loss_of(net, step, gen).backward()
         opt._engine.backward.finish()  # (worker) every hand-over handled
-        assert opt._engine.backward.done, "some sub-groups are updated during backward"
+        # (the first step updates nothing during backward: it learns how many passes make a step)
+        assert opt._engine.backward.done or step == 0, "some sub-groups are updated during backward"
         assert plans == [], f"backward re-planned the NVMe tier: {plans}"
         opt.step()
         opt.zero_grad()

@@ -40,13 +40,17 @@ TORCH_MODE = "torch"
 # setting rather than the optimizer.
 TORCH_RETAIN_MODE = "torch_retain"
 TORCH_MODES = (TORCH_MODE, TORCH_RETAIN_MODE)
-TIERSTATE_MODES = ("cpu", "nvme", "cpu_bwd", "nvme_bwd", "cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
+TIERSTATE_MODES = ("cpu", "nvme", "cpu_bwd", "nvme_bwd", "cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd",
+                   "cpu_clip_scaler", "cpu_bwd_clip_scaler")
+# Modes with clipping (max_grad_norm=1.0) and a torch.amp.GradScaler: the step in-backward
+# mode makes speculatively and rolls back when either demands it (opt.rollbacks is reported).
+CLIP_SCALER_MODES = ("cpu_clip_scaler", "cpu_bwd_clip_scaler")
 # Modes whose model holds bf16 parameters and runs without autocast: the fp32 master lives in
 # the optimizer, which writes the rounded weight back in its fused pass (DeepSpeed's bf16 mode
 # is the same arrangement: bf16 model, fp32 master in the optimizer).
 BF16_PARAM_MODES = ("cpu_bf16", "nvme_bf16", "cpu_bf16_bwd", "nvme_bf16_bwd")
 # Modes that update the state during backward (step_in_backward=True).
-IN_BACKWARD_MODES = ("cpu_bwd", "nvme_bwd", "cpu_bf16_bwd", "nvme_bf16_bwd")
+IN_BACKWARD_MODES = ("cpu_bwd", "nvme_bwd", "cpu_bf16_bwd", "nvme_bf16_bwd", "cpu_bwd_clip_scaler")
 NVME_MODES = ("nvme", "nvme_bwd", "nvme_bf16", "nvme_bf16_bwd")
 MODES = (*TORCH_MODES, *TIERSTATE_MODES)
 # The training precision of a run: "bf16" (autocast, or bf16 parameters) or "fp32" (no bf16 anywhere).
@@ -97,7 +101,8 @@ def _tierstate_optimizer(model: torch.nn.Module, args: argparse.Namespace, state
     else:
         offload = ts.Offload(cpu=1.0, **overrides)
     return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload,
-                    step_in_backward=args.mode in IN_BACKWARD_MODES)
+                    step_in_backward=args.mode in IN_BACKWARD_MODES,
+                    max_grad_norm=1.0 if args.mode in CLIP_SCALER_MODES else None)
 
 
 def _native_kernels(mode: str) -> str:
@@ -163,7 +168,7 @@ def _tierstate_harness(args: argparse.Namespace, model: torch.nn.Module, tokens:
 
         def stats() -> dict:
             d = opt.stats().as_dict()
-            return {"phases": d["phases"], "lanes": d["lanes"], "bytes": d["bytes"]}
+            return {"phases": d["phases"], "lanes": d["lanes"], "bytes": d["bytes"], "rollbacks": opt.rollbacks}
 
         close = opt.close
 
@@ -175,11 +180,17 @@ def _tierstate_harness(args: argparse.Namespace, model: torch.nn.Module, tokens:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return model(input_ids=tokens, labels=tokens).loss
 
+    scaler = torch.amp.GradScaler("cpu") if args.mode in CLIP_SCALER_MODES else None
+
     def backward(loss):
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
 
     def optimizer_step():
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
 
     return Harness(forward, backward, optimizer_step, stats=stats, close=close, info=info)

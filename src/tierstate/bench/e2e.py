@@ -24,6 +24,10 @@ GPT-2 124M built from a transformers config (random init, nothing downloaded), b
                   during backward as their gradients become final
 ``nvme_bf16_bwd`` ``nvme_bf16`` with ``step_in_backward=True``: the NVMe I/O and the
                   updates overlap forward and backward
+``cpu_clip_scaler`` ``cpu`` with ``max_grad_norm=1.0`` and a ``torch.amp.GradScaler``
+``cpu_bwd_clip_scaler`` the same with ``step_in_backward=True``: updates made speculatively
+                  during backward, rolled back when clipping or the scaler demands it
+                  (the rollbacks are counted in the report)
 ================  ================================================================
 
 ``--precision fp32`` (what ``auto`` picks on a CPU without bf16 matrix units, where a

@@ -56,11 +56,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: must be one of {NONFINITE_POLICIES}")
         if not isinstance(step_in_backward, bool):
             raise TypeError(f"step_in_backward must be True or False, got {step_in_backward!r}")
-        if step_in_backward and max_grad_norm is not None:
-            raise ValueError(
-                f"step_in_backward=True with max_grad_norm={max_grad_norm!r}: clipping needs the global gradient "
-                "norm before the first update, which an update during backward cannot wait for; pass "
-                "max_grad_norm=None or step_in_backward=False")
         if step_in_backward and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() > 1:
             # DDP and FSDP reduce gradients across ranks after the per-parameter hooks this mode
@@ -138,6 +133,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
         self._counters.skipped_steps = int(value)
+
+    @property
+    def rollbacks(self) -> int:
+        """``step_in_backward=True``: steps whose speculative updates during backward were rolled
+        back (clipping active, a loss-scale change or overflow, accumulation); see
+        :mod:`tierstate.pipeline.backward`, [Note: speculative updates and rollback]."""
+        return self._counters.rollbacks
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -31,10 +31,13 @@ _ENGINE_ARGS = """
             ``"auto"``, whose disk budget is measured at :func:`tierstate.placement.default_nvme_root`).
         step_in_backward: update each sub-group during backward as soon as every gradient in
             it is final (on CPU parameters on the backward thread itself, on accelerators on a
-            worker thread), so the NVMe I/O overlaps forward and backward (default False). Exact whenever it applies; it needs every ``backward()`` to be
-            followed by ``step()`` (no gradient accumulation), no ``max_grad_norm`` and no
-            GradScaler, and a non-finite gradient raises instead of skipping the step. See
-            :mod:`tierstate.pipeline.backward`.
+            worker thread), so the NVMe I/O overlaps forward and backward (default False). Bit for
+            bit the plain step, also with ``max_grad_norm``, a GradScaler and gradient accumulation
+            (a constant number of ``backward()`` calls per ``step()``): the updates are then
+            speculative and rolled back when clipping, an overflow or a scale change demands it
+            (``rollbacks`` counts them), at the cost of a host copy of the state they touch.
+            Without those, a non-finite gradient raises instead of skipping the step. See
+            docs/step_modes.md and :mod:`tierstate.pipeline.backward`.
 
     torch's implementation switches (``foreach``, ``fused``, ``capturable``, ``differentiable``,
     where the torch namesake has them) are accepted at their defaults (None/False) and carried

@@ -115,7 +115,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                        sr_seed=offload.sr_seed)
     grads = None
     try:
-        grads = Gradients(trainable, heads, offload, device, telemetry)
+        grads = Gradients(trainable, heads, offload, device, telemetry, hook_norms=not step_in_backward)
         weights = WeightsOut(store, trainable, heads, device)
         store.values_of = weights.values_of
         for handle in weights.streamed.values():

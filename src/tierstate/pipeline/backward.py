@@ -40,31 +40,55 @@ on the disk. What overlaps backward is then the I/O alone, which is the point on
 On a 2-core machine (GPT-2 124M, bf16 parameters, NVMe) a step takes ~1.8 s on the
 backward thread against ~1.9-2.0 s with a worker thread, and peaks ~0.2 GiB lower.
 
+[Note: speculative updates and rollback]
+Clipping needs the global norm, a GradScaler's overflow check every gradient, and with
+gradient accumulation only the last backward's gradients are final: none of that is known
+when a sub-group becomes ready. So when any of them may apply (``max_grad_norm`` is set, a
+loss scaler or accumulation was seen, or it is the first step and nothing is known yet),
+the updates during backward are speculative: each sub-group's state (and its parameter's
+values) is copied aside just before its update, with the unclipped gradient times the loss
+scale of the previous step. ``step()`` then decides as the plain step would, from the sums
+of squares the hooks took: if every gradient is finite and unchanged since its hook, the
+scale is the one used and the clip coefficient is exactly 1, the updates stand; otherwise
+every speculative update is rolled back from its copy, the step counts and state lives are
+put back, and the plain step runs (or skips), so the result is the plain step's bit for
+bit in every case. A second gradient for a parameter before ``step()`` (accumulation)
+rolls back what this backward updated and ends speculation for the step; the next steps
+speculate only during the backward that, by the last step's count, is the final one.
+``stats().counts["backward_rollbacks"]`` counts rollbacks.
+
+The copies cost host memory and bandwidth: the state of every sub-group updated during
+backward (master and moments: 12 B/param for AdamW), kept across steps for reuse, plus
+one extra write of those bytes per step; a rollback adds a copy back and the plain step.
+Without clipping, scaler or accumulation no copy is kept after the first step. Since a
+rollback costs more than the update it undoes, the steps after one take nothing during
+backward (1, then 2, 4, ... up to 16 steps while rollbacks repeat), so a run where clipping
+is active on most steps pays about the plain step, not twice it.
+
 [Note: what this mode cannot do]
-An update made during backward cannot wait for the whole gradient, so:
-- no gradient clipping (``max_grad_norm``) and no ``GradScaler``: both need every
-  gradient before the first update (refused at construction / at ``step()``);
-- no gradient accumulation: every ``backward()`` must be followed by ``step()``; a second
-  gradient for a parameter already handed over raises ``RuntimeError`` from backward;
-- a non-finite gradient cannot skip the whole step: each gradient is checked when it is
-  handed over and the updates stop at the first non-finite one; sub-groups updated
-  before stay updated, the rest stay untouched, and ``step()`` raises
-  ``FloatingPointError`` naming the parameters.
+- with parameters whose weights stream (``ts.offload_weights``) updates cannot be
+  rolled back (their gradients are released once applied): no clipping, no GradScaler, no
+  accumulation there (refused);
+- without speculation, a non-finite gradient cannot skip the whole step: each gradient is
+  checked when it is handed over and the updates stop at the first non-finite one;
+  sub-groups updated before stay updated, the rest stay untouched, and ``step()`` raises
+  ``FloatingPointError`` naming the parameters (with speculation it is skipped, as the
+  plain step does).
 - an NVMe write that fails is raised at the end of ``step()``, the record kept in RAM
   and written when next evicted (a step cannot refuse to start: its updates ran during
   backward); once a record is found lost (``StateLostError``) every later backward
   updates nothing and ``step()`` raises it, until a checkpoint is loaded.
-The mode is off by default for these reasons; it is exact (bit for bit the same state as
-the plain step) whenever its conditions hold.
 """
 from __future__ import annotations
 
 import math
 import queue
 import threading
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from .. import kernels
@@ -79,6 +103,10 @@ if TYPE_CHECKING:
 _LANE = "backward-update"
 # sub-groups whose gradients may wait for their NVMe record when weights stream (see _update_waiting)
 STREAMED_WAITING = 4
+# After a rollback the next 1, 2, 4, ... (at most this many) steps update nothing during backward
+# (see [Note: speculative updates and rollback]): with clipping active on every step (GPT-2 124M
+# early in training, max_grad_norm=1.0) each rollback cost more than the update it undid.
+_MAX_HOLD = 16
 
 
 class BackwardDriver:
@@ -92,6 +120,21 @@ class BackwardDriver:
 
     def __init__(self, engine: "StepEngine") -> None:
         self.engine = engine
+        # see [Note: speculative updates and rollback]
+        self.can_undo = not engine.parts.weights.streamed
+        if engine.policy.max_grad_norm is not None and not self.can_undo:
+            raise ValueError(
+                f"step_in_backward=True with max_grad_norm={engine.policy.max_grad_norm!r} and parameters whose "
+                "weights stream: their gradients are released once applied, so an update made during backward "
+                "cannot be rolled back when clipping turns out active; pass max_grad_norm=None or "
+                "step_in_backward=False")
+        self.known = False  # a step has been taken: what follows is learned from it
+        self.saw_scaler = False
+        self.expected_passes = 1  # backward passes per step, as the last step counted them
+        self.spec_scale = 1.0  # the loss scale's inverse the last step used
+        self.undo: dict[int, dict] = {}  # sub-group -> its copies, reused across steps
+        self.hold_for = 0  # steps left that take nothing during backward (after a rollback)
+        self.hold_next = 1  # how many the next rollback holds for (doubles up to _MAX_HOLD)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None  # the worker, started at its first use
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in engine.parts.trainable]
@@ -120,13 +163,39 @@ class BackwardDriver:
         # streamed parameters (tierstate.weights) -> their sub-groups not yet updated; at 0 the
         # gradient has been applied and is released (see [Note: gradients of streamed weights])
         self.segments_left: dict[int, int] = {}
-        self.executor = self.engine.host_executor(self.grads, self.fresh, 1.0)
+        self.passes = 0  # backward passes seen this cycle
+        self.sums: dict[int, float] = {}  # trainable index -> its gradient's sum of squares (unscaled)
+        self.versions: dict[int, tuple] = {}  # trainable index -> (its param.grad, version) when taken
+        self.lives: dict[int, tuple] = {}  # trainable index -> (life, step, master, pending) before prepare
+        self.saved: list[int] = []  # sub-groups whose copies hold their state from before this cycle
+        self.speculative = self._speculates()
+        self.holding = self.speculative and self.hold_for > 0
+        self.executor = self.engine.host_executor(self.grads, self.fresh, self.spec_scale if self.speculative else 1.0)
+
+    def _speculates(self) -> bool:
+        """Whether this cycle's updates keep what is needed to roll them back."""
+        if not self.can_undo:
+            return False
+        policy = self.engine.policy
+        return (policy.max_grad_norm is not None or self.saw_scaler or self.expected_passes > 1
+                or not self.known)
+
+    def _taking(self) -> bool:
+        """Whether gradients of this backward pass are taken (and sub-groups updated) now: not
+        before a first step said how many backward passes make one (the forward of a next
+        micro-batch would see the updated weights), and only in the last of them."""
+        if not self.speculative:
+            return True
+        return self.known and not self.holding and self.passes >= self.expected_passes
 
     def _begin(self) -> None:
         """First gradient of a backward pass: count, per sub-group, the parameters to wait for."""
         engine = self.engine
         self.open = True
+        self.passes += 1
         self.pending = {}
+        self.seen = set()
+        self.waiting.clear()
         lost = engine.store.lost_error()
         if lost is not None:  # update nothing: step() raises it with the state as before this backward
             self.error, self.stopped = lost, True
@@ -150,12 +219,10 @@ class BackwardDriver:
         if not self.open:
             self._begin()
         if s.trainable in self.seen:
-            raise RuntimeError(
-                f"step_in_backward=True: parameter {s.index} received a second gradient before step(); "
-                "this mode updates the state during backward, so every backward() must be followed by "
-                "step() (no gradient accumulation, no double backward). Construct the optimizer with "
-                "step_in_backward=False to accumulate gradients")
+            self._next_pass(s)
         self.seen.add(s.trainable)
+        if not self._taking():
+            return
         landed = None
         grads = engine.parts.grads
         if grads.streamed(s):
@@ -189,6 +256,27 @@ class BackwardDriver:
         except BaseException as exc:  # noqa: BLE001 - raised by finish(), as the worker's are
             self.error = exc
             self.stopped = True
+
+    def _next_pass(self, s: Slot) -> None:
+        """A second gradient for a parameter before step(): another backward pass (accumulation).
+
+        Passes before the one the last step counted as final took nothing. A pass beyond it
+        finds this step's updates made, and the forward just run used their weights: they are
+        rolled back (the state is as before the step) and this is refused, as the gradients of
+        this micro-batch are not the plain step's."""
+        if not self.inline:
+            self._queue.join()  # the worker is idle from here: the tiers are this thread's
+        if self.prepared or self.done or self.nonfinite:
+            if self.speculative:
+                self.rollback()
+            raise RuntimeError(
+                f"step_in_backward=True: parameter {s.index} received a gradient in backward pass {self.passes + 1} "
+                f"before step(), while the last step took {self.expected_passes}; this mode updates the state "
+                "during the last pass, and the forward just run already used those weights"
+                + (" (the updates were rolled back)" if self.speculative else "")
+                + ". Keep the number of backward() calls per step() constant (the first step learns it), "
+                "or construct the optimizer with step_in_backward=False")
+        self._begin()
 
     # -- the worker ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -225,6 +313,11 @@ class BackwardDriver:
             self.stopped = True
             return False
         self.sumsq += sumsq
+        if self.speculative:  # what a rollback and the commit check need
+            self.sums[s.trainable] = sumsq
+            g = s.param.grad  # held weakly: a gradient released once applied must be freed
+            self.versions[s.trainable] = (None, None) if g is None else (weakref.ref(g), g._version)
+            self.lives[s.trainable] = (s.life, s.step, s.master, set(s.pending_pieces))
         self.grads[s.trainable] = grad
         if self.engine.prepare(s, grad):
             self.fresh.add(s.trainable)
@@ -239,8 +332,9 @@ class BackwardDriver:
         self.executor.lane = None if self.inline else _LANE  # the worker's phases go to its own trace lane
         if not self.inline:
             telemetry = _Lane(telemetry, _LANE)
+        executor = _Saving(self, self.executor) if self.speculative else self.executor
         # the I/O tiers read ahead along plan_next()'s order: this sub-group is part of that plan
-        update_planned(store.tier_of(sg), sg, segs, self.executor, telemetry)
+        update_planned(store.tier_of(sg), sg, segs, executor, telemetry)
         self.done.append(sg)
         self._release_applied(segs)
 
@@ -282,6 +376,99 @@ class BackwardDriver:
             self.waiting.popleft()
             self._update(sg)
 
+    # -- speculation ----------------------------------------------------------------------------
+    def save(self, sg: SubGroup, segments, views) -> None:
+        """Copy ``sg``'s state and its parameters' values aside before its speculative update."""
+        store = self.engine.store
+        keep = self.undo.get(sg.index)
+        if keep is None:
+            keep = self.undo[sg.index] = {"views": {}, "values": {}}
+        for key, view in views.items():
+            buf = keep["views"].get(key)
+            if buf is None or buf.shape != view.shape or buf.dtype != view.dtype:
+                buf = keep["views"][key] = torch.empty_like(view, device="cpu")
+            buf.copy_(view)
+        for seg in segments:
+            s = store.by_trainable(seg.param_index)
+            with store.values_of(s, False) as values:
+                piece = values[seg.param_offset: seg.param_offset + seg.numel]
+                buf = keep["values"].get(seg.param_index)
+                if buf is None or buf.shape != piece.shape or buf.dtype != piece.dtype:
+                    buf = keep["values"][seg.param_index] = torch.empty_like(piece, device="cpu")
+                buf.copy_(piece)
+        self.saved.append(sg.index)
+
+    def rollback(self) -> None:
+        """Put back every speculative update of this cycle: the sub-groups' state and parameter
+        values from their copies, each prepared parameter's step count and state life."""
+        engine = self.engine
+        store, layout = engine.store, engine.store.layout
+        self._update_waiting_drop()
+        with engine.telemetry.phase("backward_rollback"):
+            for index in self.saved:
+                sg = layout.subgroups[index]
+                keep = self.undo[index]
+                tier = store.tier_of(sg)
+                views = tier.acquire(sg)
+                try:
+                    for key, view in views.items():
+                        view.copy_(keep["views"][key])
+                finally:
+                    tier.release(sg, dirty=True)
+                for seg in sg.segments:
+                    buf = keep["values"].get(seg.param_index)
+                    if buf is None or seg.param_index not in self.grads:
+                        continue
+                    s = store.by_trainable(seg.param_index)
+                    with store.values_of(s, True) as values:
+                        values[seg.param_offset: seg.param_offset + seg.numel].copy_(buf)
+        for t, (life, step, master, pending) in self.lives.items():
+            s = store.by_trainable(t)
+            s.life, s.step, s.master = life, step, master
+            s.pending_pieces.clear()
+            s.pending_pieces.update(pending)
+        engine.counters.rollbacks += 1
+        engine.telemetry.count("backward_rollbacks")
+        self.grads.clear()
+        self.prepared.clear()
+        self.fresh.clear()
+        self.done = []
+        self.saved = []
+        self.sums.clear()
+        self.versions.clear()
+        self.lives.clear()
+        self.nonfinite = []
+        self.sumsq = 0.0
+        self.stopped = False
+
+    def _update_waiting_drop(self) -> None:
+        self.waiting.clear()
+
+    def _commits(self, active: list, scaling: Scaling) -> "float | None":
+        """The squared norm (scaled as the plain step takes it) when the speculative updates stand
+        as the plain step would have made them; None when they must be rolled back."""
+        if self.nonfinite or scaling.prior_inf or scaling.inv_scale != self.spec_scale:
+            return None
+        sums = []
+        for s, g in active:
+            t = s.trainable
+            if t not in self.sums:
+                return None  # a gradient no hook took (set by hand, or a pass not taken)
+            ref, version = self.versions[t]
+            grad = None if ref is None else ref()
+            if s.param.grad is not grad or (grad is not None and grad._version != version):
+                return None  # changed after its hook (scaler.unscale_, clip_grad_norm_, ...)
+            sums.append(self.sums[t] * (scaling.inv_scale * scaling.inv_scale))
+        if len(sums) != len(self.grads):
+            return None
+        sumsq = sum(sums)
+        if not math.isfinite(sumsq):
+            return None
+        limit = self.engine.policy.max_grad_norm
+        if limit is not None and min(1.0, limit / (math.sqrt(sumsq) + 1e-6)) != 1.0:
+            return None
+        return sumsq
+
     # -- the step's side -----------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every gradient delivered so far is handled (by the worker, or here for the
@@ -316,11 +503,25 @@ class BackwardDriver:
 
         engine = self.engine
         store = engine.store
+        if scaling.scaled:
+            self.saw_scaler = True
+        if self.speculative:
+            late = [s.index for s in store.slots if s.trainable is None and s.param.requires_grad
+                    and s.param.grad is not None]
+            if late:
+                if self.saved or self.prepared:
+                    self.rollback()
+                self.close_cycle()
+                raise RuntimeError(
+                    f"step_in_backward=True: parameter(s) {late[:8]} were frozen when the optimizer was built and "
+                    "now have gradients; their state cannot be placed while backward updates run. Build the "
+                    "optimizer after unfreezing them, or use step_in_backward=False")
+            return self._finish_speculative(active, scaling)
         bad = list(self.nonfinite)
         try:
             if scaling.scaled:
-                raise ValueError("step_in_backward=True does not work with a GradScaler: unscaling and the inf "
-                                 "check need every gradient before the first update; use bf16 (no scaler) or "
+                raise ValueError("step_in_backward=True does not work with a GradScaler when updates cannot be "
+                                 "rolled back (parameters whose weights stream); use bf16 (no scaler) or "
                                  "step_in_backward=False")
             late = [s.index for s in store.slots if s.trainable is None and s.param.requires_grad
                     and s.param.grad is not None]
@@ -365,12 +566,52 @@ class BackwardDriver:
                 "cannot skip a whole step; use step_in_backward=False for on_nonfinite='skip')")
         return result
 
+    def _finish_speculative(self, active: list, scaling: Scaling) -> "StepResult | None":
+        """step() after speculative updates: they stand (the rest is updated here) or are rolled
+        back, and then None tells the engine to run the plain step."""
+        from .engine import StepResult  # noqa: PLC0415 - engine imports this module
+
+        engine = self.engine
+        store = engine.store
+        self.known = True
+        self.expected_passes = max(1, self.passes)
+        sumsq = self._commits(active, scaling)
+        if self.holding:
+            self.hold_for -= 1
+        if sumsq is None:
+            if self.saved or self.prepared:
+                self.rollback()
+                # clipping active or the scale moving tends to last: the next steps take nothing
+                # during backward (no copies, no rollback, the plain step's cost), then try again
+                self.hold_for, self.hold_next = self.hold_next, min(_MAX_HOLD, 2 * self.hold_next)
+            self.spec_scale = scaling.inv_scale if math.isfinite(scaling.inv_scale) else 1.0
+            self.close_cycle()
+            return None
+        self.hold_next = 1
+        try:
+            scaling.report(True)
+            engine.counters.last_grad_norm = math.sqrt(sumsq)
+            grads = dict(self.grads)
+            work = engine.work(lambda tier: grads, skip={sg.index for sg in self.done})
+            executor = engine.host_executor(grads, set(self.fresh), self.spec_scale)
+            run_subgroups(work, store.tiers, lambda tier: executor, engine.telemetry)
+            stepped = [store.by_trainable(t) for t in grads]
+            fresh = set(self.fresh)
+            engine.after_update(stepped)
+        finally:
+            self.close_cycle()
+        self.plan_next()
+        return StepResult(stepped, fresh)
+
     def close_cycle(self) -> None:
         """The step consumed this backward's updates: remember their order, forget the rest."""
         if self.open:
             done = {sg.index for sg in self.done}
             self.expected_order = self.done + [sg for sg in self.expected_order if sg.index not in done]
+        self.known = True
         self._reset()
+        if not self.speculative:
+            self.undo.clear()  # nothing of the next cycle will be rolled back
 
     def plan_next(self) -> None:
         """Tell the I/O tiers the order of the next backward, so their reads start now (during forward)."""
@@ -386,6 +627,17 @@ class BackwardDriver:
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+
+class _Saving:
+    """An executor that copies each sub-group's state aside before the wrapped one updates it."""
+
+    def __init__(self, driver: BackwardDriver, inner) -> None:
+        self.driver, self.inner = driver, inner
+
+    def submit(self, sg: SubGroup, segments, views):
+        self.driver.save(sg, segments, views)
+        return self.inner.submit(sg, segments, views)
 
 
 class _Lane:

@@ -115,19 +115,35 @@ def sumsq_over_shards(active: list, shard_groups: list, inv_scale: float, prior_
 
 
 def decide(active: list, host_grads: dict, device_grads: dict, heads: dict[int, int], scaling: Scaling,
-           shard_groups: list, max_grad_norm: float | None, device: torch.device, telemetry) -> Decision:
-    """Sum the squares of every gradient once and decide the step (see the module's docstring)."""
+           shard_groups: list, max_grad_norm: float | None, device: torch.device, telemetry,
+           hook_sumsq=None) -> Decision:
+    """Sum the squares of every gradient once and decide the step (see the module's docstring).
+
+    ``hook_sumsq(slot, scale)``: the sum of squares taken in backward when still valid, else None
+    (:class:`tierstate.pipeline.grads.HookNorms`); the gradients it answers are not read again."""
     inv_scale, prior_inf = scaling.inv_scale, scaling.prior_inf
     device_scale, device_prior_inf = scaling.for_device_grads() if device_grads else (1.0, False)
     if shard_groups:  # (no device tier with sharded parameters: refused at construction)
         with telemetry.phase("grad_norm"):
             sumsq, prior_inf = sumsq_over_shards(active, shard_groups, inv_scale, prior_inf, device)
     elif active:
-        with telemetry.phase("grad_norm"):
-            queued = device_sumsq(device_grads, heads, device_scale)  # queued first: overlaps the host part
-            sumsq = sum(kernels.grad_sumsq(g[first:], inv_scale) for g, first in host_grads.values())
-            if device_grads:
-                sumsq += float(queued)
+        # per parameter, in host_grads' order whichever way it is known: the same additions as
+        # when every gradient is read here, so the same sum bit for bit
+        parts = {t: hook_sumsq(s, inv_scale) if hook_sumsq is not None and host_grads[t][1] == 0 else None
+                 for s, _ in active if (t := s.trainable) in host_grads}
+        sumsq = 0.0
+        if device_grads or any(v is None for v in parts.values()):
+            with telemetry.phase("grad_norm"):
+                queued = device_sumsq(device_grads, heads, device_scale)  # queued first: overlaps the host part
+                for t, v in parts.items():
+                    if v is None:
+                        g, first = host_grads[t]
+                        parts[t] = kernels.grad_sumsq(g[first:], inv_scale)
+                sumsq = sum(parts[t] for t in host_grads)
+                if device_grads:
+                    sumsq += float(queued)
+        else:
+            sumsq = sum(parts[t] for t in host_grads)
         prior_inf = prior_inf or device_prior_inf
     if not active:
         return Decision(Verdict.NOTHING)

@@ -47,6 +47,7 @@ class StepCounters:
     steps_taken: int = 0  # step() calls, for telemetry's step index
     skipped_steps: int = 0
     last_grad_norm: float | None = None
+    rollbacks: int = 0  # step_in_backward: speculative updates rolled back (pipeline.backward)
 
 
 @dataclass
@@ -240,11 +241,22 @@ class StepEngine:
         active = [(s, g) for s in store.slots if s.trainable is not None and (g := grads.grad_of(s)) is not None]
         if backward_open:
             result = self.backward.finish_step(active, scaling)
-            result.rebuilt = rebuilt
-            return result
+            if result is not None:
+                result.rebuilt = rebuilt
+                return result
+            # the speculative updates were rolled back: the plain step, then the next backward's plan
+            try:
+                return self._plain(active, scaling, rebuilt)
+            finally:
+                self.backward.plan_next()
+        return self._plain(active, scaling, rebuilt)
+
+    def _plain(self, active: list, scaling: Scaling, rebuilt: bool) -> StepResult:
+        tel, store, grads = self.telemetry, self.store, self.parts.grads
         host_grads, device_grads = grads.split(active)
         decision = decide(active, host_grads, device_grads, self.parts.heads, scaling, self.parts.shard_groups,
-                          self.policy.max_grad_norm, self.device, tel)
+                          self.policy.max_grad_norm, self.device, tel, hook_sumsq=grads.hook_sumsq)
+        grads.step_taken()
         if decision.verdict is Verdict.SKIP:
             self._skip(decision, active, scaling)
             return StepResult(rebuilt=rebuilt)

@@ -34,6 +34,8 @@ _PHASES: dict[str, str] = {
     "not landed yet, or a write-back that must finish first; lane 'weights'.",
     "backward_wait": "step() waiting for the updates that step_in_backward=True runs during "
     "backward to finish.",
+    "backward_rollback": "step_in_backward=True: putting back speculative updates made during backward "
+    "(clipping active, a loss-scale change or overflow, gradient accumulation) before the plain step.",
     "other": "step time on the critical path not covered by any phase above: Python "
     "bookkeeping, hooks, scheduling. Computed, never recorded.",
 }
