@@ -118,6 +118,11 @@ PYTHON_BLOCKS = {
         ],
         prints="fetch_bytes",
         why="`loader` is the reader's: three batches of token ids"),
+    "from transformers import LlamaConfig": dict(
+        prelude="",
+        substitutions=[('"/tmp/ts-tiny-llama"', 'os.environ["DOC_TMP"] + "/ts-tiny-llama"', "a folder of the test's own")],
+        prints="torch.Size",
+        why="runs as written: a tiny random-init Llama written to the test's folder"),
     "import tierstate as ts": dict(
         prelude=_TINY_GPT + "model = MyModel(out=_Out)\n",
         substitutions=[],
