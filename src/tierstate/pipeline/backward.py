@@ -88,7 +88,6 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 
 from .. import kernels
@@ -96,6 +95,7 @@ from ..placement import SubGroup
 from ..tiers import Slot
 from .decision import Scaling
 from .loop import run_subgroups, update_planned
+from .speculation import Speculation
 
 if TYPE_CHECKING:
     from .engine import StepEngine, StepResult
@@ -109,7 +109,7 @@ STREAMED_WAITING = 4
 _MAX_HOLD = 16
 
 
-class BackwardDriver:
+class BackwardDriver(Speculation):
     """Hooks every trainable parameter and updates sub-groups as they become ready.
 
     Where the updates run is said in [Note: updates on the backward thread]. Either way the
@@ -375,99 +375,6 @@ class BackwardDriver:
                 return
             self.waiting.popleft()
             self._update(sg)
-
-    # -- speculation ----------------------------------------------------------------------------
-    def save(self, sg: SubGroup, segments, views) -> None:
-        """Copy ``sg``'s state and its parameters' values aside before its speculative update."""
-        store = self.engine.store
-        keep = self.undo.get(sg.index)
-        if keep is None:
-            keep = self.undo[sg.index] = {"views": {}, "values": {}}
-        for key, view in views.items():
-            buf = keep["views"].get(key)
-            if buf is None or buf.shape != view.shape or buf.dtype != view.dtype:
-                buf = keep["views"][key] = torch.empty_like(view, device="cpu")
-            buf.copy_(view)
-        for seg in segments:
-            s = store.by_trainable(seg.param_index)
-            with store.values_of(s, False) as values:
-                piece = values[seg.param_offset: seg.param_offset + seg.numel]
-                buf = keep["values"].get(seg.param_index)
-                if buf is None or buf.shape != piece.shape or buf.dtype != piece.dtype:
-                    buf = keep["values"][seg.param_index] = torch.empty_like(piece, device="cpu")
-                buf.copy_(piece)
-        self.saved.append(sg.index)
-
-    def rollback(self) -> None:
-        """Put back every speculative update of this cycle: the sub-groups' state and parameter
-        values from their copies, each prepared parameter's step count and state life."""
-        engine = self.engine
-        store, layout = engine.store, engine.store.layout
-        self._update_waiting_drop()
-        with engine.telemetry.phase("backward_rollback"):
-            for index in self.saved:
-                sg = layout.subgroups[index]
-                keep = self.undo[index]
-                tier = store.tier_of(sg)
-                views = tier.acquire(sg)
-                try:
-                    for key, view in views.items():
-                        view.copy_(keep["views"][key])
-                finally:
-                    tier.release(sg, dirty=True)
-                for seg in sg.segments:
-                    buf = keep["values"].get(seg.param_index)
-                    if buf is None or seg.param_index not in self.grads:
-                        continue
-                    s = store.by_trainable(seg.param_index)
-                    with store.values_of(s, True) as values:
-                        values[seg.param_offset: seg.param_offset + seg.numel].copy_(buf)
-        for t, (life, step, master, pending) in self.lives.items():
-            s = store.by_trainable(t)
-            s.life, s.step, s.master = life, step, master
-            s.pending_pieces.clear()
-            s.pending_pieces.update(pending)
-        engine.counters.rollbacks += 1
-        engine.telemetry.count("backward_rollbacks")
-        self.grads.clear()
-        self.prepared.clear()
-        self.fresh.clear()
-        self.done = []
-        self.saved = []
-        self.sums.clear()
-        self.versions.clear()
-        self.lives.clear()
-        self.nonfinite = []
-        self.sumsq = 0.0
-        self.stopped = False
-
-    def _update_waiting_drop(self) -> None:
-        self.waiting.clear()
-
-    def _commits(self, active: list, scaling: Scaling) -> "float | None":
-        """The squared norm (scaled as the plain step takes it) when the speculative updates stand
-        as the plain step would have made them; None when they must be rolled back."""
-        if self.nonfinite or scaling.prior_inf or scaling.inv_scale != self.spec_scale:
-            return None
-        sums = []
-        for s, g in active:
-            t = s.trainable
-            if t not in self.sums:
-                return None  # a gradient no hook took (set by hand, or a pass not taken)
-            ref, version = self.versions[t]
-            grad = None if ref is None else ref()
-            if s.param.grad is not grad or (grad is not None and grad._version != version):
-                return None  # changed after its hook (scaler.unscale_, clip_grad_norm_, ...)
-            sums.append(self.sums[t] * (scaling.inv_scale * scaling.inv_scale))
-        if len(sums) != len(self.grads):
-            return None
-        sumsq = sum(sums)
-        if not math.isfinite(sumsq):
-            return None
-        limit = self.engine.policy.max_grad_norm
-        if limit is not None and min(1.0, limit / (math.sqrt(sumsq) + 1e-6)) != 1.0:
-            return None
-        return sumsq
 
     # -- the step's side -----------------------------------------------------------------------
     def finish(self) -> None:
