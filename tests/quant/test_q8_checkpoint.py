@@ -8,22 +8,12 @@ import pytest
 import torch
 
 import tierstate as ts
+from _q8_common import make_params, train as _train
 from tierstate.kernels import quant as Q
-
-SHAPES = [(37, 300), (1000,), (5,)]
 
 
 def _params(dtype=torch.bfloat16):
-    gen = torch.Generator().manual_seed(11)
-    return [torch.nn.Parameter(torch.randn(*s, generator=gen).to(dtype)) for s in SHAPES]
-
-
-def _train(opt, params, steps, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-        opt.step()
+    return make_params(dtype, seed=11)
 
 
 def _offload(folder, master, nvme):
