@@ -3,7 +3,9 @@
 For each optimizer variant (``torch``: torch.optim.AdamW with clip_grad_norm_; ``cpu`` and
 ``nvme``: tierstate.AdamW on that tier; ``<tier>-zero2``: FSDP2 with
 ``reshard_after_forward=False``, ZeRO-2; ``cpu-ddp``: DDP, every rank a replica;
-``<tier>-zero1``: DDP with ZeroRedundancyOptimizer(optimizer_class=tierstate.AdamW)) it trains a small MLP on a fixed global batch of
+``<tier>-zero1``: DDP with ZeroRedundancyOptimizer(optimizer_class=tierstate.AdamW); ``<variant>-mp``:
+FSDP2 with its own mixed precision, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``:
+fp32 shards, bf16 compute, fp32 gradients) it trains a small MLP on a fixed global batch of
 GLOBAL_BATCH rows per step, each rank taking its slice of the rows. With more than one rank
 the model is wrapped in FSDP2 (``fully_shard`` per Linear and at the root, so every parameter
 is a DTensor sharded along dim 0, some unevenly); with one rank it stays a plain model, as a
@@ -33,12 +35,14 @@ import tierstate as ts
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 12, 6, 8
 LR, BETAS, WD, CLIP = 1e-2, (0.9, 0.95), 0.1, 0.5
-VARIANTS = ("torch", "cpu", "nvme", "cpu-zero2", "nvme-zero2", "cpu-ddp", "cpu-zero1", "nvme-zero1")
+VARIANTS = ("torch", "cpu", "nvme", "cpu-zero2", "nvme-zero2", "cpu-ddp", "cpu-zero1", "nvme-zero1", "torch-mp",
+            "cpu-mp", "nvme-mp")
 
 
 def build(world: int, wrap: str = "fsdp") -> nn.Module:
     """The MLP, wrapped: ``fsdp`` (FSDP2 defaults), ``zero2`` (FSDP2 keeping the gathered
-    parameters from forward to backward: ZeRO-2), ``ddp`` (replicated)."""
+    parameters from forward to backward: ZeRO-2), ``mp`` (FSDP2 with bf16 compute and fp32
+    gradient reduction), ``ddp`` (replicated)."""
     torch.manual_seed(0)
     # 10 output rows: uneven shards on 4 ranks (3, 3, 3, 1), even on 2; 2 rows: ranks 2 and 3 of 4
     # hold an empty shard
@@ -47,12 +51,15 @@ def build(world: int, wrap: str = "fsdp") -> nn.Module:
     if world > 1 and wrap in ("ddp", "zero1"):
         return nn.parallel.DistributedDataParallel(model)
     if world > 1:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        kw = {"reshard_after_forward": wrap != "zero2"}
+        if wrap == "mp":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, reshard_after_forward=wrap != "zero2")
-        fully_shard(model, reshard_after_forward=wrap != "zero2")
+                fully_shard(layer, **kw)
+        fully_shard(model, **kw)
     return model
 
 
@@ -84,7 +91,7 @@ def train(variant: str, model: nn.Module, opt, first: int, last: int, on_step=No
     losses = []
     for step in range(first, last + 1):
         x, y = batch(step, rank, world)
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
         if not isinstance(opt, ts.AdamW):  # torch's AdamW, or tierstate's under ZeroRedundancyOptimizer
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

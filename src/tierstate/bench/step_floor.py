@@ -15,6 +15,8 @@ round by round (every other round reversed) in one process:
                      backward (:class:`tierstate.pipeline.grads.HookNorms`);
 - ``tierstate-norm-in-step`` the same optimizer with the hooks' sums ignored, so the step
                      reads every gradient first (30 B/param), as before the hooks;
+- ``tierstate-no-handover`` ``tierstate`` without handing the cores over from torch's
+                     spinning OpenMP workers first (:mod:`tierstate.kernels.omp_handover`);
 - ``floor``          torch ``AdamW(fused=True)`` over an fp32 copy of the model: the 28 B/param
                      a fused step must move, at the speed torch moves them;
 - ``torch+casts``    the same fused step over fp32 masters of the bf16 model, plus the casts
@@ -24,6 +26,8 @@ round by round (every other round reversed) in one process:
 Reported: the median seconds of each step and of each backward, the medians of the
 per-round ratios tierstate/floor and (torch+casts)/tierstate, and (backward + step) of
 ``tierstate`` over ``tierstate-norm-in-step`` (what the hooks cost inside backward is in it).
+After every step the variant's model runs one forward (no grad), timed: what the step
+leaves to torch's next forward (the hand-over restarts torch's OpenMP workers there).
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import torch
 from ._timing import JSON_STDOUT, counts_arg, emit_json, load_average
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.1
-VARIANTS = ("tierstate", "tierstate-norm-in-step", "floor", "torch+casts")
+VARIANTS = ("tierstate", "tierstate-norm-in-step", "tierstate-no-handover", "floor", "torch+casts")
 _D, _F = 2048, 8192  # model width and MLP width: 2048 x 8192 = 16.8M elements per matrix
 _ROWS = 8
 
@@ -78,6 +82,7 @@ def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
 def _build(n: int):
     """{variant: (backward, step)} over models of about ``n`` parameters, and the tierstate optimizer."""
     import tierstate as ts  # noqa: PLC0415 - the command line imports this module lazily
+    from tierstate.kernels import omp_handover  # noqa: PLC0415
 
     shapes = shapes_for(n)
     x = torch.randn(_ROWS, shapes[0][1], generator=torch.Generator().manual_seed(1))
@@ -92,6 +97,14 @@ def _build(n: int):
             opt.step()
         finally:
             norms.sumsq = saved
+
+    def no_handover() -> None:
+        was = omp_handover.enabled()
+        omp_handover.set_enabled(False)
+        try:
+            opt.step()
+        finally:
+            omp_handover.set_enabled(was)
 
     full = _mlp(shapes, torch.float32)
     fused = torch.optim.AdamW(full.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
@@ -116,12 +129,19 @@ def _build(n: int):
             model.zero_grad(set_to_none=True)
         return run
 
+    def forward(model, inp):
+        def run() -> None:
+            with torch.no_grad():
+                model(inp)
+        return run
+
     xl = x.bfloat16()
-    calls = {
-        "tierstate": (lambda: _backward(low, xl), zeroed(low, opt.step)),
-        "tierstate-norm-in-step": (lambda: _backward(low, xl), zeroed(low, norm_in_step)),
-        "floor": (lambda: _backward(full, x), zeroed(full, fused.step)),
-        "torch+casts": (lambda: _backward(low2, xl), zeroed(low2, with_casts)),
+    calls = {  # (backward, step, the next forward)
+        "tierstate": (lambda: _backward(low, xl), zeroed(low, opt.step), forward(low, xl)),
+        "tierstate-norm-in-step": (lambda: _backward(low, xl), zeroed(low, norm_in_step), forward(low, xl)),
+        "tierstate-no-handover": (lambda: _backward(low, xl), zeroed(low, no_handover), forward(low, xl)),
+        "floor": (lambda: _backward(full, x), zeroed(full, fused.step), forward(full, x)),
+        "torch+casts": (lambda: _backward(low2, xl), zeroed(low2, with_casts), forward(low2, xl)),
     }
     return calls, opt, sum(a * b for a, b in shapes), len(shapes)
 
@@ -131,11 +151,12 @@ def measure(n: int, rounds: int, warmup: int, gap_ms: float) -> dict:
     calls, opt, numel, tensors = _build(n)
     steps = {name: [] for name in VARIANTS}
     backs = {name: [] for name in VARIANTS}
+    nexts = {name: [] for name in VARIANTS}
     shares: dict[str, list[float]] = {}
     for rnd in range(warmup + rounds):
         order = VARIANTS if rnd % 2 == 0 else VARIANTS[::-1]
         for name in order:
-            backward, step = calls[name]
+            backward, step, next_forward = calls[name]
             t0 = time.perf_counter()
             backward()  # torch's OpenMP workers spin after it, as after a training backward
             t1 = time.perf_counter()
@@ -144,9 +165,12 @@ def measure(n: int, rounds: int, warmup: int, gap_ms: float) -> dict:
             t2 = time.perf_counter()
             step()
             t3 = time.perf_counter()
+            next_forward()
+            t4 = time.perf_counter()
             if rnd >= warmup:
                 steps[name].append(t3 - t2)
                 backs[name].append(t1 - t0)
+                nexts[name].append(t4 - t3)
                 if name == "tierstate":
                     for phase, seconds in opt.stats().phases.items():
                         shares.setdefault(phase, []).append(seconds / (t3 - t2))
@@ -160,12 +184,15 @@ def measure(n: int, rounds: int, warmup: int, gap_ms: float) -> dict:
         "params": numel, "tensors": tensors,
         "median_step_s": {k: statistics.median(v) for k, v in steps.items()},
         "median_backward_s": {k: statistics.median(v) for k, v in backs.items()},
+        "median_next_forward_s": {k: statistics.median(v) for k, v in nexts.items()},
         "tierstate_over_floor": ratio(steps["tierstate"], steps["floor"]),
         "casts_over_tierstate": ratio(steps["torch+casts"], steps["tierstate"]),
+        "no_handover_over_tierstate": ratio(steps["tierstate-no-handover"], steps["tierstate"]),
+        "next_forward_handover_over_none": ratio(nexts["tierstate"], nexts["tierstate-no-handover"]),
         "norm_in_step_over_floor": ratio(steps["tierstate-norm-in-step"], steps["floor"]),
         "bwd_step_hooks_over_norm_in_step": ratio(whole["tierstate"], whole["tierstate-norm-in-step"]),
         "phase_share": {k: statistics.median(v) for k, v in shares.items()},
-        "step_s": steps, "backward_s": backs,
+        "step_s": steps, "backward_s": backs, "next_forward_s": nexts,
     }
 
 
@@ -185,13 +212,15 @@ def main(args: argparse.Namespace) -> int:
     print(f"opt.step() vs the floor; torch threads {figures['threads']}, load average {figures['load_average']}, "
           f"gap {args.gap_ms} ms after the model's backward")
     for r in results:
-        m, b = r["median_step_s"], r["median_backward_s"]
-        print(f"{r['params']:,} params in {r['tensors']} matrices; median step s (backward s):")
+        m, b, f = r["median_step_s"], r["median_backward_s"], r["median_next_forward_s"]
+        print(f"{r['params']:,} params in {r['tensors']} matrices; median step s (backward s, next forward s):")
         for k in VARIANTS:
-            print(f"  {k:<24} {m[k]:.4f} ({b[k]:.4f})")
+            print(f"  {k:<24} {m[k]:.4f} ({b[k]:.4f}, {f[k]:.4f})")
         print(f"  tierstate / floor {r['tierstate_over_floor']:.3f}; norm-in-step / floor "
               f"{r['norm_in_step_over_floor']:.3f}; torch+casts / tierstate {r['casts_over_tierstate']:.3f}; "
               f"(backward + step) hooks / norm-in-step {r['bwd_step_hooks_over_norm_in_step']:.3f}")
+        print(f"  OpenMP hand-over: step without / with {r['no_handover_over_tierstate']:.3f}; torch's next "
+              f"forward with / without {r['next_forward_handover_over_none']:.3f}")
         top = sorted(r["phase_share"].items(), key=lambda kv: -kv[1])[:4]
         print("  tierstate step phases: " + ", ".join(f"{k} {v:.0%}" for k, v in top))
     return 0
