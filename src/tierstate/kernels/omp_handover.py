@@ -19,6 +19,11 @@ torch's next matmul was unchanged (24.4 ms after it, 23.6-26.5 ms otherwise). A 
 no idle team costs 1.5 us. Inside an OpenMP parallel region the runtime refuses (returns
 -1) and nothing changes.
 
+``opt.step()`` hands over once, before its first kernel. Not the updates that
+``step_in_backward`` runs between autograd nodes: there each hand-over made torch start its
+workers again for the next node, and backward of GPT-2 124M got slower (1.28 s against
+1.15 s, medians of 10 steps), more than the spin had cost.
+
 The runtime is the one torch loaded: found by name in ``/proc/self/maps`` and opened with
 ``RTLD_NOLOAD`` (never a second copy). Elsewhere (no ``/proc``), or with
 ``TIERSTATE_OMP_HANDOVER=0``, this does nothing.

@@ -17,6 +17,7 @@ from torch import Tensor
 from .. import host_allocator, kernels
 from ..dist import failure as fail_fast
 from ..dist import local_state, present_state
+from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
 from ..telemetry import Telemetry
@@ -209,6 +210,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # torch's OpenMP workers still spin after backward: give their cores to the kernels (once
+        # a step, not per update inside backward, where torch would restart them for every
+        # autograd node: see kernels/omp_handover.py)
+        hand_over_cores()
         tel = self.telemetry
         tel.begin_step(self._counters.steps_taken)
         workers = tel.enabled and tel.tracing  # one trace lane per kernel thread, only while tracing

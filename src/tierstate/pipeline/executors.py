@@ -18,7 +18,6 @@ from typing import Callable, Mapping, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from ..kernels.omp_handover import hand_over_cores
 from ..kernels.quant import master_value, param_seed
 from ..placement import Segment, SubGroup
 from ..rules import UpdateTask
@@ -79,7 +78,6 @@ class HostExecutor:
 
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
         with self.telemetry.phase("cpu_update", lane=self.lane):
-            hand_over_cores()  # torch's OpenMP workers still spin after backward: see kernels/omp_handover.py
             groups = self.groups()
             for seg in segments:
                 self._update(seg, views, groups)
