@@ -37,9 +37,10 @@ def main() -> None:
     if args.state == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        # Each rank's tierstate.AdamW sees only its 1/N of the parameters, so its own clipping
-        # would use a partial norm: clip the whole (all-reduced) gradients before step() instead.
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=ts.AdamW, **hyper)
+        # Each rank's tierstate.AdamW holds 1/N of the parameters; built by ZeroRedundancyOptimizer
+        # it all-reduces its gradients' squares over ZeRO's process group, so max_grad_norm clips
+        # by the global norm (tierstate.dist.zero).
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=ts.AdamW, max_grad_norm=1.0, **hyper)
         local = opt.optim  # this rank's tierstate.AdamW
     else:
         opt = local = ts.AdamW(ddp.parameters(), max_grad_norm=1.0, **hyper)
@@ -54,8 +55,6 @@ def main() -> None:
         for batch in loader:
             loss = ddp(**{k: v.to(device) for k, v in batch.items()}).loss
             loss.backward()
-            if local is not opt:
-                torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             first = loss.item() if first is None else first

@@ -3,7 +3,9 @@
 For each optimizer variant (``torch``: torch.optim.AdamW with clip_grad_norm_; ``cpu`` and
 ``nvme``: tierstate.AdamW on that tier; ``<tier>-zero2``: FSDP2 with
 ``reshard_after_forward=False``, ZeRO-2; ``cpu-ddp``: DDP, every rank a replica;
-``<tier>-zero1``: DDP with ZeroRedundancyOptimizer(optimizer_class=tierstate.AdamW); ``<variant>-mp``:
+``<tier>-zero1``: DDP with ZeroRedundancyOptimizer(optimizer_class=tierstate.AdamW), clipped with
+clip_grad_norm_ before the step; ``<tier>-zero1clip``: the same with the inner tierstate.AdamW's own
+``max_grad_norm`` instead; ``<variant>-mp``:
 FSDP2 with its own mixed precision, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``:
 fp32 shards, bf16 compute, fp32 gradients) it trains a small MLP on a fixed global batch of
 GLOBAL_BATCH rows per step, each rank taking its slice of the rows. With more than one rank
@@ -36,7 +38,7 @@ import tierstate as ts
 STEPS, SAVE_AT, GLOBAL_BATCH = 12, 6, 8
 LR, BETAS, WD, CLIP = 1e-2, (0.9, 0.95), 0.1, 0.5
 VARIANTS = ("torch", "cpu", "nvme", "cpu-zero2", "nvme-zero2", "cpu-ddp", "cpu-zero1", "nvme-zero1", "torch-mp",
-            "cpu-mp", "nvme-mp")
+            "cpu-mp", "nvme-mp", "cpu-zero1clip", "nvme-zero1clip")
 
 
 def build(world: int, wrap: str = "fsdp") -> nn.Module:
@@ -48,7 +50,7 @@ def build(world: int, wrap: str = "fsdp") -> nn.Module:
     # hold an empty shard
     model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10), nn.Tanh(),
                           nn.Linear(10, 2))
-    if world > 1 and wrap in ("ddp", "zero1"):
+    if world > 1 and wrap in ("ddp", "zero1", "zero1clip"):
         return nn.parallel.DistributedDataParallel(model)
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -67,13 +69,15 @@ def optimizer(variant: str, model: nn.Module, out: str, tag: str, wrap: str = ""
     if variant == "torch":
         return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     nvme = {"nvme_dir": os.path.join(out, f"nvme-{tag}-rank{{rank}}")} if variant == "nvme" else {}
-    if wrap == "zero1":
+    if wrap in ("zero1", "zero1clip"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        # each rank's tierstate.AdamW holds 1/N of the parameters: clipping is done on the whole
-        # (all-reduced) gradients before the step, see train()
+        # each rank's tierstate.AdamW holds 1/N of the parameters: "zero1" clips the whole
+        # (all-reduced) gradients before the step (see train()), "zero1clip" leaves it to the inner
+        # optimizer's max_grad_norm, whose norm is then all-reduced over ZeRO's process group
+        clip = {"max_grad_norm": CLIP} if wrap == "zero1clip" else {}
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=ts.AdamW, lr=LR, betas=BETAS,
-                                       weight_decay=WD, offload=variant, **nvme)
+                                       weight_decay=WD, offload=variant, **nvme, **clip)
     return ts.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, max_grad_norm=CLIP,
                     offload=variant, **nvme)
 
@@ -93,7 +97,8 @@ def train(variant: str, model: nn.Module, opt, first: int, last: int, on_step=No
         x, y = batch(step, rank, world)
         loss = nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
-        if not isinstance(opt, ts.AdamW):  # torch's AdamW, or tierstate's under ZeroRedundancyOptimizer
+        clips_itself = isinstance(opt, ts.AdamW) or getattr(getattr(opt, "optim", None), "max_grad_norm", None)
+        if not clips_itself:  # torch's AdamW, or tierstate's under ZeroRedundancyOptimizer without max_grad_norm
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -122,12 +122,15 @@ def test_resume_on_other_world_sizes(runs, tier, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("variant", TIERS + ("cpu-zero2", "nvme-zero2", "cpu-ddp", "cpu-zero1", "nvme-zero1"))
+@pytest.mark.parametrize("variant", TIERS + ("cpu-zero2", "nvme-zero2", "cpu-ddp", "cpu-zero1", "nvme-zero1",
+                                     "cpu-zero1clip", "nvme-zero1clip"))
 def test_sharded_training_equals_one_process(runs, variant, world):
     """N ranks on N slices of the global batch train as one process on the whole batch (12 steps,
     clipping active), on both tiers, under FSDP2, FSDP2 as ZeRO-2 (``reshard_after_forward=False``,
     the sharded mode docs/distributed.md recommends to DDP users) and DDP; torch.optim.AdamW under
-    FSDP2 is held to the same bound."""
+    FSDP2 is held to the same bound. Under ZeroRedundancyOptimizer both ways of clipping:
+    ``clip_grad_norm_`` before the step, and the inner optimizers' own ``max_grad_norm``, whose
+    norm must sum every rank's partition (each rank alone clipped by its own part's norm)."""
     tier = variant.partition("-")[0]
     one = result(runs, 1)[tier]["straight"]
     sharded = result(runs, world)[variant]["straight"]

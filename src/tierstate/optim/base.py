@@ -17,6 +17,7 @@ from torch import Tensor
 from .. import host_allocator, kernels
 from ..dist import failure as fail_fast
 from ..dist import local_state, present_state
+from ..dist.zero import partition_group_of_caller
 from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
@@ -66,6 +67,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 "data-parallel wrappers reduce gradients after the hooks this mode updates in, so each rank "
                 "would step on its own gradient; use step_in_backward=False with DDP/FSDP")
         self.step_in_backward = step_in_backward
+        # built by torch's ZeroRedundancyOptimizer: this rank holds a part of the parameters, and
+        # clipping needs the norm over all parts (tierstate.dist.zero)
+        self._partition_group = partition_group_of_caller()
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.on_nonfinite = on_nonfinite
         self.telemetry = Telemetry(enabled=telemetry)
@@ -84,7 +88,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.host_allocator = host_allocator.policy()
 
     def _policy(self) -> StepPolicy:
-        return StepPolicy(self.max_grad_norm, self.on_nonfinite, self.step_in_backward)
+        return StepPolicy(self.max_grad_norm, self.on_nonfinite, self.step_in_backward, self._partition_group)
 
     def _choose_auto(self, params: list, defaults: dict, allow_device_tier: bool) -> Offload:
         try:

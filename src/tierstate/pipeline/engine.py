@@ -38,6 +38,9 @@ class StepPolicy:
     max_grad_norm: float | None = None
     on_nonfinite: str = "skip"  # or "raise"
     step_in_backward: bool = False
+    # the process group over which the optimizer's (whole) parameters are partitioned, one part
+    # per rank (ZeroRedundancyOptimizer): the norm and the non-finite decision sum over it
+    partition_group: object = None
 
 
 @dataclass
@@ -254,7 +257,10 @@ class StepEngine:
     def _plain(self, active: list, scaling: Scaling, rebuilt: bool) -> StepResult:
         tel, store, grads = self.telemetry, self.store, self.parts.grads
         host_grads, device_grads = grads.split(active)
-        decision = decide(active, host_grads, device_grads, self.parts.heads, scaling, self.parts.shard_groups,
+        shard_groups = self.parts.shard_groups
+        if self.policy.partition_group is not None:  # every parameter here is this rank's part of the whole
+            shard_groups = [((), [self.policy.partition_group])]
+        decision = decide(active, host_grads, device_grads, self.parts.heads, scaling, shard_groups,
                           self.policy.max_grad_norm, self.device, tel, hook_sumsq=grads.hook_sumsq)
         grads.step_taken()
         if decision.verdict is Verdict.SKIP:
