@@ -107,3 +107,30 @@ def test_auto_follows_the_plan(tmp_path):
         assert "nvme" in lm.weight_tiers and lm.plan.ram_bytes <= budget.ram
         out = lm.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, eos_token_id=[])
     assert torch.equal(out, ref)
+
+
+def test_rates_are_lowered_to_what_a_real_layer_achieves():
+    """measure_hardware's compute rates come down to those of one real layer of the model (a
+    prefill and decode steps over copies of it): never above the synthetic probe's, and what the
+    real layer's prefill and decode times give back through the planner's own formulas."""
+    import math
+    import time
+
+    from transformers import LlamaConfig
+
+    from tierstate.generate.policy import _real_layer_rates
+    from tierstate.placement.generate_plan import shape_from_config
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4)
+    shape = shape_from_config(cfg, 2)
+    huge = 1e18  # synthetic rates no real layer reaches: the real ones must come back
+    t0 = time.perf_counter()
+    flops, ram_bw = _real_layer_rates(cfg, shape, torch.bfloat16, 0.0, huge, huge)
+    assert time.perf_counter() - t0 < 60
+    assert 0 < flops < huge and 0 < ram_bw < huge and math.isfinite(flops) and math.isfinite(ram_bw)
+    # the prefill of 4 x 32 tokens at that rate takes a positive, plausible time (< 10 s)
+    assert 0 < 2 * 4 * 32 * shape.layer_params[0] / flops < 10
+    assert 0 < shape.layer_bytes[0] / ram_bw < 10
+    low_flops, low_bw = _real_layer_rates(cfg, shape, torch.bfloat16, 0.0, 1.0, 1.0)
+    assert (low_flops, low_bw) == (1.0, 1.0)  # a synthetic rate already lower is kept
