@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import tierstate as ts
-from common import build_model, dataset_for, figures, parser, steps_of
+from common import build_model, dataset_for, figures, parser, steps_of, train_data_parallel
 
 
 def main() -> None:
@@ -63,31 +62,15 @@ def main() -> None:
         dcp.load(sd, checkpoint_id=ckpt)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         first_step = int(sd["meta"]["step"])
-    data = dataset_for(model, args.tiny)
-    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
-    steps, done, first, loss = steps_of(args), 0, None, None
-    epoch = first_step
-    start = time.perf_counter()
-    while done < steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            first = loss.item() if first is None else first
-            done += 1
-            if done >= steps:
-                break
-        epoch += 1
-    runtime = time.perf_counter() - start
+    steps = steps_of(args)
+    first, last, runtime = train_data_parallel(model, opt, dataset_for(model, args.tiny), steps, device,
+                                               first_epoch=first_step)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "meta": {"step": torch.tensor(first_step + steps)}},
              storage_writer=dcp.FileSystemWriter(ckpt, overwrite=True))  # the newest checkpoint replaces the last
     if rank == 0:
         print(f"{world} rank(s){' resumed at step ' + str(first_step) if args.resume else ''}: loss {first:.3f} -> "
-              f"{loss.item():.3f} over {steps} steps; checkpoint of step {first_step + steps} in {ckpt}")
+              f"{last:.3f} over {steps} steps; checkpoint of step {first_step + steps} in {ckpt}")
     # every rank's own line: its state is its shards' only
     print(f"rank {rank} {figures(opt, steps, runtime)}", flush=True)
     dist.barrier()

@@ -11,14 +11,13 @@ them, so each rank holds 1/N of the state. The replicas stay identical (checked 
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import tierstate as ts
-from common import build_model, dataset_for, figures, parser, steps_of
+from common import build_model, dataset_for, figures, parser, steps_of, train_data_parallel
 
 
 def main() -> None:
@@ -44,25 +43,8 @@ def main() -> None:
         local = opt.optim  # this rank's tierstate.AdamW
     else:
         opt = local = ts.AdamW(ddp.parameters(), max_grad_norm=1.0, **hyper)
-    data = dataset_for(model, args.tiny)
-    sampler = torch.utils.data.distributed.DistributedSampler(data, num_replicas=world, rank=rank, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
-    steps, done, first = steps_of(args), 0, None
-    epoch = 0
-    start = time.perf_counter()
-    while done < steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            loss = ddp(**{k: v.to(device) for k, v in batch.items()}).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            first = loss.item() if first is None else first
-            done += 1
-            if done >= steps:
-                break
-        epoch += 1
-    runtime = time.perf_counter() - start
+    steps = steps_of(args)
+    first, last, runtime = train_data_parallel(ddp, opt, dataset_for(model, args.tiny), steps, device)
     # Replicas must agree: compare a checksum of the weights across ranks.
     checksum = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1).cpu()
     sums = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
@@ -71,7 +53,7 @@ def main() -> None:
     dist.all_gather_object(held, sum(local.tier_bytes().values()))
     if rank == 0:
         agree = all(torch.equal(s, sums[0]) for s in sums)
-        print(f"{world} ranks: loss {first:.3f} -> {loss.item():.3f} over {steps} steps; "
+        print(f"{world} ranks: loss {first:.3f} -> {last:.3f} over {steps} steps; "
               f"optimizer step {local.stats().wall_s * 1e3:.1f} ms; replicas identical: {agree}")
         print(f"state per rank ({args.state}): " + ", ".join(f"{b / 2**20:.2f} MiB" for b in held))
         print(f"rank 0 {figures(local, steps, runtime)}")
