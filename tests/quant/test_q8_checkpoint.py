@@ -8,21 +8,13 @@ import pytest
 import torch
 
 import tierstate as ts
-from _q8_common import make_params, train as _train
+from _q8_common import assert_same_state_then_same_steps, make_params, q8_offload as _offload, raw_bytes
+from _q8_common import train as _train
 from tierstate.kernels import quant as Q
 
 
 def _params(dtype=torch.bfloat16):
     return make_params(dtype, seed=11)
-
-
-def _offload(folder, master, nvme):
-    return ts.Offload(cpu=1 - nvme, nvme=nvme, nvme_dir=str(folder), moment_dtype="q8",
-                      master_dtype=torch.float32 if master == "fp32" else master, subgroup_numel=2048)
-
-
-def _raw(t):
-    return t.contiguous().view(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("master", Q.MASTER_MODES)
@@ -46,17 +38,7 @@ def test_checkpoint_round_trip_is_exact_and_compressed(master, tiers, tmp_path):
     params2 = _params()
     opt2 = ts.AdamW(params2, lr=1e-2, offload=_offload(tmp_path / "b", master, tiers[1]))
     ts.load_optimizer(opt2, tmp_path / "ckpt")
-    sd, sd2 = opt.state_dict(), opt2.state_dict()
-    for i in sd["state"]:
-        assert sorted(sd["state"][i]) == sorted(sd2["state"][i])
-        for key in sd["state"][i]:
-            assert torch.equal(_raw(sd["state"][i][key]), _raw(sd2["state"][i][key])), (i, key)
-    for p, q in zip(params, params2):
-        q.data.copy_(p.data)
-    _train(opt, params, 2, seed=4)
-    _train(opt2, params2, 2, seed=4)
-    for p, q in zip(params, params2):
-        assert torch.equal(p, q)
+    assert_same_state_then_same_steps(opt, params, opt2, params2, seed=4)
     opt.close(), opt2.close()
 
 
@@ -125,5 +107,5 @@ def test_mmap_state_dict_and_dcp_round_trip(tmp_path):
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
     for i in sd["state"]:
         for key, value in sd["state"][i].items():
-            assert torch.equal(_raw(value), _raw(target["state"][i][key])), (i, key)
+            assert raw_bytes(value) == raw_bytes(target["state"][i][key]), (i, key)
     opt.close()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import tierstate as ts
-from _q8_common import make_params, train as _train
+from _q8_common import assert_same_state_then_same_steps, make_params, q8_offload
+from _q8_common import train as _train
 from tierstate.checkpoint.compressed import StateFormatWarning, full_state_dict
 from tierstate.kernels import quant as Q
 
@@ -19,13 +20,7 @@ def _model(dtype=torch.bfloat16):
 
 
 def _offload(tmp_path, master="bf16_kahan", nvme=0.5, block=256):
-    return ts.Offload(cpu=1 - nvme, nvme=nvme, nvme_dir=str(tmp_path / "nvme"), moment_dtype="q8",
-                      master_dtype=master if master != "fp32" else torch.float32, quant_block=block,
-                      subgroup_numel=2048)
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return q8_offload(tmp_path / "nvme", master, nvme, block)
 
 
 @pytest.mark.parametrize("master", Q.MASTER_MODES)
@@ -49,18 +44,7 @@ def test_state_dict_parts_and_exact_round_trip(master, tmp_path):
     params2 = _model()
     opt2 = ts.AdamW(params2, lr=1e-2, offload=_offload(tmp_path / "b", master, nvme=1.0))
     opt2.load_state_dict(loaded)
-    sd2 = opt2.state_dict()
-    for i in sd["state"]:
-        assert sorted(sd["state"][i]) == sorted(sd2["state"][i])
-        for key, value in sd["state"][i].items():
-            assert _bytes(value) == _bytes(sd2["state"][i][key]), (i, key)
-    # and both continue identically
-    for p, q in zip(params, params2):
-        q.data.copy_(p.data)
-    _train(opt, params, 2, seed=9)
-    _train(opt2, params2, 2, seed=9)
-    for p, q in zip(params, params2):
-        assert torch.equal(p, q)
+    assert_same_state_then_same_steps(opt, params, opt2, params2, seed=9)  # and both continue identically
     opt.close(), opt2.close()
 
 
