@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -76,22 +75,11 @@ def _logits(kind: str, model, x):
     return model(x) if kind == "demo" else model(input_ids=x).logits
 
 
-def _schedule(steps: int):
-    warmup = max(1, min(50, steps // 10))
-
-    def multiplier(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return multiplier
-
-
 def run_one(job: dict) -> dict:
     """One (model, format, seed) run: loss per step and the final held-out loss."""
     import tierstate as ts
     from tierstate.demo.corpus import SyntheticCorpus
+    from tierstate.demo.train import warmup_cosine
 
     torch.set_num_threads(1)
     kind, fmt, seed, args = job["kind"], job["format"], job["seed"], job["args"]
@@ -106,7 +94,7 @@ def run_one(job: dict) -> dict:
         opt = cls(params, **hyper)
     else:
         opt = ts.AdamW(params, offload=ts.Offload(cpu=1.0, **FORMATS[fmt]), **hyper)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(args.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max_warmup=50))
     corpus = SyntheticCorpus(seed=1234)  # the data is the same for every run; the seed sets init and batches
     gen = torch.Generator().manual_seed(seed)
     losses = []

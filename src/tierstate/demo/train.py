@@ -140,7 +140,7 @@ def run_demo(
     net = GPT(config).to(device=device, dtype=DTYPES[dtype])
     opt = tierstate.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                           offload=_offload_policy(offload, nvme_dir))
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(steps))
     batches = torch.Generator().manual_seed(seed + 1)  # batch order apart from weight init
 
     log = _RunLog()
@@ -279,10 +279,10 @@ def _tracing(opt: tierstate.OffloadOptimizer, trace_path: str | os.PathLike | No
         opt.stop_trace()
 
 
-def _warmup_cosine(steps: int):
-    """LR multiplier: linear warm-up over 10% of the steps (at most 20), then a cosine
-    decay to 10% of the peak, the usual GPT recipe compressed to a short run."""
-    warmup = max(1, min(20, steps // 10))
+def warmup_cosine(steps: int, max_warmup: int = 20):
+    """LR multiplier: linear warm-up over 10% of the steps (at most ``max_warmup``), then a
+    cosine decay to 10% of the peak, the usual GPT recipe compressed to a short run."""
+    warmup = max(1, min(max_warmup, steps // 10))
 
     def multiplier(step: int) -> float:
         if step < warmup:
