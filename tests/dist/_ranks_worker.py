@@ -83,17 +83,22 @@ def fail_caught(out: str) -> None:
         time.sleep(600)
 
 
+def _step_on_nvme(out: str):
+    """One step of a small model with its state under OUT/ts/rank{rank}: (the optimizer, its files)."""
+    model = nn.Linear(16, 16)
+    opt = ts.AdamW(model.parameters(), lr=1e-2, offload="nvme", nvme_dir=os.path.join(out, "ts", "rank{rank}"))
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    return opt, [str(p) for tier in opt.tiers.values() for p in tier.files]
+
+
 def lost(out: str) -> None:
     """Every rank steps on its NVMe folder (OUT/ts/rank{rank}); rank FAIL_RANK then dies by
     SIGKILL, leaving its state files and marker behind."""
     import signal
 
     rank = dist.get_rank()
-    model = nn.Linear(16, 16)
-    opt = ts.AdamW(model.parameters(), lr=1e-2, offload="nvme", nvme_dir=os.path.join(out, "ts", "rank{rank}"))
-    model(torch.randn(4, 16)).sum().backward()
-    opt.step()
-    files = [str(p) for tier in opt.tiers.values() for p in tier.files]
+    opt, files = _step_on_nvme(out)  # held to the end: a collected optimizer would remove its files
     with open(os.path.join(out, f"lost-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "files": files}, f)
     dist.barrier()
@@ -105,11 +110,7 @@ def lost(out: str) -> None:
 def restart(out: str) -> None:
     """The job restarted over the same folders: each rank's optimizer claims its folder again."""
     rank = dist.get_rank()
-    model = nn.Linear(16, 16)
-    opt = ts.AdamW(model.parameters(), lr=1e-2, offload="nvme", nvme_dir=os.path.join(out, "ts", "rank{rank}"))
-    model(torch.randn(4, 16)).sum().backward()
-    opt.step()
-    files = [str(p) for tier in opt.tiers.values() for p in tier.files]
+    opt, files = _step_on_nvme(out)
     with open(os.path.join(out, f"restart-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "files": files,
                    "listing": sorted(os.listdir(os.path.join(out, "ts", f"rank{rank}")))}, f)

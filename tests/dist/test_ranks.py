@@ -76,18 +76,25 @@ def test_threads_and_nvme_folders_per_rank(tmp_path, world):
         assert len({Path(r["files"]["default"][0]).parent for r in ranks}) == world
 
 
-@needs_gloo
-@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
-def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
-    done, _ = launch(tmp_path, "fail")
+def launch_failing(tmp_path, mode: str) -> str:
+    """Launch ``mode``, in which rank 1 fails at step 3: the job fails within FAIL_BOUND_S of
+    rank 1's error, and rank 0, waiting in a collective for rank 1, ends naming that error.
+    The job's output."""
+    done, _ = launch(tmp_path, mode)
     ended = time.time()
     out = done.stdout + done.stderr
     assert done.returncode != 0
     failed = read(tmp_path / "fail-1.json")
     assert ended - failed["at"] < FAIL_BOUND_S, (ended - failed["at"], out[-4000:])
     assert failed["type"] == "ValueError"
-    # rank 0 was waiting in a collective for rank 1: it ends with the name of rank 1's error
     assert "PeerFailedError: rank 1 failed (ValueError: bad batch on rank 1 at step 3); ending rank 0" in out, out[-4000:]
+    return out
+
+
+@needs_gloo
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
+def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
+    out = launch_failing(tmp_path, "fail")
     assert f"exitcode  : {EXIT_STATUS}" in out
     # torchrun's summary names rank 1's error, with its traceback, as the root cause
     root = out[out.index("Root Cause"):]
@@ -99,13 +106,7 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
 def test_a_reported_failure_ends_the_others_while_the_rank_hangs(tmp_path):
     """The failing rank catches its error, reports it and stays alive: without the report the
     other rank would wait in its collective for the group's timeout (30 minutes for gloo)."""
-    done, _ = launch(tmp_path, "fail-caught")
-    ended = time.time()
-    out = done.stdout + done.stderr
-    assert done.returncode != 0
-    failed = read(tmp_path / "fail-1.json")
-    assert ended - failed["at"] < FAIL_BOUND_S, (ended - failed["at"], out[-4000:])
-    assert "PeerFailedError: rank 1 failed (ValueError: bad batch on rank 1 at step 3); ending rank 0" in out, out[-4000:]
+    launch_failing(tmp_path, "fail-caught")
 
 
 @needs_gloo
