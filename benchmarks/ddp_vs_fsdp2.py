@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -33,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 import tierstate as ts
+from tierstate.placement.probe import cpu_model
 
 WRAPS = ("ddp", "zero1", "zero2", "fsdp")
 
@@ -104,7 +104,7 @@ def main() -> None:
     if rank == 0:
         params = args.layers * (args.width * args.width + args.width)
         out = {"world": world, "params": params, "offload": args.offload, "batch_per_rank": args.batch,
-               "samples": len(step_s["ddp"]), "cpu": _cpu_model(), "date": time.strftime("%Y-%m-%d"),
+               "samples": len(step_s["ddp"]), "cpu": cpu_model() or "unknown CPU", "date": time.strftime("%Y-%m-%d"),
                "threads_per_rank": ts.kernels.get_num_threads(), "wraps": {}}
         for w in WRAPS:
             out["wraps"][w] = {"step_s": statistics.median(step_s[w]), "opt_step_s": statistics.median(opt_s[w]),
@@ -130,15 +130,6 @@ def _local(opt) -> ts.AdamW:
     return getattr(opt, "optim", opt)
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

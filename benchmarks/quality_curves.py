@@ -209,7 +209,9 @@ def main(argv=None) -> int:
         return _report(saved["runs"], kinds, out, saved["meta"])
     jobs = [{"kind": k, "format": f, "seed": s, "args": args} for s in range(args.seeds) for k in kinds for f in formats]
     t0 = time.perf_counter()
-    meta = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cpu": _cpu_model(),
+    from tierstate.placement.probe import cpu_model
+
+    meta = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cpu": cpu_model() or "unknown CPU",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "torch": torch.__version__, "python": platform.python_version(), "config": {
                 k: v for k, v in vars(args).items() if k != "out"}}
@@ -243,14 +245,6 @@ def _report(results: list[dict], kinds: list[str], out: Path, meta: dict) -> int
     return 0
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -144,20 +144,25 @@ def _thread_counts() -> list[int]:
     return counts + [cpus]
 
 
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` shows it (``/proc/cpuinfo``), else ``platform.processor()``
+    (may be empty)."""
+    fallback = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), fallback)
+    except OSError:
+        return fallback
+
+
 def machine_facts() -> dict:
     import psutil
     import torch
 
-    cpu_model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    except OSError:
-        pass
     vm = psutil.virtual_memory()
     facts = {
         "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "cpu_model": cpu_model,
+        "torch": torch.__version__, "cpu_model": cpu_model(),
         "logical_cpus": psutil.cpu_count(logical=True), "physical_cpus": psutil.cpu_count(logical=False),
         "process_cpus": _thread_counts()[-1], "memory_total_bytes": vm.total,
         "memory_available_bytes": vm.available, "load_average_1m": os.getloadavg()[0],
