@@ -50,7 +50,7 @@ def setup(out: str) -> None:
 def fail(out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     for layer in (model[0], model[2]):
