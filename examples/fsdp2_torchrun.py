@@ -13,10 +13,14 @@ The first run trains ``--steps`` steps, saving a checkpoint (model and optimizer
 ``get_state_dict`` + ``dcp.save``) at the last step into ``--out/checkpoint``; ``--resume``
 loads it (any number of ranks: DCP reshards) and trains ``--steps`` more. ``--offload nvme``
 puts each rank's state in ``--nvme-dir`` (default ``--out/nvme/rank{rank}``: a folder per rank).
-gloo on CPU, nccl on GPUs.
+``--stream-weights cpu|nvme`` also keeps each rank's shards of the blocks' weights on that tier
+(``tierstate.offload_weights``: FSDP2 shards each block, tierstate streams the shard, bringing
+it in only while FSDP2 gathers the block; NVMe folder ``--out/weights/rank{rank}``); the
+checkpoint is then saved and loaded inside ``ws.gathered()``. gloo on CPU, nccl on GPUs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -35,6 +39,8 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="load --out/checkpoint first")
     p.add_argument("--offload", choices=("cpu", "nvme"), default="cpu")
     p.add_argument("--nvme-dir", default=None, help="with --offload nvme; '{rank}' is replaced by the rank")
+    p.add_argument("--stream-weights", choices=("cpu", "nvme"), default=None,
+                   help="keep each rank's shards of the blocks' weights on this tier (tierstate.offload_weights)")
     args = p.parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
@@ -49,6 +55,12 @@ def main() -> None:
     for block in blocks:  # one FSDP unit per transformer block, then the rest at the root
         fully_shard(block)
     fully_shard(model)
+    ws = None
+    if args.stream_weights:  # after fully_shard: each rank streams its own shards of every block
+        folder = os.path.join(out, "weights", "rank{rank}") if args.stream_weights == "nvme" else None
+        ws = ts.offload_weights(model, args.stream_weights, nvme_dir=folder)
+    # the model's state dict reads the shards: with streamed weights, inside ws.gathered()
+    shards_in_memory = ws.gathered if ws is not None else contextlib.nullcontext
     nvme = {}
     if args.offload == "nvme":
         nvme["nvme_dir"] = args.nvme_dir or os.path.join(out, "nvme", "rank{rank}")
@@ -57,22 +69,30 @@ def main() -> None:
     ckpt = os.path.join(out, "checkpoint")
     first_step = 0
     if args.resume:
-        msd, osd = get_state_dict(model, opt)  # DTensor state: this rank's shards of the saved tensors
-        sd = {"model": msd, "optim": osd, "meta": {"step": torch.tensor(0)}}
-        dcp.load(sd, checkpoint_id=ckpt)
-        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        with shards_in_memory():
+            msd, osd = get_state_dict(model, opt)  # DTensor state: this rank's shards of the saved tensors
+            sd = {"model": msd, "optim": osd, "meta": {"step": torch.tensor(0)}}
+            dcp.load(sd, checkpoint_id=ckpt)
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         first_step = int(sd["meta"]["step"])
     steps = steps_of(args)
     first, last, runtime = train_data_parallel(model, opt, dataset_for(model, args.tiny), steps, device,
                                                first_epoch=first_step)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "meta": {"step": torch.tensor(first_step + steps)}},
-             storage_writer=dcp.FileSystemWriter(ckpt, overwrite=True))  # the newest checkpoint replaces the last
+    with shards_in_memory():
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "meta": {"step": torch.tensor(first_step + steps)}},
+                 storage_writer=dcp.FileSystemWriter(ckpt, overwrite=True))  # the newest replaces the last
     if rank == 0:
         print(f"{world} rank(s){' resumed at step ' + str(first_step) if args.resume else ''}: loss {first:.3f} -> "
               f"{last:.3f} over {steps} steps; checkpoint of step {first_step + steps} in {ckpt}")
     # every rank's own line: its state is its shards' only
-    print(f"rank {rank} {figures(opt, steps, runtime)}", flush=True)
+    streamed = ""
+    if ws is not None:
+        st = ws.stats()
+        streamed = (f"; weights streamed: {st['blocks']} blocks' shards ({sum(ws.block_bytes()) / 2**20:.1f} MiB) on "
+                    f"{args.stream_weights}, {st['fetch_bytes'] / 2**20:.1f} MiB read back, at most "
+                    f"{st['peak_window_bytes'] / 2**20:.2f} MiB in memory at once")
+    print(f"rank {rank} {figures(opt, steps, runtime)}{streamed}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -2,8 +2,9 @@
 tests/integrations/test_examples.py; the per-rank state of its ZeRO-1 mode is measured in
 tests/dist/test_fsdp_checkpoint.py).
 
-The FSDP2 example trains 8 steps on 2 ranks and saves a DCP checkpoint; resumed on 1 process
-with the NVMe tier it continues from step 8 and the loss keeps falling. About a minute
+The FSDP2 example trains 8 steps on 2 ranks, each streaming its shards of the blocks' weights
+from NVMe (``--stream-weights nvme``), and saves a DCP checkpoint; resumed on 1 process with the
+NVMe tier (weights resident) it continues from step 8 and the loss keeps falling. About a minute
 (transformers import per rank).
 """
 from __future__ import annotations
@@ -46,10 +47,14 @@ def losses(out: str) -> tuple[float, float]:
 
 
 def test_fsdp2_example_saves_on_two_ranks_and_resumes_on_one(tmp_path):
-    out = torchrun(2, "fsdp2_torchrun.py", "--out", str(tmp_path))
+    out = torchrun(2, "fsdp2_torchrun.py", "--out", str(tmp_path), "--stream-weights", "nvme")
     first, last = losses(out)
     assert last < first - 0.5, out
     assert "checkpoint of step 8" in out and len(re.findall(r"^rank \d figures:", out, re.M)) == 2, out
+    streamed = re.findall(r"weights streamed: (\d+) blocks' shards \(([\d.]+) MiB\) on nvme, ([\d.]+) MiB read back",
+                          out)
+    assert len(streamed) == 2, out  # each rank: its shards, read back from disk as the steps went
+    assert all(int(n) > 1 and float(read) > float(size) for n, size, read in streamed), streamed
     resumed = torchrun(1, "fsdp2_torchrun.py", "--out", str(tmp_path), "--resume", "--offload", "nvme")
     assert "1 rank(s) resumed at step 8" in resumed and "checkpoint of step 16" in resumed, resumed
     r_first, r_last = losses(resumed)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from ..checkpoint.durable import aligned_buffer, fsync_dir, open_file, remove_quietly
 from ..io.errors import FileIOError, from_oserror, io_error
+from . import fsdp
 from .streamer import WeightStreamer, closed_name, streamed
 
 # torch dtype -> safetensors dtype name (the library's spelling).
@@ -89,6 +90,12 @@ def _streamer_of(t: Tensor, streamer: WeightStreamer | None, name: str):
 def _check_model(model, streamer) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if any(fsdp.is_dtensor(p) for p in model.parameters()):
+        # each rank holds shards: a file of one rank's shards under the global names and shapes
+        # would be corrupt, and gathering whole tensors is what DCP is for
+        raise ValueError("save_weights/load_weights: the model's parameters are sharded (DTensor, FSDP2); save and "
+                         "load them with torch.distributed.checkpoint (get_state_dict + dcp.save / dcp.load + "
+                         "set_state_dict), inside `with ws.gathered():` when the shards are streamed")
     if streamer is not None:
         if not isinstance(streamer, WeightStreamer):
             raise TypeError(f"streamer={streamer!r}: expected a tierstate.WeightStreamer or None")

@@ -17,6 +17,7 @@ is how a 7B model trains on a disk that could not hold a second copy.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from typing import Iterator, Sequence
@@ -25,8 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..dist import expand_rank_template
 from ..placement import Offload
 from ..placement.defaults import default_nvme_root
+from . import fsdp
 from .blocks import Block, assign, byte_view, resolve_blocks, typed_view
 from .homes import make_home, split_by_fraction
 from .hooks import BlockHooks
@@ -108,7 +111,9 @@ class WeightStreamer:
         self.prefetch = prefetch
         self.closed = False
         self._lock = threading.RLock()
-        blocks, _ = assign(model, named_blocks, keep_resident)
+        # [Note: streaming FSDP2's shards]: under fully_shard a block is this rank's shards
+        self.sharded = fsdp.is_sharded(model)
+        blocks, _ = _blocks_of(model, named_blocks, keep_resident)
         for b in blocks:
             for pl in b.places:
                 if pl.param in _registry:
@@ -147,7 +152,7 @@ class WeightStreamer:
         self._telemetries: "weakref.WeakSet" = weakref.WeakSet()
         self.window.report = self._report
         self.window.pending = self._update_pending
-        self.hooks = BlockHooks(self)
+        self.hooks = fsdp.ShardHooks(self) if self.sharded else BlockHooks(self)
         self._finalizer = weakref.finalize(self, _close_homes, self._homes)
 
     # -- construction --------------------------------------------------------------------------
@@ -182,6 +187,14 @@ class WeightStreamer:
                              "of a module that initializes its own parameters> (e.g. model._init_weights), "
                              "called on each module once its parameters have memory")
         model = self.model_ref()
+        if self.sharded:  # FSDP2's shards become views into the storage, keeping their values
+            for pl in block.places:
+                item = pl.param.element_size()
+                fsdp.repoint(pl, torch.empty(0, dtype=pl.param.dtype, device=self.device).set_(
+                    storage, pl.byte_offset // item, (pl.padded_nbytes // item,), (1,)))
+            self.window.fill_home(block.index, byte_view(storage, block.nbytes))
+            storage.resize_(0)
+            return
         places = []
         for pl in block.places:
             view = typed_view(storage, pl)
@@ -275,7 +288,7 @@ class WeightStreamer:
         for p in model.parameters():
             if p not in streamed_params and p not in seen:
                 seen.add(p)
-                total += p.numel() * p.element_size()
+                total += _local_numel(p) * p.element_size()
         return total
 
     @contextlib.contextmanager
@@ -375,7 +388,10 @@ class WeightStreamer:
                     for pl in b.places:
                         _registry.pop(pl.param, None)
                         _closed[pl.param] = pl.name
-                        pl.param.data = torch.empty(0, dtype=pl.param.dtype, device=self.device)
+                        if self.sharded:
+                            fsdp.empty_shard(pl)
+                        else:
+                            pl.param.data = torch.empty(0, dtype=pl.param.dtype, device=self.device)
                     if b.storage is not None:
                         b.storage.resize_(0)
                 self.closed = True
@@ -391,6 +407,17 @@ class WeightStreamer:
     def __repr__(self) -> str:
         kinds = ", ".join(f"{k}: {self.tiers.count(k)}" for k in ("cpu", "nvme") if k in self.tiers)
         return f"WeightStreamer({len(self.blocks)} blocks ({kinds}), device={self.device}, prefetch={self.prefetch})"
+
+
+def _blocks_of(model: nn.Module, named_blocks, keep_resident):
+    if fsdp.is_sharded(model):
+        return fsdp.shard_blocks(model, named_blocks, keep_resident)
+    return assign(model, named_blocks, keep_resident)
+
+
+def _local_numel(p: Tensor) -> int:
+    local = getattr(p, "_local_tensor", None)  # an FSDP2 parameter: this rank's shard
+    return (local if local is not None else p).numel()
 
 
 def _close_homes(homes) -> None:
@@ -466,6 +493,8 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
             from the measured hardware; see ``tierstate plan``).
         nvme_dir: the folder of the NVMe home (claimed for this run and removed at close;
             default: the NVMe root, ``TIERSTATE_NVME_DIR``). Give the optimizer another one.
+            ``{rank}`` (and ``{local_rank}``, ``{world_size}``, ``{local_world_size}``) is
+            replaced by this process's, so the ranks of a job each get their own folder.
         blocks: ``"auto"`` (the children of the model's largest ``nn.ModuleList``) or a list of
             its modules. Parameters used outside a single block (tied embeddings) stay resident.
         prefetch: blocks read ahead in the order learned from the previous step (>= 0).
@@ -488,6 +517,7 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
         raise TypeError(f"init={init!r}: expected a function of a module, or None")
     if keep_resident is not None and not callable(keep_resident):
         raise TypeError(f"keep_resident={keep_resident!r}: expected a function (name, param) -> bool, or None")
+    device_given = device
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -496,12 +526,19 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: weights stream to 'cpu' or 'cuda'")
     named = resolve_blocks(model, blocks)
-    assigned, resident = assign(model, named, keep_resident)
+    assigned, resident = _blocks_of(model, named, keep_resident)  # (checks an FSDP2 model's blocks first)
+    if fsdp.is_sharded(model):
+        fsdp.prepare(model)
+        shards_on = fsdp.shard_device(model)
+        if device_given is not None and torch.device(device_given).type != shards_on.type:
+            raise ValueError(f"device={device_given!r}: under FSDP2 the shards stream to where FSDP keeps them "
+                             f"({shards_on}); leave device unset")
+        device = shards_on
     nbytes = [b.nbytes for b in assigned]
     if isinstance(offload, str) and offload == "auto":
         from ..placement.auto import choose_weights  # noqa: PLC0415 - the planner and the probe only for "auto"
 
-        resident_bytes = sum(p.numel() * p.element_size() for _, p in resident)
+        resident_bytes = sum(_local_numel(p) * p.element_size() for _, p in resident)
         plan = choose_weights(nbytes, resident_bytes, device, nvme_dir=nvme_dir,
                               max_prefetch=max(prefetch, 1))
         tiers, prefetch = list(plan.tier_of), plan.prefetch
@@ -509,6 +546,8 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
         tiers = _tiers_of(offload, len(assigned), nbytes, device)
     if nvme_dir is None and isinstance(offload, Offload) and offload.nvme_dir is not None:
         nvme_dir = offload.nvme_dirs[0]
+    if isinstance(nvme_dir, (str, os.PathLike)):  # "{rank}": each rank of a job its own folder
+        nvme_dir = expand_rank_template(os.fspath(nvme_dir), "nvme_dir")
     if nvme_dir is not None and "nvme" not in tiers and offload != "auto":
         raise ValueError(f"nvme_dir={str(nvme_dir)!r}: no block lives on NVMe with offload={offload!r}")
     return WeightStreamer(model, tiers, named, device, prefetch, nvme_dir, init, keep_resident)

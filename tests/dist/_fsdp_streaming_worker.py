@@ -1,0 +1,199 @@
+"""One rank of tests/dist/test_fsdp_weight_streaming.py, started by torchrun (gloo, CPU).
+
+FSDP2 shards each block of a transformers model (GPT-2 with its tied embedding, Llama) across
+the ranks; ``tierstate.offload_weights`` then keeps this rank's shards of the blocks on a tier
+(``cpu``, ``nvme``, or ``split``: half the blocks' bytes in RAM, the rest on NVMe) and
+``tierstate.AdamW`` (CPU tier) steps them. Each variant trains STEPS steps on a fixed global
+batch, with activation checkpointing (non-reentrant), two micro-batches accumulated per step,
+global-norm clipping and the blocks' MLP input projection frozen (LoRA-style: frozen weights
+streamed); ``resident`` is the same without weight streaming, the reference. ``<tier>-noac``
+leaves out activation checkpointing. ``errors`` records what the user is told where
+streaming cannot work (``save_weights`` of shards, blocks FSDP2 did not shard on their own).
+``nvme-resume`` trains SAVE_AT steps, saves a
+``torch.distributed.checkpoint`` (``get_state_dict`` + ``dcp.save`` inside ``ws.gathered()``),
+and continues in a fresh model, streamer and optimizer loaded from it.
+
+    torchrun --standalone --nproc-per-node N _fsdp_streaming_worker.py OUT --model gpt2|llama
+
+Rank 0 writes OUT/result-<model>-w<N>.pt: per variant the losses, the full parameters, and
+per rank what the streamed shards held between steps and what streaming did (stats()).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import tierstate as ts
+
+STEPS, SAVE_AT, MICRO, ROWS, SEQ, VOCAB = 10, 5, 2, 8, 16, 97
+VARIANTS = ("resident", "cpu", "nvme", "split", "nvme-noac", "nvme-resume")
+
+
+def build(name: str, checkpointing: bool):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gpt2":  # wte is tied to lm_head: it stays with the root unit, resident
+        model = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=40, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
+                                           bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                           attn_pdrop=0.0))  # no dropout: a resumed run draws no other masks
+        blocks, frozen = model.transformer.h, "mlp.c_fc"
+    else:  # 30 rows of 40-wide projections: uneven shards on 4 ranks
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=6, hidden_size=40, intermediate_size=70,
+                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
+                                             max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
+                                             pad_token_id=0))
+        blocks, frozen = model.model.layers, "mlp.up_proj"
+    for block in blocks:
+        block.get_submodule(frozen).requires_grad_(False)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def stream(variant: str, model, out: str, tag: str):
+    tier = variant.split("-")[0]
+    if tier == "resident":
+        return None
+    where = ts.Offload(cpu=0.5, nvme=0.5) if tier == "split" else tier
+    folder = os.path.join(out, f"w-{tag}-rank{{rank}}") if tier != "cpu" else None  # a folder per rank
+    return ts.offload_weights(model, where, nvme_dir=folder, prefetch=1)
+
+
+def batch(step: int, micro: int, rank: int, world: int) -> torch.Tensor:
+    x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 * step + micro))
+    rows = ROWS // world
+    return x[rank * rows:(rank + 1) * rows]
+
+
+def shard_bytes(ws) -> int:
+    """Bytes the streamed shards hold in memory right now (0 between steps: they live on their tier)."""
+    return sum(pl.fsdp_param._sharded_param_data.untyped_storage().nbytes() for b in ws.blocks for pl in b.places)
+
+
+def train(model, opt, ws, first: int, last: int) -> tuple[list[float], list[int]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, held = [], []
+    for step in range(first, last + 1):
+        total = torch.zeros(())
+        for micro in range(MICRO):
+            x = batch(step, micro, rank, world)
+            loss = model(x, labels=x).loss / MICRO
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+        if ws is not None:
+            held.append(shard_bytes(ws))
+    return losses, held
+
+
+def optimizer(model):
+    return ts.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0,
+                    offload="cpu")
+
+
+def gathered(ws):
+    """Every streamed shard in memory (the model's state dict reads them), or nothing to do."""
+    return ws.gathered() if ws is not None else contextlib.nullcontext()
+
+
+def full_params(model, ws) -> dict:
+    def gather():
+        return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    with gathered(ws):
+        return gather()
+
+
+def run(name: str, variant: str, out: str) -> dict:
+    world = dist.get_world_size()
+    tag = f"{name}-{variant}-w{world}"
+    model = build(name, checkpointing="noac" not in variant)
+    ws = stream(variant, model, out, tag)
+    opt = optimizer(model)
+    if variant.endswith("resume"):
+        losses, held = train(model, opt, ws, 1, SAVE_AT)
+        ckpt = os.path.join(out, f"ckpt-{tag}")
+        with gathered(ws):  # the model's state dict reads the shards
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+        if ws is not None:
+            ws.close()
+        del model, opt, ws
+        model = build(name, checkpointing=True)
+        ws = stream(variant, model, out, tag + "-resumed")
+        opt = optimizer(model)
+        with gathered(ws):  # loading writes the shards in place: kept in their images
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=ckpt)
+            set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        more, held2 = train(model, opt, ws, SAVE_AT + 1, STEPS)
+        losses, held = losses + more, held + held2
+    else:
+        losses, held = train(model, opt, ws, 1, STEPS)
+    stats = ws.stats() if ws is not None else None  # of training: before gathered() holds every block
+    res = {"losses": losses, "params": full_params(model, ws)}
+    per_rank = {"held": held, "stats": stats,
+                "block_bytes": ws.block_bytes() if ws is not None else [],
+                "streamed_bytes": sum(b.nbytes for b in ws.blocks) if ws is not None else 0}
+    ranks = [None] * world
+    dist.all_gather_object(ranks, per_rank)
+    res["ranks"] = ranks
+    if ws is not None:
+        ws.close()
+    return res
+
+
+def errors(name: str, out: str) -> dict:
+    """What the user is told when streaming meets FSDP2 in a way that cannot work."""
+    said = {}
+
+    def message(fn):
+        try:
+            fn()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    model = build(name, checkpointing=False)
+    ws = stream("cpu", model, out, "errors")
+    said["save_weights"] = message(lambda: ts.save_weights(model, os.path.join(out, "w.safetensors")))
+    ws.close()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root_only = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=40, n_head=2, vocab_size=VOCAB, n_positions=SEQ))
+    fully_shard(root_only)  # the blocks are not units of their own: FSDP2 gathers them all at once
+    said["root_only"] = message(lambda: ts.offload_weights(root_only, "cpu"))
+    return said
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--model", choices=("gpt2", "llama"), required=True)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    result = {v: errors(args.model, args.out) if v == "errors" else run(args.model, v, args.out)
+              for v in args.variants.split(",")}
+    if dist.get_rank() == 0:
+        torch.save(result, os.path.join(args.out, f"result-{args.model}-w{dist.get_world_size()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
