@@ -149,6 +149,12 @@ def run(name: str, variant: str, out: str) -> dict:
     per_rank = {"held": held, "stats": stats,
                 "block_bytes": ws.block_bytes() if ws is not None else [],
                 "streamed_bytes": sum(b.nbytes for b in ws.blocks) if ws is not None else 0}
+    # the blocks' whole weights (every rank's shards together) and the most FSDP2 pads a shard
+    # by: one row per parameter, so each rank's share can be checked against total / N
+    whole = [sum(p.numel() * p.element_size() for p in b.module.parameters()) for b in ws.blocks] if ws else []
+    pad = [sum(p.numel() // max(p.shape[0], 1) * p.element_size() if p.dim() else 0 for p in b.module.parameters())
+           for b in ws.blocks] if ws else []
+    per_rank["whole_block_bytes"], per_rank["pad_bytes"] = whole, pad
     ranks = [None] * world
     dist.all_gather_object(ranks, per_rank)
     res["ranks"] = ranks

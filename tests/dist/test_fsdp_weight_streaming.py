@@ -7,6 +7,7 @@ NVMe or split between them. Checked here:
 
 - 10 steps are bit-identical to the same FSDP2 run with the shards resident (losses and every
   parameter), with and without activation checkpointing;
+- each rank streams 1/N of every block (FSDP2's padding and alignment aside);
 - between steps the streamed shards hold no memory (they live on their tier), NVMe shards
   were read from disk, and training held at most two blocks' shards at once (the one FSDP2
   gathers and the one its backward prefetch gathers);
@@ -90,6 +91,10 @@ def test_shards_live_on_their_tier_between_steps(runs, model, world, variant):
             assert stats["fetch_bytes"] > 2 * sum(blocks), stats  # read back every step, not kept in RAM
         if variant == "split":
             assert stats["block_tiers"] == {"cpu": 3, "nvme": 3}
+        for b, (mine, whole, pad) in enumerate(zip(blocks, info["whole_block_bytes"], info["pad_bytes"])):
+            # this rank's share of the block: 1/N of it, plus FSDP2's padding (at most a row per
+            # parameter) and 64-byte alignment per parameter
+            assert whole / world - 64 <= mine <= whole / world + pad + 64 * 12, (rank, b, mine, whole, pad)
         if not variant.endswith("resume"):  # (the resumed run's gathered() for the checkpoint holds all)
             assert stats["peak_window_bytes"] <= 2 * max(blocks), stats
 
