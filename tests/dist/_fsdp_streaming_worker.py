@@ -177,6 +177,15 @@ def errors(name: str, out: str) -> dict:
     model = build(name, checkpointing=False)
     ws = stream("cpu", model, out, "errors")
     said["save_weights"] = message(lambda: ts.save_weights(model, os.path.join(out, "w.safetensors")))
+    # read_param/write_param: this rank's shard, in its local shape
+    p = model.transformer.h[1].attn.c_attn.weight
+    shard = ws.read_param(p)
+    with ws.gathered():
+        said["read_param_is_the_shard"] = torch.equal(shard, p._local_tensor)
+    ws.write_param(p, shard * 2)
+    with ws.gathered():
+        said["write_param_is_kept"] = torch.equal(p._local_tensor, shard * 2)
+    said["write_param_global_shape"] = message(lambda: ws.write_param(p, torch.zeros(p.shape)))
     ws.close()
     from transformers import GPT2Config, GPT2LMHeadModel
 

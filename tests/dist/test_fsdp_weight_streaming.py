@@ -103,3 +103,5 @@ def test_what_cannot_work_is_refused_with_the_fix(runs):
     said = result(runs, "gpt2", 2)["errors"]
     assert "torch.distributed.checkpoint" in said["save_weights"] and "ws.gathered()" in said["save_weights"]
     assert "'transformer.h.0'" in said["root_only"] and "fully_shard(block)" in said["root_only"]
+    assert said["read_param_is_the_shard"] and said["write_param_is_kept"]
+    assert "this rank's shard" in said["write_param_global_shape"]

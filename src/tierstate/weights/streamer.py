@@ -317,17 +317,20 @@ class WeightStreamer:
                     self.window.release(b)
 
     def read_param(self, param: Tensor) -> Tensor:
-        """A CPU copy of a streamed parameter's current values."""
+        """A CPU copy of a streamed parameter's current values (under FSDP2: this rank's shard,
+        in the shape of the parameter's local tensor)."""
         h = self._handle(param)
         with h.for_reading() as flat:
-            return flat.clone().view(param.shape)
+            return flat.clone().view(_local_shape(param))
 
     def write_param(self, param: Tensor, value: Tensor) -> None:
-        """Set a streamed parameter's values (copied, cast to its dtype)."""
+        """Set a streamed parameter's values (copied, cast to its dtype; under FSDP2 this rank's
+        shard, in the shape of the parameter's local tensor)."""
         h = self._handle(param)
-        if tuple(value.shape) != tuple(param.shape):
+        shape = _local_shape(param)
+        if tuple(value.shape) != shape:
             raise ValueError(f"write_param: value has shape {tuple(value.shape)}, parameter {h.place.name!r} "
-                             f"has {tuple(param.shape)}")
+                             f"has {shape}" + (" (this rank's shard of an FSDP2 parameter)" if self.sharded else ""))
         with h.for_update(refresh=True) as flat:  # inside gathered() the parameter shows it at once
             flat.copy_(value.detach().reshape(-1).to(device="cpu", dtype=param.dtype))
 
@@ -413,6 +416,11 @@ def _blocks_of(model: nn.Module, named_blocks, keep_resident):
     if fsdp.is_sharded(model):
         return fsdp.shard_blocks(model, named_blocks, keep_resident)
     return assign(model, named_blocks, keep_resident)
+
+
+def _local_shape(p: Tensor) -> tuple[int, ...]:
+    local = getattr(p, "_local_tensor", None)  # an FSDP2 parameter: this rank's shard
+    return tuple((local if local is not None else p).shape)
 
 
 def _local_numel(p: Tensor) -> int:
