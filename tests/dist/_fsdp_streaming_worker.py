@@ -7,7 +7,8 @@ the ranks; ``tierstate.offload_weights`` then keeps this rank's shards of the bl
 batch, with activation checkpointing (non-reentrant), two micro-batches accumulated per step,
 global-norm clipping and the blocks' MLP input projection frozen (LoRA-style: frozen weights
 streamed); ``resident`` is the same without weight streaming, the reference. ``<tier>-noac``
-leaves out activation checkpointing. ``errors`` records what the user is told where
+leaves out activation checkpointing; ``<tier>-mp`` adds FSDP2's ``MixedPrecisionPolicy`` (bf16
+compute, fp32 reduction; its reference is ``resident-mp``). ``errors`` records what the user is told where
 streaming cannot work (``save_weights`` of shards, blocks FSDP2 did not shard on their own).
 ``nvme-resume`` trains SAVE_AT steps, saves a
 ``torch.distributed.checkpoint`` (``get_state_dict`` + ``dcp.save`` inside ``ws.gathered()``),
@@ -33,10 +34,10 @@ from torch.distributed.fsdp import fully_shard
 import tierstate as ts
 
 STEPS, SAVE_AT, MICRO, ROWS, SEQ, VOCAB = 10, 5, 2, 8, 16, 97
-VARIANTS = ("resident", "cpu", "nvme", "split", "nvme-noac", "nvme-resume")
+VARIANTS = ("resident", "cpu", "nvme", "split", "nvme-noac", "nvme-resume", "resident-mp", "nvme-mp")
 
 
-def build(name: str, checkpointing: bool):
+def build(name: str, checkpointing: bool, mixed: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -55,9 +56,14 @@ def build(name: str, checkpointing: bool):
         block.get_submodule(frozen).requires_grad_(False)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kw = {}
+    if mixed:  # FSDP2's own mixed precision: fp32 shards (streamed), bf16 compute, fp32 reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
     return model
 
 
@@ -120,7 +126,8 @@ def full_params(model, ws) -> dict:
 def run(name: str, variant: str, out: str) -> dict:
     world = dist.get_world_size()
     tag = f"{name}-{variant}-w{world}"
-    model = build(name, checkpointing="noac" not in variant)
+    mixed = variant.endswith("-mp")
+    model = build(name, checkpointing="noac" not in variant, mixed=mixed)
     ws = stream(variant, model, out, tag)
     opt = optimizer(model)
     if variant.endswith("resume"):

@@ -6,7 +6,7 @@ gradient accumulation, clipping and frozen weights, each rank's block shards kep
 NVMe or split between them. Checked here:
 
 - 10 steps are bit-identical to the same FSDP2 run with the shards resident (losses and every
-  parameter), with and without activation checkpointing;
+  parameter), with and without activation checkpointing, and under FSDP2's own mixed precision;
 - each rank streams 1/N of every block (FSDP2's padding and alignment aside);
 - between steps the streamed shards hold no memory (they live on their tier), NVMe shards
   were read from disk, and training held at most two blocks' shards at once (the one FSDP2
@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 WORKER = Path(__file__).with_name("_fsdp_streaming_worker.py")
 IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 300
-RUNS = {("gpt2", 2): "resident,cpu,nvme,split,nvme-noac,nvme-resume,errors",
+RUNS = {("gpt2", 2): "resident,cpu,nvme,split,nvme-noac,nvme-resume,resident-mp,nvme-mp,errors",
         ("llama", 4): "resident,split,nvme-resume"}
 
 pytestmark = [pytest.mark.timeout(len(RUNS) * LAUNCH_TIMEOUT_S + 60),
@@ -58,7 +58,7 @@ def runs(tmp_path_factory) -> dict:
 
 def cases():
     return [pytest.param(m, w, v, id=f"{m}-w{w}-{v}") for (m, w), vs in RUNS.items() for v in vs.split(",")
-            if v not in ("resident", "errors")]
+            if not v.startswith("resident") and v != "errors"]
 
 
 def result(runs, model: str, world: int) -> dict:
@@ -71,7 +71,8 @@ def result(runs, model: str, world: int) -> dict:
 @pytest.mark.parametrize("model,world,variant", cases())
 def test_streamed_shards_train_as_resident_ones(runs, model, world, variant):
     r = result(runs, model, world)
-    ref, got = r["resident"], r[variant]
+    ref = r["resident-mp" if variant.endswith("-mp") else "resident"]  # the same run, shards resident
+    got = r[variant]
     assert got["losses"] == ref["losses"]
     assert got["params"].keys() == ref["params"].keys()
     for name, value in ref["params"].items():

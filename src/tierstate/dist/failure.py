@@ -49,7 +49,8 @@ _log = logging.getLogger("tierstate")
 _armed_for = None  # the store the hooks of this process report to
 _armed_pid = None  # a forked child inherits the hook, not the right to use the parent's store connection
 _lock = threading.Lock()
-_stop = threading.Event()  # set at exit: the watchdogs return
+_stop = threading.Event()  # set at exit: the watchdogs return, unless a peer has failed
+_ending = threading.Event()  # a watchdog found a failed peer and is ending this process
 _watchdogs: list[threading.Thread] = []
 
 
@@ -118,11 +119,18 @@ def arm() -> bool:
 
 
 def _stop_watchdogs() -> None:
-    """At exit, before the interpreter finalizes: the watchdogs leave the store's client and end."""
+    """At exit, before the interpreter finalizes: the watchdogs leave the store's client and end.
+
+    A process exiting because a peer failed (its collective raised when the peer's sockets
+    closed) still ends the way the watchdog ends it, with EXIT_STATUS and the peer named:
+    the watchdog checks the store once more when told to stop, and is waited for while it
+    ends the process (ACK_WAIT_S for the failing rank's traceback, then a second)."""
     _stop.set()
     for watchdog in _watchdogs:
         if watchdog is not threading.current_thread():
             watchdog.join(timeout=ACK_WAIT_S)  # one store request at most; bounded if the store is lost
+            if _ending.is_set():
+                watchdog.join(timeout=ACK_WAIT_S + 2.0)
     _watchdogs.clear()
 
 
@@ -188,13 +196,14 @@ def failed_peers(store, world: int) -> list[tuple[int, str]]:
 def _watch(store, rank: int, world: int) -> None:
     try:
         while store.add(f"{_PREFIX}failures", 0) == 0:
-            if _stop.wait(POLL_S):
-                return  # the process is exiting
+            if _stop.wait(POLL_S) and store.add(f"{_PREFIX}failures", 0) == 0:
+                return  # the process is exiting, and no peer failed
         peers = [(r, why) for r, why in failed_peers(store, world) if r != rank]
     except Exception:  # noqa: BLE001 - the store is gone: the job is ending without us
         return
     if not peers:
         return  # this rank's own failure: its hook is reporting it
+    _ending.set()
     store.add(f"{_PREFIX}acks", 1)
     who = "; ".join(f"rank {r} failed ({why})" for r, why in peers)
     _log.error("tierstate: %s; ending rank %d (exit status %d): the other ranks cannot complete their "
