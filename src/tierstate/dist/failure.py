@@ -24,8 +24,8 @@ So an optimizer built in a group of more than one rank arms this module once per
 The watchdog is stopped and joined at exit (``atexit``). Left running, it would be inside the
 store's C++ client when the interpreter finalizes; its return into Python then ends the
 thread by forced unwinding through C++ frames that cannot unwind, and the finished process
-aborts ("terminate called without an active exception", SIGABRT): 1 in 16 4-rank FSDP2
-launches and 1 in 4 2-rank example launches on a 2-core VM before this.
+aborts ("terminate called without an active exception", SIGABRT): 4 of 31 4-rank FSDP2
+launches and 1 of 5 2-rank example launches on a 2-core VM before this.
 
 The cost is one small store request per rank every POLL_S (0.5 s): 8 requests a second to
 the store of a 4-rank job. ``TIERSTATE_FAIL_FAST=0`` turns it off (then the launcher and
