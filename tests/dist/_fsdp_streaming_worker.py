@@ -14,9 +14,10 @@ streaming cannot work (``save_weights`` of shards, blocks FSDP2 did not shard on
 ``torch.distributed.checkpoint`` (``get_state_dict`` + ``dcp.save`` inside ``ws.gathered()``),
 and continues in a fresh model, streamer and optimizer loaded from it.
 
-    torchrun --standalone --nproc-per-node N _fsdp_streaming_worker.py OUT --model gpt2|llama
+    torchrun --standalone --nproc-per-node N _fsdp_streaming_worker.py OUT --job gpt2=resident,nvme \
+        --job llama=resident,split
 
-Rank 0 writes OUT/result-<model>-w<N>.pt: per variant the losses, the full parameters, and
+Rank 0 writes OUT/result-w<N>.pt: per model and variant the losses, the full parameters, and
 per rank what the streamed shards held between steps and what streaming did (stats()).
 """
 from __future__ import annotations
@@ -46,8 +47,8 @@ def build(name: str, checkpointing: bool, mixed: bool = False):
                                            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
                                            attn_pdrop=0.0))  # no dropout: a resumed run draws no other masks
         blocks, frozen = model.transformer.h, "mlp.c_fc"
-    else:  # 30 rows of 40-wide projections: uneven shards on 4 ranks
-        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=6, hidden_size=40, intermediate_size=70,
+    else:  # the 75-row MLP projections: uneven shards (38 and 37 rows on 2 ranks; 19, 19, 19, 18 on 4)
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=6, hidden_size=40, intermediate_size=75,
                                              num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB,
                                              max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0,
                                              pad_token_id=0))
@@ -205,14 +206,17 @@ def errors(name: str, out: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--model", choices=("gpt2", "llama"), required=True)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--job", action="append", required=True,
+                   help=f"MODEL=VARIANT,...: MODEL gpt2 or llama, VARIANT one of {', '.join(VARIANTS)} or errors")
     args = p.parse_args()
     dist.init_process_group("gloo")
-    result = {v: errors(args.model, args.out) if v == "errors" else run(args.model, v, args.out)
-              for v in args.variants.split(",")}
+    result = {}
+    for job in args.job:  # one launch for every model: each torchrun start costs 10-20 s on 2 cores
+        model, _, variants = job.partition("=")
+        result[model] = {v: errors(model, args.out) if v == "errors" else run(model, v, args.out)
+                         for v in variants.split(",")}
     if dist.get_rank() == 0:
-        torch.save(result, os.path.join(args.out, f"result-{args.model}-w{dist.get_world_size()}.pt"))
+        torch.save(result, os.path.join(args.out, f"result-w{dist.get_world_size()}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
