@@ -50,7 +50,8 @@ def test_fsdp2_example_saves_on_two_ranks_and_resumes_on_one(tmp_path):
     out = torchrun(2, "fsdp2_torchrun.py", "--out", str(tmp_path), "--stream-weights", "nvme")
     first, last = losses(out)
     assert last < first - 0.5, out
-    assert "checkpoint of step 8" in out and len(re.findall(r"^rank \d figures:", out, re.M)) == 2, out
+    assert "checkpoint of step 8" in out and len(re.findall(r"rank \d figures:", out)) == 2, out
+    # (not anchored at line starts: torchrun can pass the ranks' lines on run together)
     streamed = re.findall(r"weights streamed: (\d+) blocks' shards \(([\d.]+) MiB\) on nvme, ([\d.]+) MiB read back",
                           out)
     assert len(streamed) == 2, out  # each rank: its shards, read back from disk as the steps went
