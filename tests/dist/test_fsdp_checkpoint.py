@@ -18,18 +18,13 @@ Three torchrun launches, about a minute on 2 shared cores.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-import tierstate
+from _torchrun import launch_worker
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
 TIERS = ("cpu", "nvme")
 VARIANTS = ("torch",) + TIERS
 LAUNCH_TIMEOUT_S = 300
@@ -41,14 +36,7 @@ pytestmark = [pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S + 60),
 
 def launch(world: int, out: Path, *args: str) -> dict | str:
     """Run the worker on ``world`` ranks; its result, or the output of a failed launch."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(world), str(WORKER), str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    if done.returncode != 0:
-        return f"{world}-rank launch failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return torch.load(out / f"result-w{world}.pt", weights_only=False)
+    return launch_worker(WORKER, world, out, *args, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

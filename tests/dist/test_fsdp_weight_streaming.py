@@ -19,20 +19,15 @@ One torchrun launch, about 30 s on 2 shared cores. The same worker passed on 4 r
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-import tierstate
+from _torchrun import launch_worker
 
 pytest.importorskip("transformers")
 
 WORKER = Path(__file__).with_name("_fsdp_streaming_worker.py")
-IMPORT_ROOT = Path(tierstate.__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 300
 WORLD = 2
 RUNS = {"gpt2": "resident,cpu,nvme,split,nvme-noac,nvme-resume,resident-mp,nvme-mp,errors",
@@ -44,17 +39,9 @@ pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60),
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("fsdp_streaming")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")]))}
+def runs(tmp_path_factory) -> dict | str:
     jobs = [arg for model, variants in RUNS.items() for arg in ("--job", f"{model}={variants}")]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(WORLD), str(WORKER), str(out), *jobs],
-                          env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    if done.returncode != 0:
-        return f"{WORLD}-rank launch failed ({done.returncode}):\n{done.stderr[-6000:]}"
-    return torch.load(out / f"result-w{WORLD}.pt", weights_only=False)
+    return launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("fsdp_streaming"), *jobs, timeout=LAUNCH_TIMEOUT_S)
 
 
 def cases():
