@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from ..checkpoint.durable import aligned_buffer, fsync_dir, open_file, remove_quietly
+from ..dist import is_dtensor
 from ..io.errors import FileIOError, from_oserror, io_error
-from . import fsdp
 from .streamer import WeightStreamer, closed_name, streamed
 
 # torch dtype -> safetensors dtype name (the library's spelling).
@@ -90,7 +90,7 @@ def _streamer_of(t: Tensor, streamer: WeightStreamer | None, name: str):
 def _check_model(model, streamer) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if any(fsdp.is_dtensor(p) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         # each rank holds shards: a file of one rank's shards under the global names and shapes
         # would be corrupt, and gathering whole tensors is what DCP is for
         raise ValueError("save_weights/load_weights: the model's parameters are sharded (DTensor, FSDP2); save and "

@@ -37,14 +37,12 @@ from .blocks import PARAM_ALIGN, Block, Place, align_up
 if TYPE_CHECKING:
     from .streamer import WeightStreamer
 
-from ..dist import is_dtensor
-
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # a torch build without torch.distributed
     FSDPModule = ()
 
-__all__ = ["ShardHooks", "ShardPlace", "is_dtensor", "is_sharded", "prepare", "shard_blocks"]
+__all__ = ["ShardHooks", "ShardPlace", "is_sharded", "prepare", "shard_blocks"]
 
 
 @dataclass(frozen=True)
