@@ -96,7 +96,10 @@ def launch_failing(tmp_path, mode: str) -> str:
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path):
     out = launch_failing(tmp_path, "fail")
-    assert f"exitcode  : {EXIT_STATUS}" in out
+    # rank 0 (named its peer's error above) ends itself with EXIT_STATUS a second after rank 1
+    # ends, unless torchrun, which stops the other ranks once one has failed, got to it first
+    # (SIGTERM): seen in 1 of 5 runs under pytest on a 2-core VM
+    assert f"exitcode  : {EXIT_STATUS}" in out or "exitcode  : -15" in out, out[-4000:]
     # torchrun's summary names rank 1's error, with its traceback, as the root cause
     root = out[out.index("Root Cause"):]
     assert "rank      : 1 (local_rank: 1)" in root and "ValueError: bad batch on rank 1 at step 3" in root, root
