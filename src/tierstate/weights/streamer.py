@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..dist import expand_rank_template
+from ..dist import expand_rank_template, local_tensor
 from ..placement import Offload
 from ..placement.defaults import default_nvme_root
 from . import fsdp
@@ -288,7 +288,7 @@ class WeightStreamer:
         for p in model.parameters():
             if p not in streamed_params and p not in seen:
                 seen.add(p)
-                total += _local_numel(p) * p.element_size()
+                total += local_tensor(p).numel() * p.element_size()
         return total
 
     @contextlib.contextmanager
@@ -321,13 +321,13 @@ class WeightStreamer:
         in the shape of the parameter's local tensor)."""
         h = self._handle(param)
         with h.for_reading() as flat:
-            return flat.clone().view(_local_shape(param))
+            return flat.clone().view(tuple(local_tensor(param).shape))
 
     def write_param(self, param: Tensor, value: Tensor) -> None:
         """Set a streamed parameter's values (copied, cast to its dtype; under FSDP2 this rank's
         shard, in the shape of the parameter's local tensor)."""
         h = self._handle(param)
-        shape = _local_shape(param)
+        shape = tuple(local_tensor(param).shape)
         if tuple(value.shape) != shape:
             raise ValueError(f"write_param: value has shape {tuple(value.shape)}, parameter {h.place.name!r} "
                              f"has {shape}" + (" (this rank's shard of an FSDP2 parameter)" if self.sharded else ""))
@@ -416,16 +416,6 @@ def _blocks_of(model: nn.Module, named_blocks, keep_resident):
     if fsdp.is_sharded(model):
         return fsdp.shard_blocks(model, named_blocks, keep_resident)
     return assign(model, named_blocks, keep_resident)
-
-
-def _local_shape(p: Tensor) -> tuple[int, ...]:
-    local = getattr(p, "_local_tensor", None)  # an FSDP2 parameter: this rank's shard
-    return tuple((local if local is not None else p).shape)
-
-
-def _local_numel(p: Tensor) -> int:
-    local = getattr(p, "_local_tensor", None)  # an FSDP2 parameter: this rank's shard
-    return (local if local is not None else p).numel()
 
 
 def _close_homes(homes) -> None:
@@ -546,7 +536,7 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if isinstance(offload, str) and offload == "auto":
         from ..placement.auto import choose_weights  # noqa: PLC0415 - the planner and the probe only for "auto"
 
-        resident_bytes = sum(_local_numel(p) * p.element_size() for _, p in resident)
+        resident_bytes = sum(local_tensor(p).numel() * p.element_size() for _, p in resident)
         plan = choose_weights(nbytes, resident_bytes, device, nvme_dir=nvme_dir,
                               max_prefetch=max(prefetch, 1))
         tiers, prefetch = list(plan.tier_of), plan.prefetch
