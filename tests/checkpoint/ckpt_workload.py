@@ -3,7 +3,8 @@
 Run as a script it is the process the tests kill, resume or measure::
 
     python ckpt_workload.py train  MODE CKPT STEPS        # saves after every step, prints begin/end
-                                                          # (CKPT_TEST_PAUSE: stop one save at a phase)
+                                                          # (CKPT_TEST_PAUSE: stop one save at a phase;
+                                                          # CKPT_TEST_SIGTERM_EXIT=1: SIGTERM -> sys.exit(3))
     python ckpt_workload.py digests MODE STEPS            # JSON: digest after every step, no saves
     python ckpt_workload.py resume MODE STEPS CKPT...     # JSON per CKPT: loaded step, digests
     python ckpt_workload.py rss MODE HIDDEN BUFFER CKPT   # JSON: peak RSS growth of save and load
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -149,6 +151,8 @@ def main(argv: list[str]) -> None:
     nvme_dir = os.environ.get("CKPT_TEST_NVME_DIR")
     if cmd == "train":
         ckpt, steps = argv[2], int(argv[3])
+        if os.environ.get("CKPT_TEST_SIGTERM_EXIT") == "1":  # a graceful-exit handler, as launchers' users write
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(3))
         model, opt = build(mode, nvme_dir=nvme_dir)
         handshake = os.environ.get("CKPT_TEST_HANDSHAKE") == "1"
         # CKPT_TEST_PAUSE=<phase>:<step>:<marker>: the save of <step> stops at <phase> (save.py's testing aid)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import tierstate
+from tierstate.checkpoint.durable import PAUSE_PHASES
 
 # the folder holding the tierstate under test (the checkout, or site-packages when installed):
 # children must import that one, whose native module was built
@@ -125,31 +127,31 @@ PHASES = {
 TARGET = 3
 
 
-def _kill_at(ckpt: Path, mode: str, phase: str, nvme_dir: Path) -> dict:
-    """Train, saving after every step; the save of step TARGET stops at ``phase``; kill -9 it there."""
-    marker = ckpt.parent / f"{ckpt.name}.paused"
-    env = {**_env(nvme_dir), "CKPT_TEST_PAUSE": f"{phase}:{TARGET}:{marker}"}
-    proc = subprocess.Popen([sys.executable, WORKLOAD, "train", mode, str(ckpt), str(STEPS)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _paused_writers(tmp_path: Path, phases: dict[str, dict]) -> dict[str, tuple[str, subprocess.Popen]]:
+    """Start one training writer per phase, side by side (each saves after every step; the save
+    of step TARGET stops at its phase); return once every one has stopped there.
+    ``phases``: phase -> extra environment. Returns checkpoint path -> (phase, process)."""
+    runs = {}
+    for i, (phase, more) in enumerate(phases.items()):
+        ckpt = tmp_path / phase
+        marker = tmp_path / f"{phase}.paused"
+        env = {**_env(tmp_path / f"nvme-{phase}"), "CKPT_TEST_PAUSE": f"{phase}:{TARGET}:{marker}", **more}
+        proc = subprocess.Popen([sys.executable, WORKLOAD, "train", "nvme" if i % 2 else "cpu", str(ckpt),
+                                 str(STEPS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        runs[str(ckpt)] = (phase, proc, marker)
     try:
         deadline = time.monotonic() + 300
-        while not marker.exists():
-            assert proc.poll() is None, f"the writer ended before pausing at {phase}: {proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, f"the writer never paused at {phase}"
-            time.sleep(0.02)
-        before = json.loads((ckpt / "manifest.json").read_text()) if (ckpt / "manifest.json").exists() else None
-        names = {p.name for p in ckpt.iterdir()}
-        proc.kill()  # SIGKILL, while the writer sleeps at the phase
-        proc.wait(timeout=60)
-        assert proc.returncode == -9
-    finally:
-        if proc.poll() is None:
+        for phase, proc, marker in runs.values():
+            while not marker.exists():
+                assert proc.poll() is None, f"the writer ended before pausing at {phase}: {proc.stderr.read()[-3000:]}"
+                assert time.monotonic() < deadline, f"the writer never paused at {phase}"
+                time.sleep(0.02)
+    except BaseException:
+        for _, proc, _ in runs.values():
             proc.kill()
-            proc.wait(timeout=60)
-        proc.stdout.close()
-        proc.stderr.close()
-    assert {p.name for p in ckpt.iterdir()} == names, "the directory changed after the writer stopped"
-    return {"manifest": before, "names": names}
+            proc.communicate(timeout=60)
+        raise
+    return {ckpt: (phase, proc) for ckpt, (phase, proc, _) in runs.items()}
 
 
 def test_kill_at_each_phase_of_a_save_leaves_one_whole_checkpoint(tmp_path):
@@ -158,9 +160,14 @@ def test_kill_at_each_phase_of_a_save_leaves_one_whole_checkpoint(tmp_path):
     bit-identical to what was saved, and resuming from it ends as the uninterrupted run."""
     reference = _json_from(["digests", "cpu", str(STEPS)], _env())
     seen = {}
-    for i, phase in enumerate(PHASES):
-        ckpt = tmp_path / f"{phase}"
-        seen[str(ckpt)] = (phase, _kill_at(ckpt, "nvme" if i % 2 else "cpu", phase, tmp_path / f"nvme-{phase}"))
+    for ckpt, (phase, proc) in _paused_writers(tmp_path, {phase: {} for phase in PHASES}).items():
+        before = json.loads((Path(ckpt) / "manifest.json").read_text())
+        names = set(os.listdir(ckpt))
+        proc.kill()  # SIGKILL, while the writer sleeps at the phase
+        proc.communicate(timeout=60)
+        assert proc.returncode == -9
+        assert set(os.listdir(ckpt)) == names, "the directory changed after the writer stopped"
+        seen[ckpt] = (phase, {"manifest": before, "names": names})
     resumed = _json_from(["resume", "cpu", str(STEPS), *seen], _env())
     for ckpt, (phase, at_kill) in seen.items():
         which, shows = PHASES[phase]
@@ -188,6 +195,52 @@ def test_kill_at_each_phase_of_a_save_leaves_one_whole_checkpoint(tmp_path):
         assert not any(n.endswith((".partial", ".tmp")) for n in got["files"]), got["files"]
         assert "manifest.json" in got["files"] and all(n.endswith(".safetensors") or n == "manifest.json"
                                                        for n in got["files"])
+
+
+# Interruptions the process survives long enough to unwind: Ctrl-C (KeyboardInterrupt, the
+# process then ends by SIGINT) and a launcher's SIGTERM caught by an application handler that
+# calls sys.exit(3). Either raises inside the save wherever it happens to be.
+INTERRUPTS = {"sigint": (signal.SIGINT, -signal.SIGINT, {}),
+              "sigterm-exit": (signal.SIGTERM, 3, {"CKPT_TEST_SIGTERM_EXIT": "1"})}
+# phases before the manifest's rename: the previous checkpoint stays, and nothing of the new save
+COMMITTED_FROM = PAUSE_PHASES.index("manifest-renamed")
+
+
+def test_an_interrupt_at_each_phase_of_a_save_unwinds_to_one_whole_checkpoint(tmp_path):
+    """Ctrl-C or a SIGTERM handler that exits, at each phase of a save: the exception unwinds
+    through save_optimizer, which must leave no .partial or .tmp file, remove the shards of a
+    save that did not commit, and never remove the shards of a manifest already renamed into
+    place (the newest checkpoint). The writers run side by side to keep the test short."""
+    reference = _json_from(["digests", "cpu", str(STEPS)], _env())
+    kinds = {phase: list(INTERRUPTS)[i % 2] for i, phase in enumerate(PAUSE_PHASES)}
+    writers = _paused_writers(tmp_path, {phase: INTERRUPTS[kind][2] for phase, kind in kinds.items()})
+    runs = {}
+    for ckpt, (phase, proc) in writers.items():
+        proc.send_signal(INTERRUPTS[kinds[phase]][0])
+    for ckpt, (phase, proc) in writers.items():
+        err = proc.communicate(timeout=120)[1]
+        kind = kinds[phase]
+        assert proc.returncode == INTERRUPTS[kind][1], (phase, kind, proc.returncode, err[-3000:])
+        if kind == "sigint":
+            assert "KeyboardInterrupt" in err, err[-3000:]
+        runs[ckpt] = (phase, kind)
+    for ckpt, (phase, kind, *_) in runs.items():
+        names = sorted(os.listdir(ckpt))
+        assert not [n for n in names if n.endswith((".partial", ".tmp"))], (phase, kind, names)
+        manifest = json.loads((Path(ckpt) / "manifest.json").read_text())
+        referenced = {s["file"] for s in manifest["shards"]}
+        shards = {n for n in names if n.endswith(".safetensors")}
+        assert referenced <= shards, f"{phase} ({kind}): the manifest names shards that were removed: {names}"
+        want = TARGET if PAUSE_PHASES.index(phase) >= COMMITTED_FROM else TARGET - 1
+        assert manifest["extra"] == {"step": want}, (phase, kind, manifest["extra"])
+        if want == TARGET - 1:
+            assert shards == referenced, f"{phase} ({kind}): the interrupted save left its shards: {names}"
+    resumed = _json_from(["resume", "cpu", str(STEPS), *runs], _env())
+    for ckpt, (phase, kind, *_) in runs.items():
+        got = resumed[ckpt]
+        want = TARGET if PAUSE_PHASES.index(phase) >= COMMITTED_FROM else TARGET - 1
+        assert got["step"] == want and got["loaded"] == reference[str(want)], (phase, kind, got["step"])
+        assert got["final"] == reference[str(STEPS)], f"{phase} ({kind}): resuming did not end bit-identical"
 
 
 def test_pause_at_rejects_an_unknown_phase(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 argv: ``what where disposition`` where
 
-- ``what``: ``step`` (steps in a loop), ``save`` (saves a checkpoint in a loop), ``fork``
+- ``what``: ``step`` (steps in a loop), ``save`` (saves a checkpoint in a loop), ``export``
+  (writes a 64 MiB model with ``save_weights`` in a loop, into the checkpoint folder), ``fork``
   (forks a child that exits normally, then keeps stepping), ``mpfork`` (the same through
   multiprocessing's fork start method), ``forkterm`` (a forked child killed by SIGTERM);
 - ``where``: the nvme_dir (``-``: the default, under TIERSTATE_NVME_DIR); a checkpoint goes
@@ -95,10 +96,14 @@ def main() -> None:
         return
     report(opt)
     threading.Thread(target=watch_stdin, daemon=True).start()
+    model = torch.nn.Linear(4096, 4096, bias=False) if what == "export" else None
     n = 0
     while not STOP.is_set():
         if what == "step":
             opt.step()
+        elif what == "export":
+            os.makedirs(ckpt, exist_ok=True)
+            ts.save_weights(model, os.path.join(ckpt, "model.safetensors"))
         else:
             ts.save_optimizer(opt, ckpt, shard_bytes=1 << 20, buffer_bytes=1 << 20)
         n += 1

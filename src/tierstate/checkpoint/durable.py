@@ -26,7 +26,9 @@ from .format import Checksum
 PAUSE_ENV = "TIERSTATE_TEST_PAUSE_AT"
 PAUSE_PHASES = (
     "shard-written",       # the first shard's data written, before its fsync and rename
+    "shard-closed",        # the first shard fsynced and closed, before its rename
     "shards-renamed",      # every shard fsynced and renamed, before the manifest is written
+    "manifest-renamed",    # the new manifest renamed into place, before the directory's fsync
     "manifest-committed",  # the new manifest renamed into place, before any old shard is deleted
     "cleanup",             # one old file deleted, others still there
 )
@@ -258,28 +260,33 @@ def fsync_dir(path: str) -> None:
 
 
 def write_file_atomic(directory: str, name: str, data: bytes, tmp_name: str) -> None:
-    """Write ``data`` to ``directory/tmp_name``, fsync it, rename it to ``name``, fsync the dir."""
+    """Write ``data`` to ``directory/tmp_name``, fsync it, rename it to ``name``, fsync the dir.
+
+    A failure before the rename, an interrupt included (KeyboardInterrupt, a signal
+    handler's ``sys.exit``), removes the temporary file and leaves ``name`` as it was.
+    """
     tmp = os.path.join(directory, tmp_name)
     final = os.path.join(directory, name)
+    fd, op = -1, "open"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise from_oserror(exc, tmp, None, "open") from exc
-    try:
+        op = "write"
         view, done = memoryview(data), 0
         while done < len(data):
             done += os.write(fd, view[done:])
         os.fsync(fd)
-    except OSError as exc:
         os.close(fd)
-        remove_quietly(tmp)
-        raise from_oserror(exc, tmp, None, "write") from exc
-    os.close(fd)
-    try:
+        fd, op = -1, "rename"
         os.replace(tmp, final)
-    except OSError as exc:
-        remove_quietly(tmp)
-        raise from_oserror(exc, final, None, "rename") from exc
+    except BaseException as exc:
+        if fd >= 0:
+            os.close(fd)
+        if op != "open":  # an O_EXCL open that failed made nothing, and the file may be another's
+            remove_quietly(tmp)
+        if isinstance(exc, OSError):
+            raise from_oserror(exc, final if op == "rename" else tmp, None, op) from exc
+        raise
+    pause_point("manifest-renamed")
     fsync_dir(directory)
 
 

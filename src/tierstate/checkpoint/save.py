@@ -10,10 +10,18 @@ old manifest naming the old shards, untouched; after (3) the new one naming new 
 all durable. So ``path`` holds either the previous checkpoint or the new one, whole, at
 every instant; nothing outside ``path`` is touched. One writer per ``path`` at a time.
 
+An interrupt that unwinds (Ctrl-C's KeyboardInterrupt, a SIGTERM handler's ``sys.exit``)
+can land between any two bytecodes of a save. Every file the save may create is recorded
+before it exists, and is removed on the way out unless ``manifest.json`` already names
+this save's shards: an interrupt after the manifest's rename (during the directory's
+fsync, or the sweep) leaves the new checkpoint whole, never a manifest naming deleted
+shards.
+
 Testing aid: ``TIERSTATE_TEST_PAUSE_AT=<phase>:<marker file>`` stops a save at one of
-these points (``shard-written``, ``shards-renamed``, ``manifest-committed``, ``cleanup``;
-see :data:`tierstate.checkpoint.durable.PAUSE_PHASES`): the writer records its pid in the
-marker file and sleeps until killed, so a test kills it at exactly that point.
+these points (``shard-written``, ``shard-closed``, ``shards-renamed``,
+``manifest-renamed``, ``manifest-committed``, ``cleanup``; see
+:data:`tierstate.checkpoint.durable.PAUSE_PHASES`): the writer records its pid in the
+marker file and sleeps until killed or interrupted, so a test stops it at exactly that point.
 """
 from __future__ import annotations
 
@@ -167,16 +175,22 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     save_id = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(4)}"
     piece_numel = buffer_bytes // 8  # elements per read from a tier: at most one buffer of fp64
     buffers = [aligned_buffer(buffer_bytes), aligned_buffer(buffer_bytes)]
-    shards, tensor_map, written = [], {}, []
+    shards, tensor_map = [], {}
+    made = []  # every file this save may have created: removed unless its manifest commits
     try:
         for si, entries in enumerate(plan):
             name = f"{SHARD_PREFIX}{save_id}-{si:05d}{SHARD_SUFFIX}"
             final = os.path.join(directory, name)
             partial = final + PARTIAL_SUFFIX
             header, placed = shard_header([(n, d, s) for n, d, s, _ in entries])
-            sink = ShardSink(partial, buffers, checksum)
+            # Both names are recorded before the file exists: an exception raised by a signal
+            # handler (Ctrl-C, a SIGTERM handler calling sys.exit) can land between any two
+            # bytecodes, and each of these steps must be undone whichever it lands after.
+            made += [partial, final]
             on_sigterm = remove_on_termination(partial)  # a SIGTERM mid-shard takes the .partial too
+            sink = None
             try:
+                sink = ShardSink(partial, buffers, checksum)
                 sink.put(torch.frombuffer(bytearray(header), dtype=torch.uint8))
                 for entry in placed:
                     kind, index, *key = entry.name.split(".", 2)  # a part: "state.0.exp_avg.codes"
@@ -187,13 +201,15 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
                     tensor_map[entry.name] = {"shard": si, "dtype": dtype_name(entry.dtype), "shape": list(entry.shape),
                                               "data_offsets": [entry.begin, entry.end]}
                 nbytes, digest = sink.finish()
+                sink = None  # closed: nothing left to abort
             except BaseException:
-                sink.abort()
+                if sink is not None:
+                    sink.abort()
                 raise
             finally:
                 on_sigterm.cancel()
+            pause_point("shard-closed")
             rename(partial, final)
-            written.append(final)
             shards.append({"file": name, "bytes": nbytes, "data_offset": len(header),
                            "checksum": {"algorithm": checksum, "value": digest}})
         fsync_dir(directory)
@@ -219,16 +235,31 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         }
         manifest = seal(manifest, checksum)
         body = json.dumps(manifest, indent=1).encode()
-        write_file_atomic(directory, MANIFEST_NAME, body, f"{MANIFEST_TMP_PREFIX}{save_id}.tmp")
+        tmp_name = f"{MANIFEST_TMP_PREFIX}{save_id}.tmp"
+        made.append(os.path.join(directory, tmp_name))
+        write_file_atomic(directory, MANIFEST_NAME, body, tmp_name)
     except BaseException as exc:
-        for f in written:  # shards no manifest names: give their space back now
-            remove_quietly(f)
+        # An interrupt can land after the manifest's rename, while the directory is being
+        # fsynced: the save is committed then, and its shards are the checkpoint.
+        if not _committed(directory, save_id):
+            for f in made:  # shards no manifest names: give their space back now
+                remove_quietly(f)
         if isinstance(exc, OSError):
             exc.add_note(f"save_optimizer: the checkpoint in {directory} was left as it was before this save")
         raise
     pause_point("manifest-committed")
     _sweep(directory, {s["file"] for s in shards})
     return manifest
+
+
+def _committed(directory: str, save_id: str) -> bool:
+    """Whether the manifest in ``directory`` is the one of save ``save_id`` (names its shards)."""
+    try:
+        with open(os.path.join(directory, MANIFEST_NAME), "rb") as f:
+            shards = json.loads(f.read())["shards"]
+        return any(s["file"].startswith(f"{SHARD_PREFIX}{save_id}-") for s in shards)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no readable manifest of ours: this save did not commit
 
 
 def _sweep(directory: str, keep: set) -> None:

@@ -133,8 +133,12 @@ def save_optimizer_dir(optimizer: Any, directory: str | os.PathLike, name: str =
         return target
     target = directory / f"{name}.pt"
     tmp = target.with_name(target.name + ".tmp")
-    torch.save(opt.state_dict(), tmp)
-    os.replace(tmp, target)
+    try:
+        torch.save(opt.state_dict(), tmp)
+        os.replace(tmp, target)
+    except BaseException:  # a failed or interrupted write (Ctrl-C) leaves the previous file, and no .tmp
+        tmp.unlink(missing_ok=True)
+        raise
     return target
 
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ..checkpoint.durable import aligned_buffer, fsync_dir, open_file, remove_quietly
 from ..dist import is_dtensor
 from ..io.errors import FileIOError, from_oserror, io_error
+from ..tiers.termination import remove_on_termination
 from .streamer import WeightStreamer, closed_name, streamed
 
 # torch dtype -> safetensors dtype name (the library's spelling).
@@ -255,11 +256,13 @@ def save_weights(model: nn.Module, path, *, streamer: WeightStreamer | None = No
         sources.append(h)
     head, _ = header_bytes([(n, t.dtype, tuple(t.shape)) for n, t in entries], {"format": "pt"})
     tmp = str(final.parent / f".{final.name}.{os.getpid()}.tmp")
+    # A SIGTERM under the default disposition takes the temporary file (gigabytes for a 7B
+    # model) with it; an interrupt that unwinds (Ctrl-C, a handler's sys.exit) removes it
+    # below, wherever between two bytecodes it lands.
+    on_sigterm = remove_on_termination(tmp, what="a save_weights temporary file")
+    sink = None
     try:
         sink = _Sink(tmp)
-    except OSError as exc:
-        raise _named(exc, final, tmp) from exc
-    try:
         sink.put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         for (name, t), h in zip(entries, sources):
             if t.numel() == 0:
@@ -271,12 +274,15 @@ def save_weights(model: nn.Module, path, *, streamer: WeightStreamer | None = No
                 sink.put(flat.view(torch.uint8))
         sink.finish()
         os.replace(tmp, final)
-    except OSError as exc:
-        sink.abort()
-        raise _named(exc, final, tmp) from exc
-    except BaseException:
-        sink.abort()
+    except BaseException as exc:
+        if sink is not None:
+            sink.abort()
+        remove_quietly(tmp)  # also when the interrupt came inside _Sink(), after the file was made
+        if isinstance(exc, OSError):
+            raise _named(exc, final, tmp) from exc
         raise
+    finally:
+        on_sigterm.cancel()
     fsync_dir(str(final.parent))
     return final
 
