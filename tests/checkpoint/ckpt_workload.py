@@ -153,6 +153,9 @@ def main(argv: list[str]) -> None:
         ckpt, steps = argv[2], int(argv[3])
         if os.environ.get("CKPT_TEST_SIGTERM_EXIT") == "1":  # a graceful-exit handler, as launchers' users write
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(3))
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when this process was started
+        # from a background job: a shell's `cmd &` ignores SIGINT, and exec keeps it ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         model, opt = build(mode, nvme_dir=nvme_dir)
         handshake = os.environ.get("CKPT_TEST_HANDSHAKE") == "1"
         # CKPT_TEST_PAUSE=<phase>:<step>:<marker>: the save of <step> stops at <phase> (save.py's testing aid)

@@ -215,15 +215,21 @@ def test_an_interrupt_at_each_phase_of_a_save_unwinds_to_one_whole_checkpoint(tm
     kinds = {phase: list(INTERRUPTS)[i % 2] for i, phase in enumerate(PAUSE_PHASES)}
     writers = _paused_writers(tmp_path, {phase: INTERRUPTS[kind][2] for phase, kind in kinds.items()})
     runs = {}
-    for ckpt, (phase, proc) in writers.items():
-        proc.send_signal(INTERRUPTS[kinds[phase]][0])
-    for ckpt, (phase, proc) in writers.items():
-        err = proc.communicate(timeout=120)[1]
-        kind = kinds[phase]
-        assert proc.returncode == INTERRUPTS[kind][1], (phase, kind, proc.returncode, err[-3000:])
-        if kind == "sigint":
-            assert "KeyboardInterrupt" in err, err[-3000:]
-        runs[ckpt] = (phase, kind)
+    try:
+        for ckpt, (phase, proc) in writers.items():
+            proc.send_signal(INTERRUPTS[kinds[phase]][0])
+        for ckpt, (phase, proc) in writers.items():
+            err = proc.communicate(timeout=60)[1]
+            kind = kinds[phase]
+            assert proc.returncode == INTERRUPTS[kind][1], (phase, kind, proc.returncode, err[-3000:])
+            if kind == "sigint":
+                assert "KeyboardInterrupt" in err, err[-3000:]
+            runs[ckpt] = (phase, kind)
+    finally:
+        for _, proc in writers.values():
+            if proc.poll() is None:  # an interrupt that did not end it: it would sleep at its phase for ever
+                proc.kill()
+                proc.communicate(timeout=60)
     for ckpt, (phase, kind, *_) in runs.items():
         names = sorted(os.listdir(ckpt))
         assert not [n for n in names if n.endswith((".partial", ".tmp"))], (phase, kind, names)

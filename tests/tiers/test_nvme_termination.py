@@ -45,6 +45,14 @@ def _leftovers(info: dict) -> list[str]:
     return out
 
 
+def _unnamed_shards(ckpt: Path) -> list[str]:
+    """Shards the checkpoint's manifest does not name (a save's that did not commit)."""
+    if not (ckpt / "manifest.json").exists():
+        return []
+    named = {s["file"] for s in json.loads((ckpt / "manifest.json").read_text())["shards"]}
+    return sorted(n for n in os.listdir(ckpt) if n.endswith(".safetensors") and n not in named)
+
+
 def _partials(ckpt: Path) -> list[str]:
     """A checkpoint's shard being written, or save_weights' temporary file."""
     return sorted(n for n in os.listdir(ckpt) if n.endswith((".partial", ".tmp"))) if ckpt.is_dir() else []
@@ -64,6 +72,7 @@ def test_sigterm_default_disposition_cleans_up_and_dies_by_sigterm(tmp_path, wha
     assert _leftovers(info) == []
     assert not where.exists(), "the folder the run created is removed"
     assert _partials(Path(f"{where}.ckpt")) == []
+    assert _unnamed_shards(Path(f"{where}.ckpt")) == [], "the shards the interrupted save had finished are removed"
 
 
 def test_sigterm_default_disposition_default_root(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..tiers.termination import remove_on_termination
+from ..tiers.termination import on_termination
 from .access import ParamInfo, access_for
 from .durable import (ShardSink, aligned_buffer, describe_writer, fsync_dir, pause_point, remove_quietly, rename,
                       write_file_atomic)
@@ -177,6 +177,17 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     buffers = [aligned_buffer(buffer_bytes), aligned_buffer(buffer_bytes)]
     shards, tensor_map = [], {}
     made = []  # every file this save may have created: removed unless its manifest commits
+    uncommitted = [True]  # False from the moment the manifest may be renamed into place
+
+    def remove_uncommitted() -> None:  # a SIGTERM under the default disposition (signal handler: unlinks only)
+        if uncommitted[0]:
+            for f in list(made):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+
+    on_sigterm = on_termination(remove_uncommitted, "a checkpoint's uncommitted shards")
     try:
         for si, entries in enumerate(plan):
             name = f"{SHARD_PREFIX}{save_id}-{si:05d}{SHARD_SUFFIX}"
@@ -187,7 +198,6 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             # handler (Ctrl-C, a SIGTERM handler calling sys.exit) can land between any two
             # bytecodes, and each of these steps must be undone whichever it lands after.
             made += [partial, final]
-            on_sigterm = remove_on_termination(partial)  # a SIGTERM mid-shard takes the .partial too
             sink = None
             try:
                 sink = ShardSink(partial, buffers, checksum)
@@ -206,8 +216,6 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
                 if sink is not None:
                     sink.abort()
                 raise
-            finally:
-                on_sigterm.cancel()
             pause_point("shard-closed")
             rename(partial, final)
             shards.append({"file": name, "bytes": nbytes, "data_offset": len(header),
@@ -237,6 +245,9 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         body = json.dumps(manifest, indent=1).encode()
         tmp_name = f"{MANIFEST_TMP_PREFIX}{save_id}.tmp"
         made.append(os.path.join(directory, tmp_name))
+        # A SIGTERM from here on leaves this save's files to the next save's sweep: the
+        # manifest may be renamed at any instant, and its shards are then the checkpoint.
+        uncommitted[0] = False
         write_file_atomic(directory, MANIFEST_NAME, body, tmp_name)
     except BaseException as exc:
         # An interrupt can land after the manifest's rename, while the directory is being
@@ -247,6 +258,8 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         if isinstance(exc, OSError):
             exc.add_note(f"save_optimizer: the checkpoint in {directory} was left as it was before this save")
         raise
+    finally:
+        on_sigterm.cancel()
     pause_point("manifest-committed")
     _sweep(directory, {s["file"] for s in shards})
     return manifest
