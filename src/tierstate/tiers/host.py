@@ -19,6 +19,38 @@ def item_range(unit: int, lo: int, numel: int) -> tuple[int, int]:
     return lo // unit, (lo + numel + unit - 1) // unit
 
 
+def host_buffer(nbytes: int, *, pin_memory: bool, zero: bool = True) -> Tensor:
+    """``nbytes`` of host memory (uint8), zeroed unless ``zero=False``: page-locked when a
+    CUDA device copies from it, else on transparent huge pages (see the note).
+
+    [Note: huge pages for host state]
+    The host step streams every byte of the state once (28 B/param for bf16 AdamW). Over
+    4 KiB pages that is a page walk every 4 KiB (344 K walks for 50M parameters, far beyond
+    the second-level TLB's reach of ~12 MB); over 2 MiB pages, 700. Measured on a 2-vCPU
+    Zen 4 (AMD EPYC), the fused AdamW kernel over 50M fp32 params in 4 Mi sub-groups,
+    22 interleaved rounds, medians: 32.1 ms on torch's allocations against 25.7 ms on huge
+    pages in one run, 29.8 against 27.7 ms in the next (the machine is shared; the order
+    held in both). Memory a CUDA device reads must be pinned instead (cudaHostAlloc does
+    not take huge pages), and without the native module torch's allocator is used.
+    """
+    if pin_memory or nbytes == 0 or not _native_buffers():
+        make = torch.zeros if zero else torch.empty
+        return make(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+    from ..io import aligned_empty  # noqa: PLC0415 - tiers load before the I/O layer needs to
+
+    buf = aligned_empty(nbytes, _SLICE_ALIGN)  # huge pages from one huge page on (aligned_empty's default)
+    if zero:
+        buf.zero_()
+    return buf
+
+
+def _native_buffers() -> bool:
+    from .._native_loader import native  # noqa: PLC0415
+
+    mod = native()
+    return mod is not None and hasattr(mod, "io_aligned_empty")
+
+
 def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tuple[Tensor, list[Tensor]]:
     """One host buffer holding a flat slice per tensor (its dtype and numel), each slice
     64-byte aligned. One allocation instead of one per tensor: the pinned allocator rounds
@@ -27,8 +59,7 @@ def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tupl
     for t in tensors:
         offsets.append(total)
         total += (t.numel() * t.element_size() + _SLICE_ALIGN - 1) // _SLICE_ALIGN * _SLICE_ALIGN
-    make = torch.zeros if zero else torch.empty
-    arena = make(total, dtype=torch.uint8, pin_memory=pin_memory)
+    arena = host_buffer(total, pin_memory=pin_memory, zero=zero)
     views = [arena[o: o + t.numel() * t.element_size()].view(t.dtype) for o, t in zip(offsets, tensors)]
     return arena, views
 
@@ -113,10 +144,10 @@ class HostTier(ArenaTier):
         self.units = dict(units or {})
         self.arenas: dict[str, Tensor] = {}
         for key, dtype in dtypes.items():
-            # torch.zeros writes every page, so the arenas count in RSS from construction on (as
+            # host_buffer zeroes every page, so the arenas count in RSS from construction on (as
             # they would after the first step anyway): memory trouble shows at once, not mid-run.
-            arena = torch.zeros(item_range(self.units.get(key, 1), 0, self.numel)[1], dtype=dtype,
-                                pin_memory=pin_memory)
+            items = item_range(self.units.get(key, 1), 0, self.numel)[1]
+            arena = host_buffer(items * dtype.itemsize, pin_memory=pin_memory).view(dtype)
             if inits.get(key, 0.0) != 0.0:
                 arena.fill_(inits[key])
             self.arenas[key] = arena
