@@ -1,4 +1,5 @@
-"""``tierstate generate`` and ``tierstate plan --generate`` in a real subprocess."""
+"""``tierstate generate`` and ``tierstate plan --generate``: one run in a real subprocess, the
+argument and refusal checks through the console script's entry point in this process."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,18 @@ from _tiny import save_with_tokenizer, tiny
 
 def _run(*argv, timeout=240):
     return subprocess.run([sys.executable, "-m", "tierstate", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _main(capsys, *argv) -> tuple[int, str, str]:
+    """``tierstate ...`` through tierstate.cli.main, what the console script calls: (status, stdout, stderr)."""
+    from tierstate import cli
+
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def test_generate_prompts_file_matches_transformers(tmp_path):
@@ -39,26 +52,26 @@ def test_generate_prompts_file_matches_transformers(tmp_path):
     assert not (tmp_path / "nv" / "weights").exists()
 
 
-def test_generate_bad_arguments_exit_2(tmp_path):
+def test_generate_bad_arguments_exit_2(tmp_path, capsys):
     model = tiny("gpt2")
     folder = tmp_path / "m"
     save_with_tokenizer(model, folder)
-    r = _run("generate", str(folder), "--max-new-tokens", "2")
-    assert r.returncode == 2 and "--prompt" in r.stderr
-    r = _run("generate", str(folder), "--prompt", "w1", "--weights", "cpu=1.5")
-    assert r.returncode == 2 and "cpu=1.5" in r.stderr
-    r = _run("generate", str(tmp_path / "nothere"), "--prompt", "w1", "--weights", "cpu")
-    assert r.returncode == 1 and "nothere" in r.stderr
+    code, _, err = _main(capsys, "generate", str(folder), "--max-new-tokens", "2")
+    assert code == 2 and "--prompt" in err
+    code, _, err = _main(capsys, "generate", str(folder), "--prompt", "w1", "--weights", "cpu=1.5")
+    assert code == 2 and "cpu=1.5" in err
+    code, _, err = _main(capsys, "generate", str(tmp_path / "nothere"), "--prompt", "w1", "--weights", "cpu")
+    assert code == 1 and "nothere" in err
 
 
-def test_plan_generate_prints_choice_and_rejections():
-    r = _run("plan", "llama-13b", "--generate", "--batch", "16", "--prompt-len", "32", "--new-tokens", "16",
-             "--host-mem", "12GiB", "--disk", "100GiB")
-    assert r.returncode == 0, r.stderr
+def test_plan_generate_prints_choice_and_rejections(capsys):
+    code, out, err = _main(capsys, "plan", "llama-13b", "--generate", "--batch", "16", "--prompt-len", "32",
+                           "--new-tokens", "16", "--host-mem", "12GiB", "--disk", "100GiB")
+    assert code == 0, err
     for word in ("weights:", "KV cache:", "micro_batch=", "tokens/s", "bottleneck", "rejected", "needs"):
-        assert word in r.stdout, r.stdout
-    r = _run("plan", "llama-13b", "--generate", "--host-mem", "1GiB", "--disk", "100GiB")
-    assert r.returncode == 2 and "RAM" in r.stderr
-    r = _run("plan", "llama-13b", "--generate", "--json", "--host-mem", "12GiB", "--disk", "100GiB")
-    plan = json.loads(r.stdout)
+        assert word in out, out
+    code, out, err = _main(capsys, "plan", "llama-13b", "--generate", "--host-mem", "1GiB", "--disk", "100GiB")
+    assert code == 2 and "RAM" in err
+    code, out, err = _main(capsys, "plan", "llama-13b", "--generate", "--json", "--host-mem", "12GiB", "--disk", "100GiB")
+    plan = json.loads(out)
     assert plan["ram_bytes"] <= 12 << 30 and len(plan["weight_tiers"]) == 40

@@ -180,13 +180,30 @@ def test_cli_weights_on_cuda_use_pinned_host_ram_before_nvme(tmp_path):
     assert w["pcie_bytes"] == 2 * w["bytes"]["cpu"] and w["compute_peak_bytes"] <= 8 << 30
 
 
-def test_cli_weight_offload_refusals_exit_2_naming_the_cause(tmp_path):
-    r = _plan_subprocess(["7B", "--device", "cpu", "--offload-weights", "auto"], tmp_path)
-    assert r.returncode == 2 and "weight offload needs the model's repeated blocks" in r.stderr
-    r = _plan_subprocess(["gpt2", "--device", "cpu", "--offload-weights", "cpu"], tmp_path)
-    assert r.returncode == 2 and "buys nothing" in r.stderr
-    r = _plan_subprocess(["gpt2", "--device", "cuda", "--offload-weights", "auto", "--host-mem", "8GiB"], tmp_path)
-    assert r.returncode == 2 and "--device-mem" in r.stderr
-    r = _plan_subprocess(["llama-7b", "--device", "cpu", "--offload-weights", "auto", "--micro-batch", "1",
-                          "--seq-len", "2048", "--host-mem", "12GiB", "--disk", "200GiB"], tmp_path)
-    assert r.returncode == 2 and "no weight placement fits" in r.stderr and "activation" in r.stderr
+def _plan_in_process(argv, tmp_path, monkeypatch, capsys) -> tuple[int, str]:
+    """`tierstate plan ...` through the console script's entry point (tierstate.cli.main) in this
+    process, as :func:`_plan_subprocess` sets it up; (exit status, stderr)."""
+    from tierstate import cli
+
+    monkeypatch.setenv("TIERSTATE_PROFILE", str(tmp_path / "absent.json"))
+    monkeypatch.setenv("TIERSTATE_NVME_DIR", str(tmp_path / "nvme"))
+    monkeypatch.setenv("COLUMNS", "200")
+    try:
+        code = cli.main(["plan", *argv])
+    except SystemExit as exc:  # argparse's and the plan's usage errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_weight_offload_refusals_exit_2_naming_the_cause(tmp_path, monkeypatch, capsys):
+    code, err = _plan_in_process(["7B", "--device", "cpu", "--offload-weights", "auto"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "weight offload needs the model's repeated blocks" in err
+    code, err = _plan_in_process(["gpt2", "--device", "cpu", "--offload-weights", "cpu"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "buys nothing" in err
+    code, err = _plan_in_process(["gpt2", "--device", "cuda", "--offload-weights", "auto", "--host-mem", "8GiB"],
+                                 tmp_path, monkeypatch, capsys)
+    assert code == 2 and "--device-mem" in err
+    code, err = _plan_in_process(["llama-7b", "--device", "cpu", "--offload-weights", "auto", "--micro-batch", "1",
+                                  "--seq-len", "2048", "--host-mem", "12GiB", "--disk", "200GiB"],
+                                 tmp_path, monkeypatch, capsys)
+    assert code == 2 and "no weight placement fits" in err and "activation" in err
