@@ -15,7 +15,6 @@ import zlib
 import pytest
 import torch
 
-import tierstate as ts
 from tierstate.checkpoint import CorruptCheckpointError, load_optimizer, save_optimizer
 from tierstate.tiers import StateLife
 

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import torch
 
 from _tiny import save_with_tokenizer, tiny
 

@@ -210,7 +210,7 @@ def test_reserve_allocates_and_names_the_shortfall(tmp_path):
     with pytest.raises(tio.DiskFullError) as info:
         tio.reserve(tmp_path / "huge.bin", 1 << 60)
     assert info.value.errno == errno.ENOSPC
-    assert f"needs 1.07e+09 GiB" in str(info.value) and str(tmp_path) in str(info.value)
+    assert "needs 1.07e+09 GiB" in str(info.value) and str(tmp_path) in str(info.value)
     assert not (tmp_path / "huge.bin").exists()
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tierstate as ts
-from test_parity import FP32_TOL, assert_same, make_net
+from test_parity import assert_same, make_net
 
 
 def big_and_micro_batches(seed: int = 5):

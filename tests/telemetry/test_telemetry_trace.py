@@ -2,7 +2,6 @@
 per lane), repaired when recorded slices cross, written at stop, at exit, from the env."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
