@@ -79,7 +79,8 @@ def _placement(opt) -> dict | None:
         return None
     return {
         "gpu": offload.gpu, "cpu": offload.cpu, "nvme": offload.nvme,
-        "nvme_dir": [str(d) for d in offload.nvme_dirs], "subgroup_numel": offload.subgroup_numel,
+        "nvme_dir": [str(d) for d in offload.nvme_dirs],
+        "subgroup_numel": getattr(getattr(opt, "layout", None), "subgroup_numel", 0) or offload.subgroup_numel,
         "buffer_count": offload.buffer_count, "moment_dtype": dtype_name(offload.moment_dtype),
         **({"master_dtype": dtype_name(offload.master_dtype), "quant_block": offload.quant_block}
            if offload.compressed else {}),

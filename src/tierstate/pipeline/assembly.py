@@ -82,7 +82,9 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
         s.needs_master for s in slots if s.trainable is not None)
     quant = check_compressed(offload, rule, param_groups, trainable)
     layout = plan_layout([local_tensor(p).numel() for p in trainable],
-                         tier_fractions(offload, stores_nothing=stores_nothing), offload.subgroup_numel,
+                         tier_fractions(offload, stores_nothing=stores_nothing),
+                         offload.subgroup_numel_for(device, step_in_backward=step_in_backward,
+                                                    streams_weights=any(weights_of(p) is not None for p in trainable)),
                          align=quant.block_size if quant is not None else 1)
     if offload.gpu > 0 and shards:
         raise ValueError(f"Offload(gpu={offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "

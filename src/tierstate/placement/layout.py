@@ -61,6 +61,7 @@ class Layout:
     tier_numel: dict  # TierKind -> elements held by that tier
     total: int
     align: int = 1  # parameters start, and tiers are cut, at multiples of this (see the note)
+    subgroup_numel: int = 0  # the largest sub-group asked for (plan_layout's argument)
 
     def segments_of(self, param_index: int) -> list[Segment]:
         return self._param_segments[param_index]
@@ -135,4 +136,4 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
             subgroups.append(SubGroup(len(subgroups), tier, start, n, offset, tuple(segs)))
             offset += n
         tier_start += size
-    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total, align)
+    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total, align, subgroup_numel)

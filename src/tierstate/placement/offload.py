@@ -9,7 +9,8 @@ from typing import Sequence, Union
 
 import torch
 
-from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_QUANT_BLOCK, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, Q8,
+from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_QUANT_BLOCK, DEFAULT_SUBGROUP_NUMEL, HOST_SUBGROUP_NUMEL,
+                       MASTER_DTYPES, Q8,
                        QUANT_BLOCK_RANGE, default_nvme_root, nvme_dirs_of, state_bytes_per_element)
 
 PathLike = Union[str, os.PathLike]
@@ -48,7 +49,12 @@ class Offload:
         nvme: fraction kept in files under ``nvme_dir``, streamed through a bounded pool.
         nvme_dir: a folder or a list of folders (one per drive; sub-groups are striped
             across them). Default: :func:`default_nvme_root`.
-        subgroup_numel: elements per sub-group (the unit of placement and streaming).
+        subgroup_numel: elements per sub-group (the unit of placement and streaming). Default
+            (None): 4 Mi elements (``DEFAULT_SUBGROUP_NUMEL``: an NVMe record of 48 MiB at most,
+            the unit the disk moves, and what ``step_in_backward`` updates at once); 32 Mi
+            (``HOST_SUBGROUP_NUMEL``) for CPU parameters whose state is all in host RAM and
+            that step after backward, where a sub-group only costs a kernel call
+            (:meth:`subgroup_numel_for`).
         buffer_count: host buffers in the NVMe streaming pool (>= 2: one being updated,
             one in flight; never more than the tier has sub-groups); host RAM of the NVMe
             tier is bounded by this pool (default 16: 512-768 MiB at the default sub-group size).
@@ -89,7 +95,7 @@ class Offload:
     cpu: float | None = None  # None: the remainder, 1 - gpu - nvme
     nvme: float = 0.0
     nvme_dir: PathLike | Sequence[PathLike] | None = None
-    subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
+    subgroup_numel: int | None = None
     buffer_count: int = DEFAULT_BUFFER_COUNT
     moment_dtype: torch.dtype | str = torch.float32
     master_dtype: torch.dtype | str = torch.float32
@@ -123,10 +129,11 @@ class Offload:
                 f"Offload(gpu={self.gpu}, cpu={self.cpu}, nvme={self.nvme}): the fractions sum to "
                 f"{total:g}; they must sum to 1 (e.g. Offload(cpu=0.6, nvme=0.4))"
             )
-        if not isinstance(self.subgroup_numel, int) or self.subgroup_numel < 1024:
+        if self.subgroup_numel is not None and (not isinstance(self.subgroup_numel, int)
+                                                or isinstance(self.subgroup_numel, bool) or self.subgroup_numel < 1024):
             raise ValueError(
-                f"Offload(subgroup_numel={self.subgroup_numel!r}): must be an int >= 1024 "
-                f"(default {DEFAULT_SUBGROUP_NUMEL})"
+                f"Offload(subgroup_numel={self.subgroup_numel!r}): must be an int >= 1024, or None for the default "
+                f"({DEFAULT_SUBGROUP_NUMEL}; {HOST_SUBGROUP_NUMEL} for CPU parameters with all state in RAM)"
             )
         if not isinstance(self.buffer_count, int) or self.buffer_count < 2:
             raise ValueError(f"Offload(buffer_count={self.buffer_count!r}): must be an int >= 2")
@@ -161,7 +168,7 @@ class Offload:
         if isinstance(self.sr_seed, bool) or not isinstance(self.sr_seed, int) or not 0 <= self.sr_seed < 2**64:
             raise ValueError(f"Offload(sr_seed={self.sr_seed!r}): must be an int in [0, 2**64), e.g. 0")
         if self.compressed:
-            if self.subgroup_numel % qb:
+            if self.subgroup_numel is not None and self.subgroup_numel % qb:
                 raise ValueError(f"Offload(subgroup_numel={self.subgroup_numel}, quant_block={qb}): sub-groups "
                                  f"must hold whole blocks; use a multiple of {qb}, e.g. {self.subgroup_numel // qb * qb or qb}")
             if self.gpu > 0:
@@ -230,6 +237,18 @@ class Offload:
                 "the default NVMe root; set TIERSTATE_NVME_DIR to the folder instead, or pick the placement "
                 "yourself with offload=Offload(..., nvme_dir=...)")
         return cls.from_mode(mode)
+
+    def subgroup_numel_for(self, device: torch.device, *, step_in_backward: bool, streams_weights: bool = False) -> int:
+        """The sub-group size of an optimizer over parameters on ``device``: ``subgroup_numel``
+        when given; else 32 Mi elements when the state is all in host RAM, the parameters on
+        the CPU, and the update runs after backward on resident weights; 4 Mi otherwise (see
+        ``subgroup_numel``; the measurements are in tierstate.placement.defaults)."""
+        if self.subgroup_numel is not None:
+            return self.subgroup_numel
+        host_only = self.gpu == 0 and self.nvme == 0 and device.type == "cpu"
+        if host_only and not step_in_backward and not streams_weights:
+            return HOST_SUBGROUP_NUMEL
+        return DEFAULT_SUBGROUP_NUMEL
 
     def host_allocator_for(self, device: torch.device) -> str:
         """The host-allocator policy for parameters on ``device`` (see ``host_allocator``)."""
