@@ -30,13 +30,14 @@ def host_buffer(nbytes: int, *, pin_memory: bool, zero: bool = True) -> Tensor:
     Zen 4 (AMD EPYC), the fused AdamW kernel over 50M fp32 params in 4 Mi sub-groups,
     22 interleaved rounds, medians: 32.1 ms on torch's allocations against 25.7 ms on huge
     pages in one run, 29.8 against 27.7 ms in the next (the machine is shared; the order
-    held in both). Memory a CUDA device reads must be pinned instead (cudaHostAlloc does
-    not take huge pages), and without the native module torch's allocator is used.
+    held in both). Memory a CUDA device copies from is pinned instead, by torch's pinned
+    allocator (not measured with huge pages: no GPU here), and without the native module
+    torch's allocator is used.
     """
     if pin_memory or nbytes == 0 or not _native_buffers():
         make = torch.zeros if zero else torch.empty
         return make(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-    from ..io import aligned_empty  # noqa: PLC0415 - tiers load before the I/O layer needs to
+    from ..io import aligned_empty  # noqa: PLC0415 - only where the native module is there
 
     buf = aligned_empty(nbytes, _SLICE_ALIGN)  # huge pages from one huge page on (aligned_empty's default)
     if zero:
