@@ -9,17 +9,10 @@ import pytest
 import torch
 
 import tierstate as ts
+from tierstate.io import huge_page_size
 from tierstate.placement import TierKind
 
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def _thp_mode() -> str | None:
-    try:
-        text = THP.read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1: text.index("]")]
+PAGE = huge_page_size()  # 0 where the kernel gives none (THP "never", or absent)
 
 
 def _mapping_of(address: int) -> dict[str, str]:
@@ -41,7 +34,7 @@ def _mapping_of(address: int) -> dict[str, str]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="the kernel offers no transparent huge pages here")
+@pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
 @pytest.mark.parametrize("moment_dtype", [torch.float32, "q8"])
 def test_every_host_arena_is_on_huge_page_eligible_memory(moment_dtype):
     params = [torch.nn.Parameter(torch.randn(3 << 20).bfloat16()), torch.nn.Parameter(torch.randn(1 << 20).bfloat16())]
@@ -52,9 +45,9 @@ def test_every_host_arena_is_on_huge_page_eligible_memory(moment_dtype):
     arenas = opt.tiers[TierKind.HOST].arenas
     assert {"master", "exp_avg", "exp_avg_sq"} <= {k.split(".")[0] for k in arenas}
     for key, arena in arenas.items():
-        if arena.numel() * arena.element_size() < (2 << 20):
+        if arena.numel() * arena.element_size() < PAGE:
             continue  # smaller than one huge page (a q8 block scale): nothing to gain
         fields = _mapping_of(arena.data_ptr())
         assert fields.get("THPeligible") == "1", (key, fields)
-        assert arena.data_ptr() % (2 << 20) == 0, f"{key}: starts inside a huge page, so its first one cannot be huge"
+        assert arena.data_ptr() % PAGE == 0, f"{key}: starts inside a huge page, so its first one cannot be huge"
     opt.close()
