@@ -15,6 +15,7 @@ from typing import Iterator
 
 import torch
 
+from ..io import engine_available
 from ..io.errors import FileIOError, from_oserror
 from .format import Checksum
 
@@ -48,14 +49,6 @@ def pause_point(phase: str) -> None:
         f.write(str(os.getpid()))
     while True:
         time.sleep(3600)
-
-
-def engine_available() -> bool:
-    """Whether tierstate.io's native engine can run here (else buffered I/O is used)."""
-    from .._native_loader import native  # noqa: PLC0415 - loading it may log a warning once
-
-    mod = native()
-    return mod is not None and hasattr(mod, "IOEngine")
 
 
 def aligned_buffer(nbytes: int) -> torch.Tensor:

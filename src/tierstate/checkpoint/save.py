@@ -80,7 +80,7 @@ def _placement(opt) -> dict | None:
     return {
         "gpu": offload.gpu, "cpu": offload.cpu, "nvme": offload.nvme,
         "nvme_dir": [str(d) for d in offload.nvme_dirs],
-        "subgroup_numel": getattr(getattr(opt, "layout", None), "subgroup_numel", 0) or offload.subgroup_numel,
+        "subgroup_numel": opt.layout.subgroup_numel,  # the size used (the offload's may be None: per placement)
         "buffer_count": offload.buffer_count, "moment_dtype": dtype_name(offload.moment_dtype),
         **({"master_dtype": dtype_name(offload.master_dtype), "quant_block": offload.quant_block}
            if offload.compressed else {}),
@@ -178,10 +178,10 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     buffers = [aligned_buffer(buffer_bytes), aligned_buffer(buffer_bytes)]
     shards, tensor_map = [], {}
     made = []  # every file this save may have created: removed unless its manifest commits
-    uncommitted = [True]  # False from the moment the manifest may be renamed into place
+    committing = False  # True from the moment the manifest may be renamed into place
 
     def remove_uncommitted() -> None:  # a SIGTERM under the default disposition (signal handler: unlinks only)
-        if uncommitted[0]:
+        if not committing:
             for f in list(made):
                 try:
                     os.unlink(f)
@@ -248,7 +248,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         made.append(os.path.join(directory, tmp_name))
         # A SIGTERM from here on leaves this save's files to the next save's sweep: the
         # manifest may be renamed at any instant, and its shards are then the checkpoint.
-        uncommitted[0] = False
+        committing = True
         write_file_atomic(directory, MANIFEST_NAME, body, tmp_name)
     except BaseException as exc:
         # An interrupt can land after the manifest's rename, while the directory is being

@@ -14,7 +14,7 @@ it reads with it); :mod:`tierstate.io.faults` injects I/O failures for tests.
 """
 from .buffers import DEFAULT_ALIGNMENT, aligned_empty, huge_page_size
 from .checksum import crc32c, crc32c_isas
-from .engine import Engine, default_engine, set_default_engine, uring_available
+from .engine import Engine, default_engine, engine_available, set_default_engine, uring_available
 from .errors import (
     DiskFullError,
     FileIOError,
@@ -46,6 +46,7 @@ __all__ = [
     "aligned_empty",
     "huge_page_size",
     "default_engine",
+    "engine_available",
     "free_bytes",
     "reserve",
     "set_default_engine",

@@ -38,6 +38,14 @@ DEFAULT_BLOCK_SIZE = 4 << 20
 DEFAULT_QUEUE_DEPTH = 32
 
 
+def engine_available() -> bool:
+    """Whether the native module loaded, so tierstate.io can run here (its engine and
+    :func:`~tierstate.io.aligned_empty`); callers fall back to buffered I/O and torch's
+    allocator when it did not."""
+    mod = native()
+    return mod is not None and hasattr(mod, "IOEngine")
+
+
 def _require_native() -> Any:
     mod = native()
     if mod is None:

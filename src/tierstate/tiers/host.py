@@ -6,6 +6,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
+from .. import io as tio
 from ..placement import Layout, SubGroup, TierKind
 
 
@@ -34,22 +35,13 @@ def host_buffer(nbytes: int, *, pin_memory: bool, zero: bool = True) -> Tensor:
     allocator (not measured with huge pages: no GPU here), and without the native module
     torch's allocator is used.
     """
-    if pin_memory or nbytes == 0 or not _native_buffers():
+    if pin_memory or nbytes == 0 or not tio.engine_available():
         make = torch.zeros if zero else torch.empty
         return make(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
-    from ..io import aligned_empty  # noqa: PLC0415 - only where the native module is there
-
-    buf = aligned_empty(nbytes, _SLICE_ALIGN)  # huge pages from one huge page on (aligned_empty's default)
+    buf = tio.aligned_empty(nbytes, _SLICE_ALIGN)  # huge pages from one huge page on (aligned_empty's default)
     if zero:
         buf.zero_()
     return buf
-
-
-def _native_buffers() -> bool:
-    from .._native_loader import native  # noqa: PLC0415
-
-    mod = native()
-    return mod is not None and hasattr(mod, "io_aligned_empty")
 
 
 def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tuple[Tensor, list[Tensor]]:

@@ -276,8 +276,9 @@ def save_weights(model: nn.Module, path, *, streamer: WeightStreamer | None = No
         os.replace(tmp, final)
     except BaseException as exc:
         if sink is not None:
-            sink.abort()
-        remove_quietly(tmp)  # also when the interrupt came inside _Sink(), after the file was made
+            sink.abort()  # removes tmp
+        else:  # the interrupt came inside _Sink(), perhaps after it made the file
+            remove_quietly(tmp)
         if isinstance(exc, OSError):
             raise _named(exc, final, tmp) from exc
         raise
