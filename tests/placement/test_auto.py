@@ -153,21 +153,54 @@ def test_on_cuda_auto_turns_a_plan_with_a_device_part_into_offload_gpu(monkeypat
         device_budget(free, 0)
 
 
-def test_auto_weights_on_cpu_stream_a_model_larger_than_ram_and_say_why(profile, caplog):
-    """200 blocks of 256 MiB (50 GiB, more than this machine's RAM): streamed from NVMe through a
-    window that fits the host budget read now; never from a 'cpu' home on a CPU."""
+def _assert_streams_from_nvme_and_says_why(plan, caplog, profile):
     import psutil
 
-    from tierstate.placement.auto import choose_weights
     from tierstate.placement.weights_plan import CPU, NVME
 
-    with caplog.at_level(logging.INFO, logger="tierstate"):
-        plan = choose_weights([256 << 20] * 200, 64 << 20, "cpu", activation_bytes=32 << 20,
-                              compute_seconds_per_block=0.05)
     assert NVME in plan.tier_of and CPU not in plan.tier_of
     assert plan.compute_peak_bytes <= psutil.virtual_memory().total
     msg = " ".join(r.getMessage() for r in caplog.records if "offload_weights(offload='auto')" in r.getMessage())
     assert "NVMe" in msg and "window" in msg and str(profile) in msg
+
+
+def test_auto_weights_larger_than_the_host_budget_stream_from_nvme_and_say_why(profile, caplog, monkeypatch):
+    """64 blocks of 64 MiB (4 GiB) against a host budget of 5 % of the available RAM (the
+    documented TIERSTATE_AUTO_HOST_FRACTION knob; ~1.1 GiB on a 24 GiB machine): streamed from NVMe through a window that fits,
+    never from a 'cpu' home on a CPU. Needs 4 GiB of free disk, not a model the size of the RAM."""
+    import psutil
+
+    from tierstate.placement.auto import choose_weights
+
+    monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", "0.05")
+    budget = 0.05 * psutil.virtual_memory().available
+    assert 64 * (64 << 20) > budget  # the case this test is about
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        plan = choose_weights([64 << 20] * 64, 16 << 20, "cpu", activation_bytes=8 << 20,
+                              compute_seconds_per_block=0.05)
+    _assert_streams_from_nvme_and_says_why(plan, caplog, profile)
+    assert plan.compute_peak_bytes <= budget * 1.1  # the available RAM moves a little between reads
+
+
+def test_auto_weights_on_cpu_stream_a_model_larger_than_ram_and_say_why(profile, caplog):
+    """A model 1.25x this machine's RAM, in 256 MiB blocks, with the default budgets: streamed from
+    NVMe. Runs where the disk under the NVMe folder can hold it (the plan needs every block on disk)."""
+    import os
+
+    import psutil
+
+    from tierstate.placement.auto import choose_weights
+    from tierstate.placement.auto import existing_ancestor
+
+    blocks = -(-int(1.25 * psutil.virtual_memory().total) // (256 << 20))
+    st = os.statvfs(existing_ancestor(os.environ["TIERSTATE_NVME_DIR"]))
+    if st.f_bavail * st.f_frsize < blocks * (256 << 20) * 1.05:
+        pytest.skip(f"the disk has {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free; a model 1.25x the RAM "
+                    f"needs {blocks / 4:.1f} GiB (the budget-knob test above covers the choice)")
+    with caplog.at_level(logging.INFO, logger="tierstate"):
+        plan = choose_weights([256 << 20] * blocks, 64 << 20, "cpu", activation_bytes=32 << 20,
+                              compute_seconds_per_block=0.05)
+    _assert_streams_from_nvme_and_says_why(plan, caplog, profile)
 
 
 def test_auto_weights_that_fit_stay_resident():
