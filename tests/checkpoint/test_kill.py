@@ -197,22 +197,31 @@ def test_kill_at_each_phase_of_a_save_leaves_one_whole_checkpoint(tmp_path):
                                                        for n in got["files"])
 
 
-# Interruptions the process survives long enough to unwind: Ctrl-C (KeyboardInterrupt, the
+# Interruptions the process survives long enough to clean up: Ctrl-C (KeyboardInterrupt, the
 # process then ends by SIGINT) and a launcher's SIGTERM caught by an application handler that
-# calls sys.exit(3). Either raises inside the save wherever it happens to be.
+# calls sys.exit(3) both raise inside the save wherever it happens to be; a SIGTERM under the
+# default disposition runs tierstate's handler (tiers/termination.py), which removes what did
+# not commit and ends the process by SIGTERM, with no unwinding.
 INTERRUPTS = {"sigint": (signal.SIGINT, -signal.SIGINT, {}),
-              "sigterm-exit": (signal.SIGTERM, 3, {"CKPT_TEST_SIGTERM_EXIT": "1"})}
+              "sigterm-exit": (signal.SIGTERM, 3, {"CKPT_TEST_SIGTERM_EXIT": "1"}),
+              "sigterm-default": (signal.SIGTERM, -signal.SIGTERM, {})}
+# Which interrupt lands at which phase: each kind before and after the commit, and the default
+# SIGTERM where the manifest is written but not yet renamed (it once left the save's files there).
+KINDS = {"shard-written": "sigint", "shard-closed": "sigterm-default", "shards-renamed": "sigterm-exit",
+         "manifest-written": "sigterm-default", "manifest-renamed": "sigint", "manifest-committed": "sigterm-exit",
+         "cleanup": "sigterm-default"}
 # phases before the manifest's rename: the previous checkpoint stays, and nothing of the new save
 COMMITTED_FROM = PAUSE_PHASES.index("manifest-renamed")
 
 
 def test_an_interrupt_at_each_phase_of_a_save_unwinds_to_one_whole_checkpoint(tmp_path):
-    """Ctrl-C or a SIGTERM handler that exits, at each phase of a save: the exception unwinds
-    through save_optimizer, which must leave no .partial or .tmp file, remove the shards of a
+    """Ctrl-C, a SIGTERM handler that exits, or a SIGTERM under the default disposition, at each
+    phase of a save: save_optimizer (or the SIGTERM cleanup) must leave no .partial or .tmp file, remove the shards of a
     save that did not commit, and never remove the shards of a manifest already renamed into
     place (the newest checkpoint). The writers run side by side to keep the test short."""
     reference = _json_from(["digests", "cpu", str(STEPS)], _env())
-    kinds = {phase: list(INTERRUPTS)[i % 2] for i, phase in enumerate(PAUSE_PHASES)}
+    assert set(KINDS) == set(PAUSE_PHASES)
+    kinds = KINDS
     writers = _paused_writers(tmp_path, {phase: INTERRUPTS[kind][2] for phase, kind in kinds.items()})
     runs = {}
     try:

@@ -29,6 +29,7 @@ PAUSE_PHASES = (
     "shard-written",       # the first shard's data written, before its fsync and rename
     "shard-closed",        # the first shard fsynced and closed, before its rename
     "shards-renamed",      # every shard fsynced and renamed, before the manifest is written
+    "manifest-written",    # the new manifest written and fsynced under its temporary name, before its rename
     "manifest-renamed",    # the new manifest renamed into place, before the directory's fsync
     "manifest-committed",  # the new manifest renamed into place, before any old shard is deleted
     "cleanup",             # one old file deleted, others still there
@@ -270,6 +271,7 @@ def write_file_atomic(directory: str, name: str, data: bytes, tmp_name: str) -> 
         os.fsync(fd)
         os.close(fd)
         fd, op = -1, "rename"
+        pause_point("manifest-written")
         os.replace(tmp, final)
     except BaseException as exc:
         if fd >= 0:

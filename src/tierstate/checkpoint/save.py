@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -180,13 +181,20 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     made = []  # every file this save may have created: removed unless its manifest commits
     committing = False  # True from the moment the manifest may be renamed into place
 
+    # Signal handlers run on the main thread, between two of its bytecodes. A save on the main
+    # thread is then stopped either before the manifest's rename or after it, and the manifest
+    # on disk says which; a save on another thread may rename while the handler runs, so from
+    # the moment it may, its files stay for the next save's sweep.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+
     def remove_uncommitted() -> None:  # a SIGTERM under the default disposition (signal handler: unlinks only)
-        if not committing:
-            for f in list(made):
-                try:
-                    os.unlink(f)
-                except OSError:
-                    pass
+        if committing and (not on_main_thread or _committed(directory, save_id)):
+            return
+        for f in list(made):
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
 
     on_sigterm = on_termination(remove_uncommitted, "a checkpoint's uncommitted shards")
     try:
@@ -246,8 +254,8 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         body = json.dumps(manifest, indent=1).encode()
         tmp_name = f"{MANIFEST_TMP_PREFIX}{save_id}.tmp"
         made.append(os.path.join(directory, tmp_name))
-        # A SIGTERM from here on leaves this save's files to the next save's sweep: the
-        # manifest may be renamed at any instant, and its shards are then the checkpoint.
+        # From here on the manifest may be renamed at any instant, and its shards are then the
+        # checkpoint: a SIGTERM asks the manifest on disk first (see remove_uncommitted).
         committing = True
         write_file_atomic(directory, MANIFEST_NAME, body, tmp_name)
     except BaseException as exc:
