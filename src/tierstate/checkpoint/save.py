@@ -18,7 +18,7 @@ fsync, or the sweep) leaves the new checkpoint whole, never a manifest naming de
 shards.
 
 Testing aid: ``TIERSTATE_TEST_PAUSE_AT=<phase>:<marker file>`` stops a save at one of
-these points (``shard-written``, ``shard-closed``, ``shards-renamed``,
+these points (``shard-written``, ``shard-closed``, ``shards-renamed``, ``manifest-written``,
 ``manifest-renamed``, ``manifest-committed``, ``cleanup``; see
 :data:`tierstate.checkpoint.durable.PAUSE_PHASES`): the writer records its pid in the
 marker file and sleeps until killed or interrupted, so a test stops it at exactly that point.
