@@ -51,3 +51,68 @@ def test_every_host_arena_is_on_huge_page_eligible_memory(moment_dtype):
         assert fields.get("THPeligible") == "1", (key, fields)
         assert arena.data_ptr() % PAGE == 0, f"{key}: starts inside a huge page, so its first one cannot be huge"
     opt.close()
+
+
+def _gpt2_like(seed=0):
+    torch.manual_seed(seed)
+    # a 4 MiB embedding and a 2.25 MiB projection (moved), a 3 KiB bias (too small to move)
+    return torch.nn.Sequential(torch.nn.Embedding(1024, 1024), torch.nn.Linear(1024, 576), torch.nn.Linear(576, 768))
+
+
+@pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
+def test_fp32_cpu_parameters_move_to_huge_pages_and_keep_their_values_and_identity():
+    model = _gpt2_like()
+    before = {n: (p, p.detach().clone(), p.data_ptr()) for n, p in model.named_parameters()}
+    hook_calls = []
+    model[1].weight.register_hook(lambda g: hook_calls.append(1))
+    opt = ts.AdamW(model.parameters(), lr=1e-3, offload="cpu")
+    for name, (p, values, ptr) in before.items():
+        now = dict(model.named_parameters())[name]
+        assert now is p and p.requires_grad  # the same Parameter object
+        assert torch.equal(p.detach(), values)  # bit for bit
+        big = p.numel() * p.element_size() >= PAGE
+        assert (p.data_ptr() % PAGE == 0) == big or ptr % PAGE == 0, name
+        if big:
+            assert p.data_ptr() != ptr and _mapping_of(p.data_ptr()).get("THPeligible") == "1", name
+    # the moved parameters train: hooks still fire and the update lands in the model
+    model(torch.arange(8).view(2, 4)).sum().backward()
+    opt.step()
+    assert hook_calls == [1]
+    assert not torch.equal(model[0].weight.detach(), before["0.weight"][1])
+    opt.close()
+
+
+@pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
+def test_moved_parameters_match_torch_adamw_for_seven_steps():
+    model, ref = _gpt2_like(1), _gpt2_like(1)
+    opt = ts.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, offload="cpu")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    assert model[0].weight.data_ptr() % PAGE == 0
+    x = torch.randint(0, 1024, (4, 8))
+    for _ in range(7):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # the parity suite's fp32 tolerance
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=1e-8)
+    opt.close()
+
+
+def test_parameters_that_share_or_view_storage_are_left_where_they_are():
+    base = torch.randn(2 << 20)
+    view = torch.nn.Parameter(base[: 1 << 20])  # a view: moving it would cut it from `base`
+    shared = torch.nn.Parameter(torch.empty(0))
+    shared.data = base.view(2, 1 << 20)  # whole storage, but `base` sees it too
+    small = torch.nn.Parameter(torch.randn(16))
+    bf16 = torch.nn.Parameter(torch.randn(2 << 20).bfloat16())  # has a master: updated there, rounded into it
+    ptrs = [p.data_ptr() for p in (view, shared, small, bf16)]
+    opt = ts.AdamW([view, shared, small, bf16], offload="cpu")
+    assert [p.data_ptr() for p in (view, shared, small, bf16)] == ptrs
+    for p in (view, shared, small, bf16):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(base[: 1 << 20], view.detach())  # the view still is the base's memory
+    opt.close()

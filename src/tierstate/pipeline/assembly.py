@@ -24,6 +24,7 @@ from torch import Tensor
 from ..dist import local_tensor, shard_groups
 from ..placement import Offload, plan_layout
 from ..tiers import (Slot, StateStore, device_heads, device_tier_on_cpu_allowed, make_tiers, tier_fractions)
+from ..tiers.host import move_to_huge_pages
 from .grads import Gradients
 from ..weights import generation as weights_generation
 from ..weights import streamed as weights_of
@@ -73,6 +74,8 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             # an accelerator: it is its own master, as an fp32 host parameter is
             own_master = p.dtype == torch.float32 and (not on_accel or weights_of(p) is not None)
             own_master = own_master and offload.master_mode == "fp32"  # a 16-bit master is always stored
+            if own_master and t is not None and not on_accel and weights_of(p) is None and local_tensor(p) is p:
+                move_to_huge_pages(p)  # updated in place by every host step: see the note there
             slots.append(Slot(len(slots), p, gi, t, needs_master=not own_master))
     if offload.gpu > 0 and any(weights_of(p) is not None for p in trainable):
         raise ValueError(f"Offload(gpu={offload.gpu}) with parameters whose weights stream (ts.offload_weights): "

@@ -44,6 +44,47 @@ def host_buffer(nbytes: int, *, pin_memory: bool, zero: bool = True) -> Tensor:
     return buf
 
 
+def _sole_owner(param: Tensor, nbytes: int) -> bool:
+    """Whether ``param`` is the only tensor on its storage and spans all of it. Any other
+    tensor on it (a view a user keeps, a tensor saved by an autograd graph, a base tensor the
+    parameter views) holds a reference to the storage: 2 references are the parameter's and
+    the storage object asked here. Without torch's use count, the answer is no."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    storage = param.untyped_storage()
+    return use_count is not None and storage.nbytes() == nbytes and use_count(storage._cdata) == 2
+
+
+def move_to_huge_pages(param: Tensor) -> bool:
+    """Give a CPU parameter fresh storage on transparent huge pages, its values copied (True), or
+    leave it as it is (False): where huge pages would not cover it (smaller than one huge page,
+    no THP, no native module), where it is already huge-page aligned, or where its storage is
+    not its own (a view, or a storage it shares), since other tensors would keep the old values.
+
+    [Note: an fp32 host parameter is its own master, so it moves]
+    An fp32 parameter on the CPU is updated in place by the host step: 8 of the 28 B/param the
+    AdamW step moves are its read and write, the moments' 16 are on huge pages already (see
+    [Note: huge pages for host state]). Its storage is torch's, on 4 KiB pages. The optimizer
+    therefore moves such a parameter once, at construction, as FSDP and ZeRO move parameters
+    into their flat buffers: ``param.data`` is replaced, the Parameter object, its name,
+    hooks and ``requires_grad`` stay, and ``data_ptr()`` changes once. A parameter that any
+    other tensor shares storage with (a view kept by the user, a tied copy that is not the same
+    Parameter) stays where it is, so that tensor keeps seeing the updates. The gradients stay
+    where autograd puts them (4 of the 28 B). Measured on a 2-vCPU Zen 4 (AMD EPYC), GPT-2
+    124M in fp32, batch 2 x 256, three interleaved runs, median of 6 steps each: ``opt.step()``
+    42.7 / 43.4 / 44.2 ms with the parameters moved, 44.8 / 46.0 / 47.0 ms without, torch's
+    fused AdamW 47.8 / 48.0 / 49.0 ms.
+    """
+    page = tio.huge_page_size() if tio.engine_available() else 0
+    nbytes = param.numel() * param.element_size()
+    if (page <= 0 or nbytes < page or param.device.type != "cpu" or param.data_ptr() % page == 0
+            or not param.is_contiguous() or param.storage_offset() != 0 or not _sole_owner(param, nbytes)):
+        return False
+    home = tio.aligned_empty(nbytes, page).view(param.dtype).view(param.shape)
+    home.copy_(param.detach())
+    param.data = home
+    return True
+
+
 def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tuple[Tensor, list[Tensor]]:
     """One host buffer holding a flat slice per tensor (its dtype and numel), each slice
     64-byte aligned. One allocation instead of one per tensor: the pinned allocator rounds
