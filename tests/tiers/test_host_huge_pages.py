@@ -90,14 +90,22 @@ def test_moved_parameters_match_torch_adamw_for_seven_steps():
     assert model[0].weight.data_ptr() % PAGE == 0
     x = torch.randint(0, 1024, (4, 8))
     for _ in range(7):
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        # Both take the reference's gradients: with each model's own backward, the ULP-level
+        # differences of the two updates feed back through the forward, and Adam's m/sqrt(v)
+        # amplifies them where a gradient is near zero (one element of 442,368 was 6e-5 apart
+        # after 7 steps on a Xeon). The parity suite does the same.
+        ref_opt.zero_grad()
+        ref(x).square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # the parity suite's fp32 tolerance
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=1e-8)
+    # the forward reads the moved storage
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-5)
     opt.close()
 
 
