@@ -26,6 +26,10 @@ the rest are read from disk for every generated token:
 ``accelerate_warm``    the same without dropping: the offloaded weights come from the page cache
                        after the first token (RAM the budget does not count; what Accelerate
                        gets on a machine with the whole model's size of free RAM)
+``tierstate_int8``     ``tierstate`` with ``compress="int8"``: the offloaded layers' matrices
+                       stored group-wise int8 (group 64), about half the bytes read per token.
+                       Not the same model: its tokens may differ (``same_tokens`` says), so it
+                       is reported beside the comparison, not as it. Not in the default modes
 =====================  ===================================================================
 
 Each run is a process of its own (this file with ``--worker``); the modes alternate over
@@ -49,6 +53,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+MODES = ("tierstate", "accelerate_cold", "accelerate_warm", "tierstate_int8")
 
 
 def _config(args):
@@ -88,12 +95,13 @@ def worker(args) -> dict:
     read0 = _io_read_bytes()
     t0 = time.perf_counter()
     stamps = []
-    if args.worker == "tierstate":
+    if args.worker in ("tierstate", "tierstate_int8"):
         from tierstate.generate import OffloadedLM
 
         tiers = ["cpu"] * args.ram_layers + ["nvme"] * (L - args.ram_layers)
         lm = OffloadedLM.from_pretrained(folder, weights=tiers, kv="cpu", nvme_dir=Path(args.dir) / "ts-nvme",
-                                         micro_batch=args.batch, dtype=dtype)
+                                         micro_batch=args.batch, dtype=dtype,
+                                         compress="int8" if args.worker == "tierstate_int8" else None)
         out["load_seconds"] = time.perf_counter() - t0
         read1 = _io_read_bytes()
         t1 = time.perf_counter()
@@ -177,6 +185,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        p.error(f"--modes {args.modes!r}: {unknown or 'none given'} not among {', '.join(MODES)}")
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
@@ -193,7 +205,6 @@ def main(argv=None) -> int:
     ckpt = write_random_checkpoint(_config(args), base / "model", dtype=dtype, seed=0)
     print(f"checkpoint: {ckpt.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     disk = measure_disk(base / "probe", 512 << 20, reps=2)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     runs = []
     try:
         for r in range(args.repeats):
@@ -235,6 +246,9 @@ def main(argv=None) -> int:
             if other != "tierstate":
                 m[other]["tierstate_speedup"] = m["tierstate"]["tokens_per_s_median"] / m[other]["tokens_per_s_median"]
                 m[other]["same_tokens"] = m[other]["tokens_sha1"] == m["tierstate"]["tokens_sha1"]
+    if "tierstate_int8" in m and "accelerate_cold" in m:
+        m["tierstate_int8"]["speedup_over_accelerate_cold"] = (m["tierstate_int8"]["tokens_per_s_median"]
+                                                               / m["accelerate_cold"]["tokens_per_s_median"])
     summary["runs"] = runs
     text = json.dumps(summary, indent=2)
     if args.json:

@@ -16,7 +16,8 @@ def test_tiny_run_same_tokens_and_floor(tmp_path):
     out = tmp_path / "out.json"
     r = subprocess.run([sys.executable, str(SCRIPT), "--layers", "4", "--hidden", "256", "--intermediate", "512",
                         "--heads", "4", "--batch", "2", "--prompt-len", "4", "--new-tokens", "3", "--ram-layers", "1",
-                        "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=900,
+                        "--repeats", "1", "--json", str(out),
+                        "--modes", "tierstate,accelerate_cold,accelerate_warm,tierstate_int8"], capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -29,3 +30,14 @@ def test_tiny_run_same_tokens_and_floor(tmp_path):
     per_step = runs["tierstate"]["stats"]["weight_read_bytes"] / 3
     assert res["weight_bytes_per_step"] <= per_step <= res["weight_bytes_per_step"] + 3 * (4096 + 64 * 16)
     assert res["disk_floor_tokens_per_s"] > 0
+    # int8 layers: a byte per weight and an fp32 scale per group of 64, against bf16's 2 bytes
+    int8_per_step = runs["tierstate_int8"]["stats"]["weight_read_bytes"] / 3
+    assert int8_per_step <= 0.6 * per_step
+    assert modes["tierstate_int8"]["speedup_over_accelerate_cold"] > 0
+
+
+def test_an_unknown_mode_is_refused_before_anything_is_written(tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPT), "--modes", "tierstate,acclerate_cold", "--dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--modes" in r.stderr and "acclerate_cold" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
