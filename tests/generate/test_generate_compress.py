@@ -30,6 +30,25 @@ def test_roundtrip_error_is_half_a_step(mode, qmax):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_across_chunks_is_codes_times_scales_rounded_once(mode, dtype):
+    from tierstate.generate import compress as C
+    n = C._CHUNK + 3 * 64  # a whole chunk and a tail: the chunk loop's both paths
+    w = (torch.randn(n) * torch.rand(n)).to(dtype).view(-1, 64)
+    vn, sn = C.stored_nbytes(n, mode, 64)
+    values, scales = torch.empty(vn, dtype=torch.uint8), torch.empty(sn // 4, dtype=torch.float32)
+    C.quantize_into(w, values, scales, mode, 64)
+    out = torch.empty_like(w)
+    C.dequantize_into(values, scales, out, mode, 64)
+    if mode == "int8":
+        codes = values.view(torch.int8).float()
+    else:  # two per byte, the even index in the low nibble, stored as q + 8
+        codes = torch.stack([(values & 0x0F).float(), (values >> 4).float()], dim=1).view(-1) - 8
+    want = (codes.view(-1, 64) * scales[:, None]).to(dtype)  # in float32, rounded once
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("weights,kv", [("nvme", "cpu"), ("cpu", "nvme")])
 def test_tokens_equal_the_quantized_model(tmp_path, mode, weights, kv):
     model = _model()
