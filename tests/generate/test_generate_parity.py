@@ -19,6 +19,9 @@ PLACEMENTS = [
     ("nvme", "nvme", 1, 5),
     (["cpu", "nvme", "cpu"], ["nvme", "cpu", "nvme"], 3, 2),
     ("split", "split", 2, 2),  # ts.Offload fractions: rounds of 4 rows, then 1
+    # one NVMe KV record and a pool of one buffer: each step's first read of it comes while
+    # the last layer runs, after that record's write was queued
+    ("nvme", ["nvme", "cpu", "cpu"], None, 1),
 ]
 
 

@@ -7,8 +7,9 @@ new rows touch (the page they share with older rows included, from the buffer th
 them all), never the whole cache. A record is the keys' region then the values' region,
 each 4 KiB-aligned, so both O_DIRECT reads (rows ``[0, past)`` of each region) start on a
 page. A host-RAM record is used in place; an NVMe record is read into one of a pool of
-aligned buffers (the record that runs, the next one read ahead, the previous one whose
-write may still be in flight).
+aligned buffers: the layer's records that run, the next layer's read ahead (asked for
+before that layer's weights), and one whose write may still be in flight
+(:func:`tierstate.placement.generate_plan.kv_pool_records`).
 
 Every NVMe read is checked: a CRC-32C of the valid rows of each region, taken when the rows
 were written, is compared after the read (``WeightsLostError`` semantics: the file and the
@@ -26,6 +27,7 @@ from .. import io as tio
 from ..io import StateLostError
 from ..io.errors import FileIOError
 from ..placement.defaults import default_nvme_root
+from ..placement.generate_plan import kv_pool_records
 from ..weights.homes import RECORD_ALIGN, NvmeHome
 
 
@@ -76,6 +78,7 @@ class KVStore:
         self.nvme: NvmeHome | None = None
         self._free: list[tuple[Tensor, object | None]] = []  # (buffer, write in flight from it)
         self._loaded: dict[int, tuple[Tensor, object | None, object | None, int]] = {}
+        self._writing: dict[int, tuple[object, object]] = {}  # record -> its last writes (done or not)
         self.crc: dict[int, tuple[int, int]] = {}
         self.read_bytes = self.write_bytes = 0
         self.stall_seconds = 0.0
@@ -84,7 +87,7 @@ class KVStore:
             folder = Path(nvme_dir) / "kv" if explicit else None
             self.nvme = NvmeHome(nvme_sizes, folder, explicit, default_nvme_root())
             big = max(nvme_sizes.values())
-            for _ in range(min(3, len(nvme_sizes))):
+            for _ in range(kv_pool_records(self.J, len(nvme_sizes))):
                 self._free.append((tio.aligned_empty(big, RECORD_ALIGN), None))
         self.pool_nbytes = sum(b.numel() for b, _ in self._free)
         self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
@@ -108,6 +111,11 @@ class KVStore:
         buf, write = self._free.pop()
         if write is not None:
             self._wait(write)
+        # Read ahead a layer early, a record can be asked for while its own last write (from
+        # another buffer) is still queued: the read must not pass it.
+        mine = self._writing.pop(s, None)
+        if mine is not None:
+            self._wait(mine)
         j = s % self.J
         n = _up(past * self.row[j])
         base = self.nvme.offsets[s]
@@ -169,6 +177,7 @@ class KVStore:
         wv = self.nvme.file.pwrite(buf[reg + lo:], base + reg + lo, hi - lo)
         self.write_bytes += 2 * (hi - lo)
         self._free.insert(0, (buf, (wk, wv)))  # reused last: its write gets the most time
+        self._writing[s] = (wk, wv)
 
     def _wait(self, writes) -> None:
         t0 = time.perf_counter()
@@ -194,6 +203,7 @@ class KVStore:
                 except OSError:
                     pass
         self._free.clear()
+        self._writing.clear()
         self.host.clear()
         if self.nvme is not None:
             self.nvme.close()

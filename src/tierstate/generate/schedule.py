@@ -78,9 +78,19 @@ def run_round(adapter: Adapter, weights: WeightStore, kv: KVStore, ids: Tensor, 
             pos = [positions[a:b] for a, b in bounds]
             pe = [adapter.position_embeddings(hidden[j], pos[j]) for j in range(J)]
             masks = [mask[a:b] if isinstance(mask, Tensor) else mask for a, b in bounds]
-            kv.prefetch(0, past)
+            for j in range(J):  # read ahead at the last layer of the step before, unless this is the first
+                kv.prefetch(j, past)
             for layer in range(L):
                 image = weights.acquire(layer)
+                # The next layer's KV records go into the disk's queue before the next layers'
+                # weights, so they never wait behind them (kv_pool_records says why); after the
+                # last layer comes layer 0 of the next step, with this step's rows added.
+                if layer + 1 < L:
+                    for j in range(J):
+                        kv.prefetch((layer + 1) * J + j, past)
+                elif step + 1 < max_new_tokens:
+                    for j in range(J):
+                        kv.prefetch(j, past + q)
                 weights.prefetch(order[layer + 1:] + order[:layer])  # the next NVMe layers, this token's then the next's
                 weights.bind(layer, image)
                 for j in range(J):
