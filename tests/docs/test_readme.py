@@ -246,19 +246,20 @@ RUNS = {
         "4M params and one timed step instead of 100M and five"),
     "python benchmarks/e2e.py --modes torch,cpu,cpu_bf16,cpu_bf16_bwd,nvme,nvme_bf16,nvme_bf16_bwd,ds_z2_cpu,ds_z3_nvme "
     "--steps 4 --warmup 2 --repeats 2": (
-        "python benchmarks/e2e.py --tiny --modes torch,cpu_bf16_bwd,nvme,ds_z2_cpu --steps 1 --warmup 1 --repeats 1 "
+        "python benchmarks/e2e.py --tiny --modes torch,nvme,ds_z2_cpu --steps 1 --warmup 1 --repeats 1 "
         "--nvme-dir {tmp}",
-        "--tiny model, four of the modes, one step: GPT-2 124M takes minutes per mode; DeepSpeed is a peer "
-        "(not in the test venv: its mode says so and the rest runs)"),
+        "--tiny model, three of the modes, one step: GPT-2 124M takes minutes per mode; DeepSpeed is a peer "
+        "(not in the test venv: its mode says so and the rest runs); every mode is run by tests/bench/test_bench_e2e.py"),
     "python benchmarks/weights_vs_zero3.py --size 125m": (
         "python benchmarks/weights_vs_zero3.py --size tiny --steps 1 --warmup 1 --repeats 1 --probe-bytes 32M "
         "--nvme-dir {tmp}",
         "the tiny Llama, one step: 125M takes minutes per mode; DeepSpeed is a peer (not in the test venv: "
         "its mode says so and tierstate's runs)"),
     "tierstate bench e2e --modes cpu_bf16_bwd,nvme_bf16_bwd": (
-        "tierstate bench e2e --tiny --modes cpu_bf16_bwd,nvme_bf16_bwd --steps 1 --warmup 1 --repeats 1 "
+        "tierstate bench e2e --tiny --modes cpu_bf16_bwd --steps 1 --warmup 1 --repeats 1 "
         "--nvme-dir {tmp}",
-        "--tiny model, one step: GPT-2 124M takes minutes per mode"),
+        "--tiny model, one step, the first of the two modes: GPT-2 124M takes minutes per mode; "
+        "nvme_bf16_bwd is run by tests/bench/test_bench_e2e.py"),
     "tierstate bench overhead --reps 30": ("tierstate bench overhead --layers 1 --reps 2 --warmup 1",
                                            "one GPT-2 block's shapes and 2 rounds instead of 12 and 30"),
 }
