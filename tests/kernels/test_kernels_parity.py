@@ -58,6 +58,37 @@ def assert_within(actual, expected, scale, rel, what):
     )
 
 
+def _adam_exact(h: dict, weight, grad, states) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight after one Adam/AdamW step of the reference's formula, in float64 from the
+    same inputs, and how far two fp32 roundings of the effective gradient move it.
+
+    Why: where the L2 term cancels a scaled, maximized gradient (``-0.5 g + 0.1 w`` near 4e-4
+    from operands near 0.2, in ``adam-wide-l2-maximize-scaled``), the second moment is tiny and
+    eps-dominated, and a rounding of that sum reaches the weight amplified. The baseline scalar
+    build, without FMA, rounds ``g * scale`` and ``+ wd * w`` apart; on a Xeon it gave
+    -0.6080495 where torch's fp32 step gave -0.6080545 and this formula -0.6080521, beyond 16
+    ulps of either fp32 result but well within what those roundings explain."""
+    def step(g):
+        w = weight.double()
+        if h["weight_decay"]:
+            if h["decoupled"]:
+                w = w * (1 - h["lr"] * h["weight_decay"])
+            else:
+                g = g + h["weight_decay"] * weight.double()
+        m = states[0].double() + (1 - h["beta1"]) * (g - states[0].double())
+        v = states[1].double() * h["beta2"] + (1 - h["beta2"]) * g * g
+        if len(states) > 2 and states[2] is not None:
+            v = torch.maximum(states[2].double(), v)
+        return w - h["lr"] / h["bias_correction1"] * m / (v.sqrt() / h["bias_correction2"] ** 0.5 + h["eps"])
+
+    g = grad.double() * h.get("grad_scale", 1.0) * (-1.0 if h.get("maximize", False) else 1.0)
+    operands = g.abs() + (h["weight_decay"] * weight.double().abs() if not h["decoupled"] else 0.0)
+    delta = 2 * 2.0**-23 * operands  # two roundings of the effective gradient's operands
+    exact = step(g)
+    moved = torch.maximum((step(g + delta) - exact).abs(), (step(g - delta) - exact).abs())
+    return exact, moved
+
+
 def _check_guards(buffer: torch.Tensor, offset: int, n: int, name: str) -> None:
     """The NaN sentinels around a view must survive: no write outside the view."""
     outside = torch.cat([buffer[:offset], buffer[offset + n :]]).float()
@@ -104,7 +135,20 @@ def run_and_compare(case: Case, n: int, grad_dtype, moment_dtype, out_dtype, off
 
     g_abs = grad.float().abs() * case.hyper.get("grad_scale", 1.0) + weight.abs()
     w_scale = torch.stack([weight.abs(), ref_weight.abs(), (ref_weight - weight).abs()]).amax(0)
-    assert_within(views["weight"][keep], ref_weight[keep], w_scale[keep], FP32_ULPS, "weight")
+    w_keep = keep
+    if case.op == "adam":
+        # Elements where one rounding of the effective gradient moves the weight by more than
+        # the tolerance are held to that conditioning, against the exact result, not to torch's
+        # own fp32 rounding: see _adam_exact.
+        exact, moved = _adam_exact(case.hyper, weight, grad, states)
+        tol = FP32_ULPS * w_scale.double()
+        ill = keep & (moved > tol)
+        err = (views["weight"].double() - exact).abs()
+        assert (err[ill] <= moved[ill] + tol[ill]).all(), (
+            f"weight: {int((err[ill] > moved[ill] + tol[ill]).sum())} ill-conditioned elements farther from "
+            "the exact result than one rounding of their effective gradient explains")
+        w_keep = keep & ~ill
+    assert_within(views["weight"][w_keep], ref_weight[w_keep], w_scale[w_keep], FP32_ULPS, "weight")
     for i, (mine, ref, before) in enumerate(zip(native_states, ref_states, states)):
         if mine is None:
             continue
