@@ -249,7 +249,8 @@ RUNS = {
         "python benchmarks/e2e.py --tiny --modes torch,nvme,ds_z2_cpu --steps 1 --warmup 1 --repeats 1 "
         "--nvme-dir {tmp}",
         "--tiny model, three of the modes, one step: GPT-2 124M takes minutes per mode; DeepSpeed is a peer "
-        "(not in the test venv: its mode says so and the rest runs); every mode is run by tests/bench/test_bench_e2e.py"),
+        "(not in the test venv: its mode says so and the rest runs); cpu_bf16_bwd runs in the `tierstate bench "
+        "e2e` command below, the others in tests/bench/test_bench_e2e.py"),
     "python benchmarks/weights_vs_zero3.py --size 125m": (
         "python benchmarks/weights_vs_zero3.py --size tiny --steps 1 --warmup 1 --repeats 1 --probe-bytes 32M "
         "--nvme-dir {tmp}",

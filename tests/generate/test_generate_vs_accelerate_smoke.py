@@ -17,8 +17,8 @@ def test_tiny_run_same_tokens_and_floor(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--layers", "4", "--hidden", "256", "--intermediate", "512",
                         "--heads", "4", "--batch", "2", "--prompt-len", "4", "--new-tokens", "3", "--ram-layers", "1",
                         "--repeats", "1", "--json", str(out),
-                        "--modes", "tierstate,accelerate_cold,accelerate_warm,tierstate_int8"], capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
+                        "--modes", "tierstate,accelerate_cold,accelerate_warm,tierstate_int8"],
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     modes = res["modes"]

@@ -166,8 +166,9 @@ def _assert_streams_from_nvme_and_says_why(plan, caplog, profile):
 
 def test_auto_weights_larger_than_the_host_budget_stream_from_nvme_and_say_why(profile, caplog, monkeypatch):
     """64 blocks of 64 MiB (4 GiB) against a host budget of 5 % of the available RAM (the
-    documented TIERSTATE_AUTO_HOST_FRACTION knob; ~1.1 GiB on a 24 GiB machine): streamed from NVMe through a window that fits,
-    never from a 'cpu' home on a CPU. Needs 4 GiB of free disk, not a model the size of the RAM."""
+    documented TIERSTATE_AUTO_HOST_FRACTION knob; ~1.1 GiB on a 24 GiB machine): streamed from
+    NVMe through a window that fits, never from a 'cpu' home on a CPU. Needs 4 GiB of free
+    disk, not a model the size of the RAM."""
     import psutil
 
     from tierstate.placement.auto import choose_weights

@@ -96,7 +96,7 @@ def run_round(adapter: Adapter, weights: WeightStore, kv: KVStore, ids: Tensor, 
                 for j in range(J):
                     s = layer * J + j
                     keys, values = kv.acquire(s, past)
-                    if s + 1 < L * J:
+                    if s + 1 < L * J:  # a no-op when read ahead above; else the read found no free buffer then
                         kv.prefetch(s + 1, past)
                     cache = LayerCache(keys, values, past)
                     hidden[j] = adapter.run_layer(layer, hidden[j], masks[j], pos[j], pe[j], cache)
