@@ -54,6 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tierstate.bench.e2e import modes_option  # the --modes check of bench e2e
+
 
 MODES = ("tierstate", "accelerate_cold", "accelerate_warm", "tierstate_int8")
 
@@ -180,15 +182,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--ram-layers", type=int, default=4, help="decoder layers both sides keep in RAM")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--modes", default="tierstate,accelerate_cold,accelerate_warm")
+    p.add_argument("--modes", type=modes_option(MODES), default=["tierstate", "accelerate_cold", "accelerate_warm"])
     p.add_argument("--dir", help="folder for the checkpoint and the NVMe files (default: a temporary one)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown or not modes:
-        p.error(f"--modes {args.modes!r}: {unknown or 'none given'} not among {', '.join(MODES)}")
+    modes = args.modes
     if args.worker:
         print(json.dumps(worker(args)))
         return 0

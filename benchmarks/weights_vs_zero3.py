@@ -60,7 +60,7 @@ import threading
 import time
 from pathlib import Path
 
-from tierstate.bench.e2e import _non_negative, _positive  # the same argument checks as bench e2e
+from tierstate.bench.e2e import _non_negative, _positive, modes_option  # the same argument checks as bench e2e
 from tierstate.bench.io import parse_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -109,15 +109,6 @@ def llama_params(hidden: int, layers: int, heads: int, kv_heads: int, intermedia
     return 2 * vocab * hidden + layers * (attention + mlp + 2 * hidden) + hidden
 
 
-def _modes(text: str) -> list[str]:
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"--modes {text!r}: unknown mode(s) {unknown}; choose a comma list of {', '.join(MODES)}")
-    return list(dict.fromkeys(names))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options."""
     parser.add_argument("--size", choices=tuple(SIZES), default="350m", help="model size (default 350m)")
@@ -125,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=_positive, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="weights' dtype in both modes; bf16 keeps an fp32 master in the optimizer (default)")
-    parser.add_argument("--modes", type=_modes, default=list(DEFAULT_MODES),
+    parser.add_argument("--modes", type=modes_option(MODES), default=list(DEFAULT_MODES),
                         help=f"comma list of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)})")
     parser.add_argument("--steps", type=_positive, default=3, help="timed steps per run (default 3)")
     parser.add_argument("--warmup", type=_non_negative, default=1, help="untimed steps first (default 1)")
