@@ -1,9 +1,10 @@
 """Training quality of compressed optimizer state: loss curves and final losses.
 
 Trains the same model from the same initialisation on the same batches with each state
-format of ``ts.AdamW`` (fp32 state, bf16 moments, 8-bit moments, 8-bit moments with a bf16
-master kept by compensation or by stochastic rounding; torchao's ``AdamW8bit`` and
-bitsandbytes' ``AdamW8bit`` where importable), for several seeds, on two models:
+format of ``ts.AdamW`` (fp32 state, bf16 moments, 8-bit moments in the dynamic maps and in
+the fp8 maps, each also with a bf16 master kept by compensation or by stochastic rounding;
+torchao's ``AdamW8bit`` and bitsandbytes' ``AdamW8bit`` where importable: both run on CPU, and
+neither is a dependency of tierstate), for several seeds, on two models:
 
 - ``demo``: the GPT of ``tierstate demo`` (preset ``tiny`` unless ``--demo-preset``) on its
   generated corpus;
@@ -40,6 +41,9 @@ FORMATS = {
     "q8 moments": dict(moment_dtype="q8"),
     "q8 + bf16_kahan": dict(moment_dtype="q8", master_dtype="bf16_kahan"),
     "q8 + bf16_sr": dict(moment_dtype="q8", master_dtype="bf16_sr"),
+    "fp8 moments": dict(moment_dtype="q8", quant_map="fp8"),
+    "fp8 + bf16_kahan": dict(moment_dtype="q8", quant_map="fp8", master_dtype="bf16_kahan"),
+    "fp8 + bf16_sr": dict(moment_dtype="q8", quant_map="fp8", master_dtype="bf16_sr"),
     "torchao AdamW8bit": None,
     "bitsandbytes AdamW8bit": None,
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/isa_table.h"
 
@@ -338,8 +339,29 @@ inline float max_nan_scalar(float a, float b) {
   return a > b ? a : b;
 }
 
+// A type with its own horizontal max (VecAvx512: a NaN test and one reduction) uses it;
+// the others go lane by lane.
+template <class W, class = void>
+struct HasReduceMaxNan : std::false_type {};
+template <class W>
+struct HasReduceMaxNan<W, std::void_t<decltype(W::reduce_max_nan(std::declval<W>()))>> : std::true_type {};
+
+template <class W, class = void>
+struct HasMaxAbsNan : std::false_type {};
+template <class W>
+struct HasMaxAbsNan<W, std::void_t<decltype(W::max_abs_nan(std::declval<W>(), std::declval<W>()))>>
+    : std::true_type {};
+
+// Lane by lane: NaN if acc or x is NaN, else max(acc, |x|); acc holds no negative values.
+template <class W>
+inline W max_abs_nan(W acc, W x) {
+  if constexpr (HasMaxAbsNan<W>::value) return W::max_abs_nan(acc, x);
+  else return W::max_nan(acc, W::abs(x));
+}
+
 template <class W>
 inline float reduce_max_nan(W x) {
+  if constexpr (HasReduceMaxNan<W>::value) return W::reduce_max_nan(x);
   float lanes[W::kWidth];
   W::store(lanes, x);
   float r = lanes[0];
@@ -347,20 +369,40 @@ inline float reduce_max_nan(W x) {
   return r;
 }
 
+// The two kinds of 8-bit map (QuantMapRef) as codecs over a vector type W: a table map
+// (decode: one lookup; encode: bucket, then one threshold) or an fp8 map (arithmetic only).
+struct TableCodec {
+  QuantMapRef map;
+  template <class W>
+  W decode(const uint8_t* codes) const { return W::decode_q8(codes, map.table); }
+  template <class W>
+  void encode(uint8_t* out, W y) const { W::encode_q8(out, y, map); }
+};
+
+template <int M, bool kSigned>
+struct Fp8Codec {
+  explicit Fp8Codec(const QuantMapRef&) {}
+  template <class W>
+  W decode(const uint8_t* codes) const { return W::template decode_fp8<M, kSigned>(codes); }
+  template <class W>
+  void encode(uint8_t* out, W y) const { W::template encode_fp8<M, kSigned>(out, y); }
+};
+using Fp8SignedCodec = Fp8Codec<kFp8SignedMantissaBits, true>;
+using Fp8UnsignedCodec = Fp8Codec<kFp8UnsignedMantissaBits, false>;
+
 // Elements [i0, i1) of the block that starts at b0, over vector type W. Returns the
 // absmax of the new m and of the new sqrt(v) through amax_m / amax_s.
-template <class W, DType G, DType O, MasterMode MM>
-inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_t b0, float m_scale,
-                             float s_scale, float* m_row, float* s_row, float& amax_m, float& amax_s,
-                             bool stream) {
+// m_mul / s_mul: the blocks' dequantization multipliers (scale / map top).
+template <class W, DType G, DType O, MasterMode MM, class CM, class CV>
+inline void adam_q8_elements(const AdamQ8Task& t, const CM& m_codec, const CV& v_codec, int64_t i0,
+                             int64_t i1, int64_t b0, float m_mul, float s_mul, float* m_row, float* s_row,
+                             float& amax_m, float& amax_s, bool stream) {
   const void* const grad = t.grad;
   float* const master32 = static_cast<float*>(t.master);
   uint16_t* const master16 = static_cast<uint16_t*>(t.master);
   int16_t* const comp = static_cast<int16_t*>(t.comp);
   const uint8_t* const m_codes = t.m_codes;
   const uint8_t* const v_codes = t.v_codes;
-  const float* const m_table = t.m_map.table;
-  const float* const v_table = t.v_map.table;
   void* const weight_out = t.weight_out;
   const bool coupled_wd = t.coupled_wd, decoupled_wd = t.decoupled_wd;
   const bool m_from_end = t.m_lerp.from_end;
@@ -369,7 +411,7 @@ inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_
   const W m_coeff = W::set1(t.m_lerp.coeff);
   const W beta2 = W::set1(t.beta2), one_minus_beta2 = W::set1(t.one_minus_beta2);
   const W neg_step_size_bc2 = W::set1(t.neg_step_size_bc2), eps_bc2 = W::set1(t.eps_bc2);
-  const W ms = W::set1(m_scale), ss = W::set1(s_scale);
+  const W ms = W::set1(m_mul), ss = W::set1(s_mul);
   W am = W::set1(0.0f), as = W::set1(0.0f);
 
   for (int64_t i = i0; i < i1; i += W::kWidth) {
@@ -384,8 +426,8 @@ inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_
     }
     if (coupled_wd) g = W::fmadd(w, wd, g);
     if (decoupled_wd) w = w * decay;
-    const W m_old = W::decode_q8(m_codes + i, m_table) * ms;
-    const W s_old = W::decode_q8(v_codes + i, v_table) * ss;
+    const W m_old = m_codec.template decode<W>(m_codes + i) * ms;
+    const W s_old = v_codec.template decode<W>(v_codes + i) * ss;
     const W m = lerp(m_old, g, m_coeff, m_from_end);
     const W v = W::fmadd(one_minus_beta2 * g, g, (s_old * s_old) * beta2);
     const W s = W::sqrt(v);
@@ -407,106 +449,129 @@ inline void adam_q8_elements(const AdamQ8Task& t, int64_t i0, int64_t i1, int64_
     }
     W::store(m_row + (i - b0), m);
     W::store(s_row + (i - b0), s);
-    am = W::max_nan(am, W::abs(m));
-    as = W::max_nan(as, s);
+    am = max_abs_nan(am, m);
+    as = max_abs_nan(as, s);
   }
   amax_m = max_nan_scalar(amax_m, reduce_max_nan(am));
   amax_s = max_nan_scalar(amax_s, reduce_max_nan(as));
 }
 
-// The stored scale and the multiplier that normalises the block: a non-finite absmax
-// gives scale NaN (and code 0 everywhere); an absmax below FLT_MIN (whose reciprocal
-// could overflow), multiplier 0 (code 0: the block dequantizes to zero).
-inline float block_scale(float absmax, float& inv, bool& finite) {
+// The stored scale and the multiplier that normalises the block to the map's top value:
+// a non-finite absmax gives scale NaN (and code 0 everywhere); an absmax below FLT_MIN
+// (where top / absmax could overflow), multiplier 0 (code 0: the block dequantizes to zero).
+inline float block_scale(float absmax, float top, float& inv, bool& finite) {
   finite = absmax - absmax == 0.0f;
-  inv = finite && absmax >= 1.17549435e-38f ? 1.0f / absmax : 0.0f;
+  inv = finite && absmax >= 1.17549435e-38f ? top / absmax : 0.0f;
   return finite ? absmax : __builtin_nanf("");
 }
 
 // Encodes row[0, i1 - i0) into codes[i0, i1) (a block, or its W-wide part).
-template <class W>
-inline void encode_row(const float* row, uint8_t* codes, int64_t i0, int64_t i1, float inv,
-                       const QuantMapRef& map) {
+template <class W, class C>
+inline void encode_row(const float* row, uint8_t* codes, int64_t i0, int64_t i1, float inv, const C& codec) {
   const W winv = W::set1(inv);
-  for (int64_t i = i0; i < i1; i += W::kWidth) W::encode_q8(codes + i, W::load(row + (i - i0)) * winv, map);
+  for (int64_t i = i0; i < i1; i += W::kWidth) codec.template encode<W>(codes + i, W::load(row + (i - i0)) * winv);
 }
 
-template <class V, class S>
+template <class V, class S, class C>
 inline void encode_block(const float* row, uint8_t* codes, int64_t b0, int64_t b1, float absmax,
-                         float* scale_out, const QuantMapRef& map) {
+                         float* scale_out, float top, const C& codec) {
   float inv;
   bool finite;
-  *scale_out = block_scale(absmax, inv, finite);
+  *scale_out = block_scale(absmax, top, inv, finite);
   if (!finite) {
     std::memset(codes + b0, 0, static_cast<size_t>(b1 - b0));
     return;
   }
   const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
-  encode_row<V>(row, codes, b0, mid, inv, map);
-  encode_row<S>(row + (mid - b0), codes, mid, b1, inv, map);
+  encode_row<V>(row, codes, b0, mid, inv, codec);
+  encode_row<S>(row + (mid - b0), codes, mid, b1, inv, codec);
 }
 
-template <class V, class S, DType G, DType O, MasterMode MM>
+template <class V, class S, DType G, DType O, MasterMode MM, class CM, class CV>
 void adam_q8_loop(const AdamQ8Task& t, int64_t begin, int64_t end) {
   alignas(64) float m_row[kMaxQuantBlock];
   alignas(64) float s_row[kMaxQuantBlock];
+  const CM m_codec{t.m_map};
+  const CV v_codec{t.v_map};
+  const float m_top = t.m_map.top, v_top = t.v_map.top;
   const bool stream = can_stream_out<V>(t.weight_out, begin);
   for (int64_t b0 = begin; b0 < end; b0 += t.block) {
     const int64_t b1 = std::min(end, b0 + t.block);
     const int64_t blk = b0 / t.block;
     const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
-    const float m_scale = t.m_scale[blk], s_scale = t.v_scale[blk];
+    const float m_mul = t.m_scale[blk] / m_top, s_mul = t.v_scale[blk] / v_top;
     float amax_m = 0.0f, amax_s = 0.0f;
-    adam_q8_elements<V, G, O, MM>(t, b0, mid, b0, m_scale, s_scale, m_row, s_row, amax_m, amax_s, stream);
-    adam_q8_elements<S, G, O, MM>(t, mid, b1, b0, m_scale, s_scale, m_row, s_row, amax_m, amax_s, false);
-    encode_block<V, S>(m_row, t.m_codes, b0, b1, amax_m, t.m_scale + blk, t.m_map);
-    encode_block<V, S>(s_row, t.v_codes, b0, b1, amax_s, t.v_scale + blk, t.v_map);
+    adam_q8_elements<V, G, O, MM>(t, m_codec, v_codec, b0, mid, b0, m_mul, s_mul, m_row, s_row, amax_m, amax_s,
+                                  stream);
+    adam_q8_elements<S, G, O, MM>(t, m_codec, v_codec, mid, b1, b0, m_mul, s_mul, m_row, s_row, amax_m, amax_s,
+                                  false);
+    encode_block<V, S>(m_row, t.m_codes, b0, b1, amax_m, t.m_scale + blk, m_top, m_codec);
+    encode_block<V, S>(s_row, t.v_codes, b0, b1, amax_s, t.v_scale + blk, v_top, v_codec);
   }
   end_stream<V>(stream);
 }
 
 template <class V, class S>
 void adam_q8_range(const AdamQ8Task& t, int64_t begin, int64_t end) {
+  // dispatch.cpp accepts either two table maps or the two fp8 maps.
+  const bool fp8 = t.m_map.fp8_mantissa_bits != 0;
   visit_value_dtype(t.grad_dtype, [&](auto g) {
     visit_out_dtype(t.out_dtype, [&](auto o) {
       constexpr DType kG = decltype(g)::value, kO = decltype(o)::value;
+      auto run = [&](auto mode) {
+        constexpr MasterMode kM = decltype(mode)::value;
+        if (fp8) adam_q8_loop<V, S, kG, kO, kM, Fp8SignedCodec, Fp8UnsignedCodec>(t, begin, end);
+        else adam_q8_loop<V, S, kG, kO, kM, TableCodec, TableCodec>(t, begin, end);
+      };
       switch (t.master_mode) {
-        case MasterMode::kF32: adam_q8_loop<V, S, kG, kO, MasterMode::kF32>(t, begin, end); break;
-        case MasterMode::kBF16Kahan: adam_q8_loop<V, S, kG, kO, MasterMode::kBF16Kahan>(t, begin, end); break;
-        case MasterMode::kBF16SR: adam_q8_loop<V, S, kG, kO, MasterMode::kBF16SR>(t, begin, end); break;
+        case MasterMode::kF32: run(std::integral_constant<MasterMode, MasterMode::kF32>{}); break;
+        case MasterMode::kBF16Kahan: run(std::integral_constant<MasterMode, MasterMode::kBF16Kahan>{}); break;
+        case MasterMode::kBF16SR: run(std::integral_constant<MasterMode, MasterMode::kBF16SR>{}); break;
       }
     });
   });
 }
 
-template <class V, class S>
-void quantize_range(const QuantTask& t, int64_t begin, int64_t end) {
-  for (int64_t b0 = begin; b0 < end; b0 += t.block) {
-    const int64_t b1 = std::min(end, b0 + t.block);
-    const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
-    V acc = V::set1(0.0f);
-    for (int64_t i = b0; i < mid; i += V::kWidth) acc = V::max_nan(acc, V::abs(V::load(t.x + i)));
-    float absmax = reduce_max_nan(acc);
-    for (int64_t i = mid; i < b1; ++i) absmax = max_nan_scalar(absmax, S::abs(S::load(t.x + i)).v);
-    encode_block<V, S>(t.x + b0, t.codes, b0, b1, absmax, t.scale + b0 / t.block, t.map);
-  }
+// Calls f with the codec of `map` (a table map or one of the two fp8 maps).
+template <class F>
+inline void visit_codec(const QuantMapRef& map, F&& f) {
+  if (map.fp8_mantissa_bits == 0) f(TableCodec{map});
+  else if (map.is_signed) f(Fp8SignedCodec{map});
+  else f(Fp8UnsignedCodec{map});
 }
 
-template <class W>
-inline void decode_span(const QuantTask& t, int64_t i0, int64_t i1, float scale) {
-  const W ws = W::set1(scale);
-  for (int64_t i = i0; i < i1; i += W::kWidth) W::store(t.out + i, W::decode_q8(t.codes + i, t.map.table) * ws);
+template <class V, class S>
+void quantize_range(const QuantTask& t, int64_t begin, int64_t end) {
+  visit_codec(t.map, [&](const auto& codec) {
+    for (int64_t b0 = begin; b0 < end; b0 += t.block) {
+      const int64_t b1 = std::min(end, b0 + t.block);
+      const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
+      V acc = V::set1(0.0f);
+      for (int64_t i = b0; i < mid; i += V::kWidth) acc = V::max_nan(acc, V::abs(V::load(t.x + i)));
+      float absmax = reduce_max_nan(acc);
+      for (int64_t i = mid; i < b1; ++i) absmax = max_nan_scalar(absmax, S::abs(S::load(t.x + i)).v);
+      encode_block<V, S>(t.x + b0, t.codes, b0, b1, absmax, t.scale + b0 / t.block, t.map.top, codec);
+    }
+  });
+}
+
+template <class W, class C>
+inline void decode_span(const QuantTask& t, const C& codec, int64_t i0, int64_t i1, float mul) {
+  const W wm = W::set1(mul);
+  for (int64_t i = i0; i < i1; i += W::kWidth) W::store(t.out + i, codec.template decode<W>(t.codes + i) * wm);
 }
 
 template <class V, class S>
 void dequantize_range(const QuantTask& t, int64_t begin, int64_t end) {
-  for (int64_t b0 = begin; b0 < end; b0 += t.block) {
-    const int64_t b1 = std::min(end, b0 + t.block);
-    const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
-    const float scale = t.scale[b0 / t.block];
-    decode_span<V>(t, b0, mid, scale);
-    decode_span<S>(t, mid, b1, scale);
-  }
+  visit_codec(t.map, [&](const auto& codec) {
+    for (int64_t b0 = begin; b0 < end; b0 += t.block) {
+      const int64_t b1 = std::min(end, b0 + t.block);
+      const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
+      const float mul = t.scale[b0 / t.block] / t.map.top;
+      decode_span<V>(t, codec, b0, mid, mul);
+      decode_span<S>(t, codec, mid, b1, mul);
+    }
+  });
 }
 
 // ---- vector body + scalar tail ----------------------------------------------

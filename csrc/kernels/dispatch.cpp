@@ -225,9 +225,18 @@ void check_quant(int64_t n, int64_t block_size, const QuantMapRef& map, const ch
   if (n < 0) throw std::invalid_argument("n must be >= 0");
   if (block_size < kMinQuantBlock || block_size > kMaxQuantBlock || (block_size & (block_size - 1)) != 0)
     throw std::invalid_argument("block_size must be a power of two in [64, 4096]");
-  if (map.table == nullptr || map.thresholds == nullptr || map.lut == nullptr || map.lut_size < 1 ||
-      map.lut_shift < 0 || map.lut_shift > 23)
-    throw std::invalid_argument(std::string("invalid quantization map for ") + what);
+  if (map.fp8_mantissa_bits == 0) {
+    if (map.table == nullptr || map.thresholds == nullptr || map.lut == nullptr || map.lut_size < 1 ||
+        map.lut_shift < 0 || map.lut_shift > 23 || map.top != 1.0f)
+      throw std::invalid_argument(std::string("invalid quantization map for ") + what);
+    return;
+  }
+  // The fp8 maps: sign + E4M3 (top 1.875) or unsigned E4M4 (top 1.9375).
+  const bool fp8_signed = map.fp8_mantissa_bits == kFp8SignedMantissaBits && map.is_signed && map.top == 1.875f;
+  const bool fp8_unsigned = map.fp8_mantissa_bits == kFp8UnsignedMantissaBits && !map.is_signed &&
+                            map.top == 1.9375f;
+  if (!fp8_signed && !fp8_unsigned)
+    throw std::invalid_argument(std::string("invalid fp8 quantization map for ") + what);
 }
 
 // Tasks of whole blocks: the update's usual task size is a multiple of 4096 elements, so
@@ -250,6 +259,10 @@ void adam_q8_update(void* master, void* master_comp, const void* grad, uint8_t* 
   check_common(master, grad, n, grad_dtype, DType::kF32, out_dtype);
   check_quant(n, p.block_size, m_map, "exp_avg");
   check_quant(n, p.block_size, v_map, "exp_avg_sq");
+  if (m_map.fp8_mantissa_bits == 0 ? (!m_map.is_signed || v_map.is_signed || v_map.fp8_mantissa_bits != 0)
+                                   : (!m_map.is_signed || v_map.is_signed || v_map.fp8_mantissa_bits == 0))
+    throw std::invalid_argument("exp_avg needs the signed map and exp_avg_sq the unsigned map of one family "
+                                "(both table maps or both fp8 maps)");
   if (n > 0 && (m_codes == nullptr || m_scale == nullptr || v_codes == nullptr || v_scale == nullptr))
     throw std::invalid_argument("the codes and scales of exp_avg and exp_avg_sq must be non-null");
   if (p.master != MasterMode::kF32 && p.master != MasterMode::kBF16Kahan && p.master != MasterMode::kBF16SR)

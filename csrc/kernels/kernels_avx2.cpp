@@ -87,6 +87,41 @@ struct VecAvx2 {
     const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
   }
+  // decode_fp8_one / encode_fp8_one (vec_scalar.h) on 8 lanes, no table.
+  template <int M, bool kSigned>
+  static VecAvx2 decode_fp8(const uint8_t* codes) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    const __m256i mag = kSigned ? _mm256_and_si256(c, _mm256_set1_epi32(0x7F)) : c;
+    const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(112 << M)), 23 - M));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / static_cast<float>(1u << (14 + M))));
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << M), mag));
+    __m256 r = _mm256_blendv_ps(normal, sub, is_sub);
+    if (kSigned) {
+      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+      r = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(r), sign));
+    }
+    return {r};
+  }
+  template <int M, bool kSigned>
+  static void encode_fp8(uint8_t* out, VecAvx2 y) {
+    const __m256i bits = _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 23 - M), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32((1 << (22 - M)) - 1)), lsb);
+    const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 23 - M), _mm256_set1_epi32(112 << M));
+    // The subnormal products are below 2**M (< 2**31 for every lane), and cvtps rounds to
+    // nearest even under the default MXCSR mode, as rint does in the scalar definition.
+    const __m256i sub = _mm256_cvtps_epi32(
+        _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(static_cast<float>(1u << (14 + M)))));
+    const __m256i is_normal = _mm256_cmpgt_epi32(bits, _mm256_set1_epi32((113 << 23) - 1));
+    __m256i c = _mm256_blendv_epi8(sub, normal, is_normal);
+    c = _mm256_min_epi32(c, _mm256_set1_epi32(kSigned ? 127 : 255));
+    if (kSigned) {
+      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y.v, _mm256_setzero_ps(), _CMP_LT_OQ));
+      c = _mm256_or_si256(c, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
+    }
+    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
+  }
   static __m256i lowbias32(__m256i x) {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));

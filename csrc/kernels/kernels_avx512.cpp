@@ -104,6 +104,37 @@ struct VecAvx512 {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
   }
+  // decode_fp8_one / encode_fp8_one (vec_scalar.h) on 16 lanes, no table.
+  template <int M, bool kSigned>
+  static VecAvx512 decode_fp8(const uint8_t* codes) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i mag = kSigned ? _mm512_and_si512(c, _mm512_set1_epi32(0x7F)) : c;
+    const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(112 << M)), 23 - M));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / static_cast<float>(1u << (14 + M))));
+    __m512 r = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(1 << M)), sub);
+    if (kSigned) {
+      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+      r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+    }
+    return {r};
+  }
+  template <int M, bool kSigned>
+  static void encode_fp8(uint8_t* out, VecAvx512 y) {
+    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 23 - M), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32((1 << (22 - M)) - 1)), lsb);
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(rounded, 23 - M), _mm512_set1_epi32(112 << M));
+    const __m512i sub = _mm512_cvt_roundps_epi32(
+        _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(static_cast<float>(1u << (14 + M)))),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i c = _mm512_mask_mov_epi32(sub, _mm512_cmpge_epi32_mask(bits, _mm512_set1_epi32(113 << 23)), normal);
+    c = _mm512_min_epi32(c, _mm512_set1_epi32(kSigned ? 127 : 255));
+    if (kSigned) {
+      const __mmask16 neg = _mm512_cmp_ps_mask(y.v, _mm512_setzero_ps(), _CMP_LT_OQ);
+      c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(0x80));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+  }
   static __m512i lowbias32(__m512i x) {
     x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
     x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
@@ -140,6 +171,20 @@ struct VecAvx512 {
   static VecAvx512 max_nan(VecAvx512 a, VecAvx512 b) {
     const __mmask16 unordered = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
     return {_mm512_mask_add_ps(_mm512_max_ps(a.v, b.v), unordered, a.v, b.v)};
+  }
+  // The horizontal max_nan (body.h): NaN when any lane is NaN (the block's scale is then
+  // NaN whatever the payload), else the largest lane. The lane-by-lane loop it replaces took
+  // ~7 cycles per 16 values of the fused 8-bit update (two reductions per block of 256).
+  static float reduce_max_nan(VecAvx512 a) {
+    if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return __builtin_nanf("");
+    return _mm512_reduce_max_ps(a.v);
+  }
+  // max_abs_nan (body.h) as one integer max of the magnitudes' bits: every NaN's bits
+  // exceed +inf's, which exceed every finite value's, so a NaN lane stays NaN (1 op + the
+  // mask of |x|, against 3 for max_nan).
+  static VecAvx512 max_abs_nan(VecAvx512 acc, VecAvx512 x) {
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF));
+    return {_mm512_castsi512_ps(_mm512_max_epi32(_mm512_castps_si512(acc.v), mag))};
   }
   static VecAvx512 sign(VecAvx512 a) {
     const __m512 zero = _mm512_setzero_ps();

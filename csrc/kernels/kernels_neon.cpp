@@ -60,6 +60,30 @@ struct VecNeon {
     vst1q_f32(lanes, y.v);
     for (int k = 0; k < 4; ++k) out[k] = encode_q8_one(lanes[k], m);
   }
+  template <int M, bool kSigned>
+  static VecNeon decode_fp8(const uint8_t* codes) {
+    const uint32x4_t c = {codes[0], codes[1], codes[2], codes[3]};
+    const uint32x4_t mag = kSigned ? vandq_u32(c, vdupq_n_u32(0x7F)) : c;
+    const float32x4_t normal = vreinterpretq_f32_u32(vshlq_n_u32(vaddq_u32(mag, vdupq_n_u32(112u << M)), 23 - M));
+    const float32x4_t sub = vmulq_n_f32(vcvtq_f32_u32(mag), 1.0f / static_cast<float>(1u << (14 + M)));
+    float32x4_t r = vbslq_f32(vcltq_u32(mag, vdupq_n_u32(1u << M)), sub, normal);
+    if (kSigned) r = vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(r), vshlq_n_u32(vandq_u32(c, vdupq_n_u32(0x80)), 24)));
+    return {r};
+  }
+  template <int M, bool kSigned>
+  static void encode_fp8(uint8_t* out, VecNeon y) {
+    const uint32x4_t bits = vandq_u32(vreinterpretq_u32_f32(y.v), vdupq_n_u32(0x7FFFFFFF));
+    const uint32x4_t lsb = vandq_u32(vshrq_n_u32(bits, 23 - M), vdupq_n_u32(1));
+    const uint32x4_t rounded = vaddq_u32(vaddq_u32(bits, vdupq_n_u32((1u << (22 - M)) - 1u)), lsb);
+    const uint32x4_t normal = vsubq_u32(vshrq_n_u32(rounded, 23 - M), vdupq_n_u32(112u << M));
+    // FCVTNS: to nearest, ties to even (the scalar definition's rint under the default mode).
+    const uint32x4_t sub = vreinterpretq_u32_s32(vcvtnq_s32_f32(
+        vmulq_n_f32(vreinterpretq_f32_u32(bits), static_cast<float>(1u << (14 + M)))));
+    uint32x4_t c = vbslq_u32(vcgeq_u32(bits, vdupq_n_u32(113u << 23)), normal, sub);
+    c = vminq_u32(c, vdupq_n_u32(kSigned ? 127u : 255u));
+    if (kSigned) c = vorrq_u32(c, vandq_u32(vcltq_f32(y.v, vdupq_n_f32(0.0f)), vdupq_n_u32(0x80)));
+    for (int k = 0; k < 4; ++k) out[k] = static_cast<uint8_t>(c[k]);
+  }
   static void store_bf16_sr(uint16_t* p, VecNeon x, uint32_t key, uint32_t index) {
     float lanes[4];
     vst1q_f32(lanes, x.v);

@@ -120,6 +120,41 @@ inline uint8_t encode_q8_one(float y, const QuantMapRef& m) {
   return static_cast<uint8_t>(c);
 }
 
+// ---- fp8 maps (quant.py "fp8 maps"): M mantissa bits, 4 exponent bits, bias 15 ----
+// A magnitude code c < 2**M is subnormal, c * 2**-(14 + M); above, the fp32 whose bits are
+// (c + (112 << M)) << (23 - M), i.e. (1 + f / 2**M) * 2**(e - 15).
+template <int M>
+inline float fp8_magnitude(uint32_t c) {
+  return c < (1u << M) ? static_cast<float>(c) * (1.0f / static_cast<float>(1u << (14 + M)))
+                       : bits_float((c + (112u << M)) << (23 - M));
+}
+
+template <int M, bool kSigned>
+inline float decode_fp8_one(uint8_t code) {
+  const float mag = fp8_magnitude<M>(kSigned ? code & 0x7Fu : code);
+  return kSigned ? bits_float(float_bits(mag) | (static_cast<uint32_t>(code & 0x80u) << 24)) : mag;
+}
+
+// The code of |y| rounded to nearest, ties to even: at or above 2**-14, the fp32 bits
+// rounded to M mantissa bits (the carry moves into the exponent); below, |y| * 2**(14 + M)
+// rounded to an integer (exact product; rint under the default rounding mode). Clamped to
+// the largest code; the sign goes to bit 7 when y < 0.
+template <int M, bool kSigned>
+inline uint8_t encode_fp8_one(float y) {
+  const uint32_t bits = float_bits(y) & 0x7FFFFFFFu;
+  int32_t c;
+  if (bits >= (113u << 23)) {
+    const uint32_t lsb = (bits >> (23 - M)) & 1u;
+    c = static_cast<int32_t>((bits + ((1u << (22 - M)) - 1u) + lsb) >> (23 - M)) - (112 << M);
+  } else {
+    c = static_cast<int32_t>(__builtin_rintf(bits_float(bits) * static_cast<float>(1u << (14 + M))));
+  }
+  const int32_t top = kSigned ? 127 : 255;
+  c = c > top ? top : c;
+  if (kSigned) c |= static_cast<int32_t>(y < 0.0f) << 7;
+  return static_cast<uint8_t>(c);
+}
+
 struct VecScalar {
   static constexpr int kWidth = 1;
   float v;
@@ -150,6 +185,10 @@ struct VecScalar {
   static VecScalar abs(VecScalar a) { return {bits_float(float_bits(a.v) & 0x7FFFFFFFu)}; }
   static VecScalar decode_q8(const uint8_t* codes, const float* table) { return {table[*codes]}; }
   static void encode_q8(uint8_t* out, VecScalar y, const QuantMapRef& m) { *out = encode_q8_one(y.v, m); }
+  template <int M, bool kSigned>
+  static VecScalar decode_fp8(const uint8_t* codes) { return {decode_fp8_one<M, kSigned>(*codes)}; }
+  template <int M, bool kSigned>
+  static void encode_fp8(uint8_t* out, VecScalar y) { *out = encode_fp8_one<M, kSigned>(y.v); }
   static void store_bf16_sr(uint16_t* p, VecScalar x, uint32_t key, uint32_t index) {
     *p = f32_to_bf16_sr(x.v, key, index);
   }

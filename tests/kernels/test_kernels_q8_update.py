@@ -12,10 +12,17 @@ Tolerances, and why they are not zero:
   where the two fp32 weights straddle a rounding point (round to nearest even) or, for
   stochastic rounding, where they differ at all in the bits the random number reaches.
 - Over 7 independent steps, a tie that went the other way changes that element's moment
-  by one code step (~1%) for the following steps: the weights may then drift apart by a
-  fraction of a step. Bound: |w - w_ref| <= 0.05 * lr * steps, codes differ in < 1% of
-  elements (measured at 2**16 + 37 elements, lr 1e-3: 5.4e-5 fp32 master and bf16 + compensation,
-  1.2e-4 stochastic rounding; 0.18% of the sqrt(v) codes).
+  by one code step for the following steps: the weights may then drift apart by a fraction
+  of a step. Bound: |w - w_ref| <= STEP_DRIFT * lr * steps, codes differ in < 1% of elements.
+  STEP_DRIFT is 0.05 for the dynamic maps (a code step is ~1% of a large moment; measured at
+  2**16 + 37 elements, lr 1e-3: 5.4e-5 fp32 master and bf16 + compensation, 1.2e-4 stochastic
+  rounding; 0.18% of the sqrt(v) codes) and 0.15 for the fp8 maps, whose steps are 6.25-12.5%
+  of the value for exp_avg (measured on a Xeon: 2.4e-7 on AVX2 and AVX-512, where every code
+  matched; 2.4e-4 on the scalar build, whose products are not fused). With stochastic rounding
+  a weight whose fp32 values differ may round to the other bf16 neighbour: such weights, one
+  bf16 ulp apart, are allowed beyond the bound in 0.1% of the elements (measured: 1 of 65,573).
+- One bf16 ulp is at most 2**-7 of the value (8 significant bits: 2**-8 at the top of a
+  binade, 2**-7 at its bottom).
 """
 from __future__ import annotations
 
@@ -29,7 +36,8 @@ from tierstate.kernels import quant as Q
 pytestmark = needs_native
 
 FP32_ULPS = 16 * 2.0**-23
-BF16_ULP = 2.0**-8  # one bf16 ulp relative to the value (8 significant bits)
+BF16_ULP = 2.0**-7  # one bf16 ulp relative to the value, at most (see the module docstring)
+STEP_DRIFT = {"dynamic": 0.05, "fp8": 0.15}
 NEAR_TIE = 2.0**-18
 
 HYPER = {
@@ -74,7 +82,7 @@ def _check_codes(mine_codes, mine_scale, ref_codes, ref_scale, values, qmap, blo
     assert torch.isfinite(ref_scale).all()
     rel = ((mine_scale.double() - ref_scale.double()).abs() / ref_scale.double().clamp_min(1e-30))
     assert bool((rel <= FP32_ULPS).all()), f"{what}: scales beyond 16 ulps, worst {rel.max().item():.3g}"
-    y = values * torch.reciprocal(ref_scale).repeat_interleave(block)[: values.numel()]
+    y = values * (torch.full_like(ref_scale, qmap.top) / ref_scale).repeat_interleave(block)[: values.numel()]
     differs = mine_codes != ref_codes
     allowed = _near_threshold(y, qmap)
     assert not bool((differs & ~allowed).any()), (
@@ -113,10 +121,11 @@ def _one_step(isa, cfg, n, hyper, grad_dtype, out_dtype, seed):
         assert bool(((mine["master"].double() - ref["master"].double()).abs()
                      <= BF16_ULP * ref["master"].double().abs() + 1e-30).all())
         assert diff.float().mean().item() <= 1e-3, f"{int(diff.sum())} stochastic roundings differ"
-    _check_codes(mine["exp_avg.codes"], mine["exp_avg.scale"], ref["exp_avg.codes"], ref["exp_avg.scale"],
-                 m_ref, Q.signed_map(), cfg.block_size, "exp_avg")
-    _check_codes(mine["exp_avg_sq.codes"], mine["exp_avg_sq.scale"], ref["exp_avg_sq.codes"],
-                 ref["exp_avg_sq.scale"], s_ref, Q.unsigned_map(), cfg.block_size, "exp_avg_sq")
+    mc, vc = cfg.codes_key("exp_avg"), cfg.codes_key("exp_avg_sq")
+    _check_codes(mine[mc], mine["exp_avg.scale"], ref[mc], ref["exp_avg.scale"],
+                 m_ref, cfg.m_map, cfg.block_size, "exp_avg")
+    _check_codes(mine[vc], mine["exp_avg_sq.scale"], ref[vc], ref["exp_avg_sq.scale"], s_ref, cfg.v_map,
+                 cfg.block_size, "exp_avg_sq")
     if out is not None:
         if cfg.master == "bf16_sr":
             expect = mine["master"].float().to(out_dtype)
@@ -133,16 +142,17 @@ def _one_step(isa, cfg, n, hyper, grad_dtype, out_dtype, seed):
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 @pytest.mark.parametrize("master", Q.MASTER_MODES)
-def test_one_step_matches_reference(isa, master, isa_and_threads):
-    """Every master mode, hyper-parameter set, gradient dtype and weight_out dtype, sizes that
-    leave a partial last block and a scalar tail, block sizes 64 and 256."""
+@pytest.mark.parametrize("maps", Q.MAP_FAMILIES)
+def test_one_step_matches_reference(isa, master, maps, isa_and_threads):
+    """Every map family, master mode, hyper-parameter set, gradient dtype and weight_out dtype,
+    sizes that leave a partial last block and a scalar tail, block sizes 64 and 256."""
     K.set_num_threads(1)
     combos = [("adamw", torch.bfloat16, torch.bfloat16, 257, 64),
               ("adam-l2-max-scaled", torch.float32, torch.float16, 255, 256),
               ("adamw-lowbeta", torch.float16, None, 1, 256),
               ("adamw", torch.float32, torch.bfloat16, 4096 + 17, 256)]
     for k, (hyper, g, o, n, block) in enumerate(combos):
-        _one_step(isa, Q.QuantConfig(block, master), n, hyper, g, o, seed=100 + k)
+        _one_step(isa, Q.QuantConfig(block, master, maps), n, hyper, g, o, seed=100 + k)
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
@@ -151,16 +161,18 @@ def test_one_step_large(isa, threads, isa_and_threads):
     """2**20 + 3 elements: many tasks, a partial last block."""
     K.set_num_threads(threads)
     master = Q.MASTER_MODES[(threads + NATIVE_ISAS.index(isa)) % 3]  # each mode on some ISA
-    _one_step(isa, Q.QuantConfig(256, master), 2**20 + 3, "adamw", torch.bfloat16, torch.bfloat16, seed=7)
+    maps = Q.MAP_FAMILIES[threads - 1]  # each family on every ISA
+    _one_step(isa, Q.QuantConfig(256, master, maps), 2**20 + 3, "adamw", torch.bfloat16, torch.bfloat16, seed=7)
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 @pytest.mark.parametrize("master", Q.MASTER_MODES)
-def test_seven_steps_track_reference(isa, master, isa_and_threads):
+@pytest.mark.parametrize("maps", Q.MAP_FAMILIES)
+def test_seven_steps_track_reference(isa, master, maps, isa_and_threads):
     """Both sides run 7 steps on their own state; the bounds are in the module docstring."""
     K.set_isa(isa)
     n, lr, steps = 2**16 + 37, 1e-3, 7
-    cfg = Q.QuantConfig(256, master)
+    cfg = Q.QuantConfig(256, master, maps)
     w0 = torch.randn(n, generator=torch.Generator().manual_seed(0))
     mine, ref = cfg.init_state(w0), cfg.init_state(w0)
     gen = torch.Generator().manual_seed(1)
@@ -170,19 +182,25 @@ def test_seven_steps_track_reference(isa, master, isa_and_threads):
         K.adam_q8_update(mine, g, config=cfg, **h, seed=5, step=step)
         Q.adam_q8_reference(ref, g, config=cfg, **h, seed=5, step=step)
     w, w_ref = cfg.export_full(mine)["param"], cfg.export_full(ref)["param"]
-    assert (w - w_ref).abs().max().item() <= 0.05 * lr * steps
+    beyond = (w - w_ref).abs() > STEP_DRIFT[maps] * lr * steps
+    if master == "bf16_sr":
+        ulp_apart = (w.double() - w_ref.double()).abs() <= BF16_ULP * w_ref.double().abs()
+        assert bool(ulp_apart[beyond].all()) and beyond.float().mean().item() <= 1e-3, int(beyond.sum())
+    else:
+        assert not bool(beyond.any()), (w - w_ref).abs().max().item()
     assert (w - w0).abs().mean().item() > 0.2 * lr * steps  # the weights did move (measured 0.38)
-    for part in ("exp_avg.codes", "exp_avg_sq.codes"):
+    for part in (cfg.codes_key("exp_avg"), cfg.codes_key("exp_avg_sq")):
         assert (mine[part] != ref[part]).float().mean().item() < 0.01, part
 
 
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
-def test_threads_and_chunking_do_not_change_bits(isa, isa_and_threads):
+@pytest.mark.parametrize("maps", Q.MAP_FAMILIES)
+def test_threads_and_chunking_do_not_change_bits(isa, maps, isa_and_threads):
     """Stochastic rounding included: the same bits at 1 and 2 threads, and when the parameter
     is updated as two pieces cut at a block boundary with index_offset."""
     K.set_isa(isa)
     n = 2**20 + 3
-    cfg = Q.QuantConfig(256, "bf16_sr")
+    cfg = Q.QuantConfig(256, "bf16_sr", maps)
     state = _warm_state(cfg, n, seed=3, steps=1)
     g = torch.randn(n, generator=torch.Generator().manual_seed(4)).bfloat16()
     h = _hyper("adamw", 2)
@@ -199,7 +217,7 @@ def test_threads_and_chunking_do_not_change_bits(isa, isa_and_threads):
     for lo, hi in ((0, cut), (cut, n)):
         part = {"master": pieces["master"][lo:hi]}
         for m in ("exp_avg", "exp_avg_sq"):
-            part[f"{m}.codes"] = pieces[f"{m}.codes"][lo:hi]
+            part[cfg.codes_key(m)] = pieces[cfg.codes_key(m)][lo:hi]
             part[f"{m}.scale"] = pieces[f"{m}.scale"][lo // 256: (hi + 255) // 256]
         K.adam_q8_update(part, g[lo:hi], config=cfg, **h, seed=77, step=2, index_offset=lo)
     for name in state:
@@ -211,8 +229,8 @@ def test_vector_isas_agree_bit_for_bit(isa_and_threads):
     isas = [i for i in NATIVE_ISAS if i != "scalar"]
     if len(isas) < 2:
         pytest.skip(f"needs two vector ISA variants, this CPU runs {NATIVE_ISAS}")
-    for master in Q.MASTER_MODES:
-        cfg = Q.QuantConfig(256, master)
+    for master, maps in ((m, f) for m in Q.MASTER_MODES for f in Q.MAP_FAMILIES):
+        cfg = Q.QuantConfig(256, master, maps)
         state = _warm_state(cfg, 10_000 + 5, seed=8)
         g = torch.randn(10_005, generator=torch.Generator().manual_seed(9)).bfloat16()
         outs = []
@@ -223,7 +241,7 @@ def test_vector_isas_agree_bit_for_bit(isa_and_threads):
             outs.append(s)
         for s in outs[1:]:
             for name in state:
-                assert torch.equal(s[name], outs[0][name]), (master, name)
+                assert torch.equal(s[name], outs[0][name]), (master, maps, name)
 
 
 def _tiny_update_run(isa: str, master: str, steps: int, reset_comp: bool = False):
@@ -325,10 +343,11 @@ def test_neon_matches_scalar_bit_for_bit_under_qemu(tmp_path):
     compiler, runner = toolchain
     maps = tmp_path / "maps.bin"
     with open(maps, "wb") as f:
-        for qmap in (Q.signed_map(), Q.unsigned_map()):
+        for qmap in (Q.signed_map(), Q.unsigned_map(), Q.fp8_signed_map(), Q.fp8_unsigned_map()):
             head = torch.tensor([qmap.lut.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed),
-                                 qmap.thresholds.numel()], dtype=torch.int32)
-            for t in (head, qmap.table, qmap.thresholds, qmap.lut8):
+                                 qmap.thresholds.numel(), qmap.fp8_mantissa_bits], dtype=torch.int32)
+            lut = torch.cat([qmap.lut8, torch.zeros(3 if qmap.fp8_mantissa_bits else 0, dtype=torch.uint8)])
+            for t in (head, torch.tensor([qmap.top], dtype=torch.float32), qmap.table, qmap.thresholds, lut):
                 f.write(t.contiguous().numpy().tobytes())
     binary = _compile(compiler, [DRIVERS / "q8_check.cpp", *(CSRC / s for s in NEON_SOURCES)],
                       tmp_path / "q8_check")

@@ -16,7 +16,8 @@ from kernel_helpers import NATIVE_ISAS, needs_native, unaligned_view
 from tierstate.kernels import quant as Q
 
 SIZES = (1, 255, 257, 2**20 + 3)
-MAPS = {"signed": Q.signed_map, "unsigned": Q.unsigned_map}
+MAPS = {"signed": Q.signed_map, "unsigned": Q.unsigned_map, "fp8-signed": Q.fp8_signed_map,
+        "fp8-unsigned": Q.fp8_unsigned_map}
 
 
 def _moment_like(n: int, seed: int) -> torch.Tensor:
@@ -59,35 +60,40 @@ def test_codes_and_scales_bit_identical(isa, map_name, isa_and_threads):
 @pytest.mark.parametrize("isa", NATIVE_ISAS)
 @pytest.mark.parametrize("map_name", MAPS)
 def test_every_threshold_and_its_neighbours(isa, map_name, isa_and_threads):
-    """Blocks whose absmax is exactly 1 (so y = x): every threshold, 1-3 fp32 ulps either
-    side, and a stride over all fp32 values in [0, 1]. Ties go to the upper code."""
+    """Blocks whose absmax is exactly the map's top (so y = x): every threshold, 1-3 fp32 ulps
+    either side, and a stride over all fp32 values in [0, top]. Ties go to the upper code in
+    the dynamic maps and to the even code in the fp8 maps."""
     K.set_isa(isa)
     qmap = MAPS[map_name]()
+    top = qmap.top
     t = qmap.thresholds[:-1].view(torch.int32)
     near = torch.cat([t + d for d in (-3, -2, -1, 0, 1, 2, 3)]).view(torch.float32)
-    sweep = torch.arange(0, 0x3F800000, 997, dtype=torch.int32).view(torch.float32)
+    sweep = torch.arange(0, int(torch.tensor(top).view(torch.int32)), 997, dtype=torch.int32).view(torch.float32)
     x = torch.cat([near, sweep])
     if qmap.signed:
         x = torch.cat([x, -x])
-    x[::64] = 1.0
+    x[::64] = top
     _assert_same(x, qmap, 64)
     codes, _ = K.quantize_blockwise(x, qmap, 64)
     m = t.numel()
     position = torch.arange(3 * m, 4 * m)  # the "+0 ulp" copy: exactly the thresholds
-    kept = position % 64 != 0               # not overwritten by a block's 1.0
+    kept = position % 64 != 0               # not overwritten by a block's top value
     at_threshold = codes[position[kept]].long() & (0x7F if qmap.signed else 0xFF)
-    assert torch.equal(at_threshold, (torch.arange(m) + 1)[kept]), "a value at a threshold takes the upper code"
+    upper = torch.arange(m) + 1
+    expect = upper if not qmap.fp8_mantissa_bits else upper - (upper & 1)  # the even one of (c - 1, c)
+    assert torch.equal(at_threshold, expect[kept]), "a value at a threshold takes the upper (dynamic) or even code"
 
 
 def test_encoding_is_nearest_code():
     """The reference picks the nearest magnitude (checked in float64), except exactly at a
-    midpoint, where it takes the upper one (the midpoint is itself rounded to fp32)."""
+    midpoint, where it takes the upper one (the midpoint is itself rounded to fp32) or, in the
+    fp8 maps, the even one."""
     for make in MAPS.values():
         qmap = make()
-        y = torch.rand(200_000, generator=torch.Generator().manual_seed(3)) ** 3
-        y[::4096] = 1.0  # every block's absmax is 1, so the normalised value is y itself
+        y = qmap.top * torch.rand(200_000, generator=torch.Generator().manual_seed(3)) ** 3
+        y[::4096] = qmap.top  # every block's absmax is the top, so the normalised value is y itself
         codes, scale = Q.quantize_ref(y, qmap, 4096)
-        assert bool((scale == 1.0).all())
+        assert bool((scale == qmap.top).all())
         mags = qmap.magnitudes.double()
         dist = (y.double()[:, None] - mags[None, :]).abs()
         nearest = dist.argmin(dim=1)
@@ -113,7 +119,7 @@ def test_non_finite_and_tiny_blocks(isa, isa_and_threads):
     x[2 * block + 7] = -math.inf
     x[3 * block: 4 * block] = 1e-39 * torch.randn(block).sign()  # subnormal absmax
     x[4 * block: 5 * block] = 0.0
-    for qmap in (Q.signed_map(), Q.unsigned_map()):
+    for qmap in (m() for m in MAPS.values()):
         _assert_same(x, qmap, block)
         codes, scale = K.quantize_blockwise(x, qmap, block)
         assert torch.isnan(scale[:3]).all() and (codes[: 3 * block] == 0).all()
@@ -127,22 +133,24 @@ def test_non_finite_and_tiny_blocks(isa, isa_and_threads):
 @needs_native
 def test_unaligned_views(isa_and_threads):
     """Inputs that start 1-3 elements into a buffer; outputs into fresh tensors."""
-    qmap = Q.signed_map()
-    for offset in (1, 2, 3):
-        x = unaligned_view(_moment_like(1000, offset), offset, torch.float32)
-        _assert_same(x, qmap, 64)
+    for qmap in (Q.signed_map(), Q.fp8_signed_map()):
+        for offset in (1, 2, 3):
+            x = unaligned_view(_moment_like(1000, offset), offset, torch.float32)
+            _assert_same(x, qmap, 64)
 
 
-def test_quantization_error_is_bounded():
-    """A value's error is at most half its step between neighbouring codes, times the scale."""
-    qmap = Q.signed_map()
+@pytest.mark.parametrize("make", [Q.signed_map, Q.fp8_signed_map])
+def test_quantization_error_is_bounded(make):
+    """A value's error is at most half its step between neighbouring codes, times the block's
+    scale over the map's top."""
+    qmap = make()
     x = torch.randn(256 * 64, generator=torch.Generator().manual_seed(5))
     codes, scale = Q.quantize_ref(x, qmap, 256)
     y = Q.dequantize_ref(codes, scale, qmap, 256)
     mags = qmap.magnitudes
     steps = torch.cat([mags[1:] - mags[:-1], mags[-1:] - mags[-2:-1]])
     bound = steps[(codes.long() & 0x7F)].maximum(steps[((codes.long() & 0x7F) - 1).clamp_min(0)])
-    per_block = scale.repeat_interleave(256)
+    per_block = (scale / qmap.top).repeat_interleave(256)
     assert bool(((x - y).abs() <= bound * per_block * 0.5 + 1e-7).all())
 
 

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--blocks", default="256", help="comma-separated block sizes of the 8-bit variants")
+    p.add_argument("--maps", default="dynamic,fp8",
+                   help="comma-separated map families of the 8-bit variants (dynamic, fp8)")
     p.add_argument("--nvme-dir", help="also time ts.AdamW steps with all state on NVMe under this folder")
     p.add_argument("--nvme-params", default="64M", help="parameters of the NVMe comparison (default 64M)")
     args = p.parse_args(argv)
@@ -59,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--threads and --rounds must be >= 1")
     n = _count(args.params)
     blocks = [int(b) for b in args.blocks.split(",")]
+    families = [f.strip() for f in args.maps.split(",")]
+    for f in families:
+        if f not in Q.MAP_FAMILIES:
+            p.error(f"--maps: unknown map family {f!r}; choose from {', '.join(Q.MAP_FAMILIES)}")
     K.set_num_threads(args.threads)
     g = torch.randn(n).bfloat16()
     out = torch.empty(n, dtype=torch.bfloat16)
@@ -69,13 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         "fp32-moments": (28.0, lambda: K.adam_update(w, g, m32, v32, None, out, **HYPER)),
         "bf16-moments": (20.0, lambda: K.adam_update(w, g, m16, v16, None, out, **HYPER)),
     }
-    for block in blocks:
-        for mode in Q.MASTER_MODES:
-            cfg = Q.QuantConfig(block, mode)
-            state = cfg.init_state(w)
-            nbytes = (12.0 if mode == "bf16_sr" else 16.0) + 8 / block
-            variants[f"q8/{block}+{mode}"] = (
-                nbytes, lambda s=state, c=cfg: K.adam_q8_update(s, g, out, config=c, **HYPER, step=1))
+    for family in families:
+        for block in blocks:
+            for mode in Q.MASTER_MODES:
+                cfg = Q.QuantConfig(block, mode, family)
+                state = cfg.init_state(w)
+                nbytes = (12.0 if mode == "bf16_sr" else 16.0) + 8 / block
+                prefix = "q8" if family == "dynamic" else family
+                variants[f"{prefix}/{block}+{mode}"] = (
+                    nbytes, lambda s=state, c=cfg: K.adam_q8_update(s, g, out, config=c, **HYPER, step=1))
     src, dst = torch.randn(16 << 20), torch.zeros(16 << 20)  # 64 MiB each, every page touched
     torch.set_num_threads(args.threads)
     variants["memory-copy"] = (float("nan"), lambda: dst.copy_(src))

@@ -89,8 +89,8 @@ def _parse_ints(text: str) -> list[int]:
 
 # The options of each tier's step; one of them given with the other --offload is refused.
 CPU_OPTIONS = ("--sizes", "--threads", "--reps", "--variants", "--gap-ms")
-NVME_OPTIONS = ("--params", "--dtype", "--moment-dtype", "--param-numel", "--subgroup-numel", "--buffer-count",
-                "--nvme-dir", "--steps", "--probe-bytes")
+NVME_OPTIONS = ("--params", "--dtype", "--moment-dtype", "--quant-map", "--param-numel", "--subgroup-numel",
+                "--buffer-count", "--nvme-dir", "--steps", "--probe-bytes")
 
 
 class _Noted(argparse.Action):

@@ -59,7 +59,10 @@ def add_arguments(group, option) -> None:
                 "does not fit in the host RAM available is skipped, and says so)")
     option(group, "--dtype", choices=("fp32", "bf16"), default="fp32",
            help="parameter dtype; bf16 keeps an fp32 master in the tier (default fp32)")
-    option(group, "--moment-dtype", choices=("fp32", "bf16"), default="fp32", help="optimizer moments' dtype")
+    option(group, "--moment-dtype", choices=("fp32", "bf16", "q8"), default="fp32",
+           help="optimizer moments' dtype; q8: blockwise 8-bit moments (docs/compressed_state.md)")
+    option(group, "--quant-map", choices=("dynamic", "fp8"), default="dynamic",
+           help="the 8-bit maps of --moment-dtype q8 (Offload.quant_map; default dynamic)")
     option(group, "--param-numel", type=count_arg, default=4_000_000,
            help="elements per parameter tensor (the last one takes the rest; default 4M)")
     option(group, "--subgroup-numel", type=count_arg, default=DEFAULT_SUBGROUP_NUMEL,
@@ -166,10 +169,16 @@ def _params(n: int, per: int, dtype: torch.dtype, seed: int) -> list[torch.nn.Pa
 _BASE_BYTES = 512 << 20
 
 
-def _dtypes(args: argparse.Namespace) -> tuple[torch.dtype, torch.dtype]:
-    """(parameter dtype, moment dtype) from ``--dtype`` and ``--moment-dtype``."""
-    named = {"fp32": torch.float32, "bf16": torch.bfloat16}
+def _dtypes(args: argparse.Namespace) -> tuple[torch.dtype, "torch.dtype | str"]:
+    """(parameter dtype, moment dtype: a torch dtype or "q8") from ``--dtype`` and ``--moment-dtype``."""
+    named = {"fp32": torch.float32, "bf16": torch.bfloat16, "q8": "q8"}
     return named[args.dtype], named[args.moment_dtype]
+
+
+def _moment_offload(args: argparse.Namespace) -> dict:
+    """The Offload keyword arguments of the moments' format."""
+    _, moment = _dtypes(args)
+    return dict(moment_dtype=moment, quant_map=args.quant_map) if moment == "q8" else dict(moment_dtype=moment)
 
 
 def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
@@ -178,8 +187,9 @@ def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
     both moments, and the master for bf16 parameters), and the interpreter's own."""
     dtype, moment = _dtypes(args)
     master = 4 if dtype != torch.float32 else 0
-    record = args.subgroup_numel * (2 * moment.itemsize + master)
-    return params * (4 * dtype.itemsize + 2 * moment.itemsize + master) + args.buffer_count * record + _BASE_BYTES
+    per_moment = 1 + 4 / 256 if moment == "q8" else moment.itemsize  # q8: a code and a scale per block
+    record = args.subgroup_numel * (2 * per_moment + master)
+    return int(params * (4 * dtype.itemsize + 2 * per_moment + master) + args.buffer_count * record + _BASE_BYTES)
 
 
 def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:
@@ -224,17 +234,17 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
     from ..kernels import backend_info
     from ..placement import default_nvme_root
 
-    dtype, moment = _dtypes(args)
+    dtype, _ = _dtypes(args)
     root = Path(args.nvme_dir) if args.nvme_dir else default_nvme_root()
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-step-", dir=root))
     try:
         offload = ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=work / "state", subgroup_numel=args.subgroup_numel,
-                             buffer_count=args.buffer_count, moment_dtype=moment)
+                             buffer_count=args.buffer_count, **_moment_offload(args))
         nvme_params = _params(params, args.param_numel, dtype, seed=0)
         cpu_params = _params(params, args.param_numel, dtype, seed=0)
         nvme_opt = ts.AdamW(nvme_params, lr=1e-3, offload=offload)
-        cpu_opt = ts.AdamW(cpu_params, lr=1e-3, offload=ts.Offload(cpu=1.0, moment_dtype=moment))
+        cpu_opt = ts.AdamW(cpu_params, lr=1e-3, offload=ts.Offload(cpu=1.0, **_moment_offload(args)))
         tier = next(t for t in nvme_opt.tiers.values() if t.does_io)  # all state is in the one I/O tier
         # The disk's speed drifts by 10-20 % within seconds on the reference VM (reads 1.7-3.2
         # GB/s across runs), so it is probed before the first timed step and after each one, and
@@ -263,7 +273,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
         result = {
             "params": params,
             "dtype": args.dtype,
-            "moment_dtype": args.moment_dtype,
+            "moment_dtype": args.moment_dtype + (f" ({args.quant_map} maps)" if args.moment_dtype == "q8" else ""),
             "subgroups": len(tier.subgroups),
             "subgroup_numel": args.subgroup_numel,
             "buffer_count": args.buffer_count,

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 
 from ..tiers import StateStore
+from ..kernels import quant as Q
+from .compressed import PART_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -94,12 +96,14 @@ class OffloadAccess:
         optimizer's: shards keep the compressed form, and a conversion needs whole parameters."""
         quant = self.store.quant
         saved = rec["state"]
-        compressed = any(k.endswith((".codes", ".scale", ".comp")) for k in saved)
+        compressed = any(k.endswith(PART_SUFFIXES) for k in saved)
         s = self.slots[index]
         ours = {k: str(self.store.dtypes[k]).removeprefix("torch.") for k in self.store.keys(s)}
         mismatch = None
         if compressed != (quant is not None):
             mismatch = "compressed" if compressed else "full-precision"
+        elif quant is not None and Q.family_of_parts(saved) != quant.maps:
+            mismatch = f"compressed with quant_map={Q.family_of_parts(saved)!r}"
         elif quant is not None and rec.get("quant_block") != quant.block_size \
                 and -(-s.local.numel() // rec["quant_block"]) != self.store.item_count(s, "exp_avg.scale"):
             mismatch = f"compressed with quant_block={rec.get('quant_block')}"
@@ -110,7 +114,7 @@ class OffloadAccess:
         if mismatch:
             raise ValueError(f"{file}: parameter {index}'s state is {mismatch}, this optimizer keeps "
                              f"{sorted(ours.items())}; load the checkpoint into an optimizer with its Offload("
-                             "moment_dtype=..., master_dtype=..., quant_block=...) and move the state with "
+                             "moment_dtype=..., master_dtype=..., quant_block=..., quant_map=...) and move the state with "
                              "opt.load_state_dict(other.state_dict()), which converts it (with a warning)")
 
     def read_state(self, index: int, key: str, piece_numel: int) -> Iterator[Tensor]:
@@ -135,7 +139,8 @@ class OffloadAccess:
         """(keys a loaded state must have, keys it may have) for parameter ``index`` under ``group``."""
         required = {spec.name for spec in self.opt.rule.state_specs(group)}
         if self.store.quant is not None:
-            required = {f"{name}.{part}" for name in required for part in ("codes", "scale")}
+            quant = self.store.quant
+            required = {k for name in required for k in (quant.codes_key(name), f"{name}.scale")}
             return required, required | {"master", "master.comp"}
         return required, required | {"master"}
 
@@ -218,7 +223,7 @@ class TorchAccess:
         return set(), None  # torch optimizers check their own state lazily; accept what was saved
 
     def check_format(self, index: int, rec: dict, file: str) -> None:
-        if any(k.endswith((".codes", ".scale", ".comp")) for k in rec["state"]):
+        if any(k.endswith(PART_SUFFIXES) for k in rec["state"]):
             raise ValueError(f"{file}: parameter {index}'s state is compressed (8-bit moments); "
                              f"{type(self.opt).__name__} keeps full-precision state: load the checkpoint into a "
                              "tierstate optimizer with the same Offload(moment_dtype='q8', ...) and give this one "

@@ -7,6 +7,8 @@ named parts, and ``state_dict()["state"][i]`` holds exactly those (plain tensors
 ``torch.save``, DCP and ``copy.deepcopy`` take them as they take any state):
 
 - ``exp_avg.codes``     uint8, shaped like the parameter: the first moment's 8-bit codes
+                        (named ``exp_avg.fp8`` with ``quant_map="fp8"``, and likewise
+                        ``exp_avg_sq.fp8``: the part's name says which maps decode it)
 - ``exp_avg.scale``     fp32 [ceil(n / B)]: the absmax of each block of B = ``quant_block``
 - ``exp_avg_sq.codes``  uint8, shaped like the parameter: codes of sqrt(exp_avg_sq)
 - ``exp_avg_sq.scale``  fp32 [ceil(n / B)]
@@ -30,7 +32,7 @@ import torch
 from ..kernels import quant as Q
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-PART_SUFFIXES = (".codes", ".scale", ".comp")
+PART_SUFFIXES = (".codes", ".fp8", ".scale", ".comp")
 
 
 class StateFormatWarning(UserWarning):
@@ -38,7 +40,7 @@ class StateFormatWarning(UserWarning):
 
 
 def is_compressed(st: dict) -> bool:
-    """Whether one parameter's state holds compressed parts (``exp_avg.codes``, ...)."""
+    """Whether one parameter's state holds compressed parts (``exp_avg.codes``, ``exp_avg.fp8``, ...)."""
     return any(isinstance(k, str) and k.endswith(PART_SUFFIXES) for k in st)
 
 
@@ -61,11 +63,14 @@ def master_mode_of(st: dict) -> str:
 def to_full(st: dict, numel: int, where: str = "state") -> dict:
     """One parameter's compressed state as full-precision tensors (torch's keys), shaped by
     the codes; ``step`` and any other key kept."""
-    codes = st["exp_avg.codes"]
+    family = Q.family_of_parts(st)
+    m_map, v_map = Q.map_family(family)
+    part = Q.CODES_PART[family]
+    codes = st[f"exp_avg.{part}"]
     shape = codes.shape
     block = block_of(numel, st["exp_avg.scale"].numel(), where)
-    m = Q.dequantize_ref(codes.reshape(-1), st["exp_avg.scale"].float(), Q.signed_map(), block)
-    s = Q.dequantize_ref(st["exp_avg_sq.codes"].reshape(-1), st["exp_avg_sq.scale"].float(), Q.unsigned_map(), block)
+    m = Q.dequantize_ref(codes.reshape(-1), st["exp_avg.scale"].float(), m_map, block)
+    s = Q.dequantize_ref(st[f"exp_avg_sq.{part}"].reshape(-1), st["exp_avg_sq.scale"].float(), v_map, block)
     out = {k: v for k, v in st.items() if not (k.startswith(MOMENTS) or k.startswith("master"))}
     out["exp_avg"], out["exp_avg_sq"] = m.view(shape), (s * s).view(shape)
     if "master" in st:
@@ -84,11 +89,11 @@ def to_compressed(st: dict, config: Q.QuantConfig, keep_master: bool) -> dict:
     m = st["exp_avg"].detach().to("cpu", torch.float32)
     shape = m.shape
     out = {k: v for k, v in st.items() if k not in MOMENTS and not k.startswith("master")}
-    codes, scale = Q.quantize_ref(m.reshape(-1), Q.signed_map(), config.block_size)
-    out["exp_avg.codes"], out["exp_avg.scale"] = codes.view(shape), scale
+    codes, scale = Q.quantize_ref(m.reshape(-1), config.m_map, config.block_size)
+    out[config.codes_key("exp_avg")], out["exp_avg.scale"] = codes.view(shape), scale
     v = st["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
-    codes, scale = Q.quantize_ref(v.clamp_min(0).sqrt(), Q.unsigned_map(), config.block_size)
-    out["exp_avg_sq.codes"], out["exp_avg_sq.scale"] = codes.view(shape), scale
+    codes, scale = Q.quantize_ref(v.clamp_min(0).sqrt(), config.v_map, config.block_size)
+    out[config.codes_key("exp_avg_sq")], out["exp_avg_sq.scale"] = codes.view(shape), scale
     if keep_master and "master" in st:
         w = st["master"].detach().to("cpu", torch.float32).reshape(-1)
         if config.master == "fp32":
@@ -102,6 +107,8 @@ def to_compressed(st: dict, config: Q.QuantConfig, keep_master: bool) -> dict:
 
 
 def _same_format(st: dict, config: Q.QuantConfig, numel: int, keep_master: bool) -> bool:
+    if Q.family_of_parts(st) != config.maps:
+        return False  # the other maps' codes
     if st["exp_avg.scale"].numel() != Q.n_blocks(numel, config.block_size):
         return False  # another block size (equal counts mean equal blocks: see the note)
     if "master" in st and keep_master:
@@ -141,11 +148,12 @@ def convert_for(opt, state_dict: dict) -> dict:
                 converted[saved_id] = to_compressed(to_full(st, numel, where), config, s.needs_master)
         except KeyError as exc:
             raise ValueError(f"{where} lacks {exc.args[0]!r} (it has {sorted(st)}); compressed state needs "
-                             "exp_avg.codes/.scale and exp_avg_sq.codes/.scale") from None
+                             "exp_avg.codes/.scale and exp_avg_sq.codes/.scale (.fp8 in place of .codes for "
+                             "quant_map='fp8')") from None
     if not converted:
         return state_dict
     target = (f"compressed state (moment_dtype='q8', quant_block={config.block_size}, master_dtype="
-              f"'{config.master}')" if config is not None else "full-precision state")
+              f"'{config.master}', quant_map='{config.maps}')" if config is not None else "full-precision state")
     warnings.warn(f"load_state_dict: converted the state of {len(converted)} parameter(s) to this optimizer's "
                   f"{target}; 8-bit codes hold the moments to about 1 % (docs/compressed_state.md)",
                   StateFormatWarning, stacklevel=3)

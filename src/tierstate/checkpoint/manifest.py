@@ -32,11 +32,12 @@ FIX = ("the manifest is damaged or was edited; load another checkpoint, or save 
 
 _DTYPES = {dtype_name(d): d for d in _DTYPE_TO_ST}
 _HEX_LENGTH = {"crc32": 8, "sha256": 64}
-# a state key is torch's name, or a part of compressed state ("exp_avg.codes", "master.comp")
-_STATE_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.(?:codes|scale|comp))?"
+# a state key is torch's name, or a part of compressed state ("exp_avg.codes", "exp_avg.fp8",
+# "master.comp")
+_STATE_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.(?:codes|fp8|scale|comp))?"
 _TENSOR_NAME = re.compile(rf"^(?:state\.(0|[1-9][0-9]*)\.({_STATE_KEY})|param\.(0|[1-9][0-9]*))$")
 # the integer parts of compressed state (tierstate.checkpoint.compressed); other state is floating point
-_PART_DTYPES = {".codes": "uint8", ".comp": "int16"}
+_PART_DTYPES = {".codes": "uint8", ".fp8": "uint8", ".comp": "int16"}
 
 
 def canonical_bytes(manifest: dict) -> bytes:
@@ -187,7 +188,7 @@ def check_manifest(m: dict, file: str, *, with_checksum: bool = True) -> None:
         for key, dt in state.items():
             if not re.fullmatch(_STATE_KEY, key):
                 raise c.fail(f"{where}['state']", key, "expected state keys that are identifiers (or parts of "
-                             "compressed state: '<key>.codes', '<key>.scale', 'master.comp')")
+                             "compressed state: '<key>.codes', '<key>.fp8', '<key>.scale', 'master.comp')")
             c.dtype(f"{where}['state'][{key!r}]", dt)
             part = next((sfx for sfx in _PART_DTYPES if key.endswith(sfx)), None)
             if part is not None and dt != _PART_DTYPES[part]:

@@ -106,7 +106,7 @@ def check_state_dict(opt, state_dict) -> list[dict]:
 
 def _check_parts(store, s, st: dict, saved_id, names: list) -> None:
     """The compressed parts of one parameter's state: present, of the stored dtype and item count."""
-    expected = [f"{n}.{part}" for n in names for part in ("codes", "scale")]
+    expected = [k for n in names for k in (store.quant.codes_key(n), f"{n}.scale")]
     if "master" in st and s.needs_master:
         expected += [k for k in store.dtypes if k.startswith("master")]
     for key in expected:

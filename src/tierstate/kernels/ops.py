@@ -261,12 +261,13 @@ _MASTER_CODES = {"fp32": 0, "bf16_kahan": 1, "bf16_sr": 2}
 def _map_args(qmap: quant.QuantMap) -> tuple:
     # The tables live as long as the cached map (quant.signed_map / unsigned_map).
     return (qmap.table.data_ptr(), qmap.thresholds.data_ptr(), qmap.lut8.data_ptr(), qmap.lut.numel(),
-            qmap.lut_shift, qmap.lut_base, qmap.signed)
+            qmap.lut_shift, qmap.lut_base, qmap.signed, qmap.fp8_mantissa_bits, qmap.top)
 
 
 def _check_map(op: str, qmap: object) -> quant.QuantMap:
     if not isinstance(qmap, quant.QuantMap):
-        raise TypeError(f"{op}: qmap must be a QuantMap (quant.signed_map() or quant.unsigned_map()), "
+        raise TypeError(f"{op}: qmap must be a QuantMap (quant.signed_map(), quant.unsigned_map(), "
+                        "quant.fp8_signed_map() or quant.fp8_unsigned_map()), "
                         f"got {type(qmap).__name__}")
     return qmap
 
@@ -385,10 +386,10 @@ def adam_q8_update(
         return
     comp = state.get("master.comp") if config.master == "bf16_kahan" else None
     kernels.adam_q8_update(
-        state["master"].data_ptr(), _ptr(comp), grad.data_ptr(), state["exp_avg.codes"].data_ptr(),
-        state["exp_avg.scale"].data_ptr(), state["exp_avg_sq.codes"].data_ptr(),
-        state["exp_avg_sq.scale"].data_ptr(), out_ptr, n, g, o, _map_args(quant.signed_map()),
-        _map_args(quant.unsigned_map()), float(lr), float(beta1), float(beta2), float(eps),
+        state["master"].data_ptr(), _ptr(comp), grad.data_ptr(), state[config.codes_key("exp_avg")].data_ptr(),
+        state["exp_avg.scale"].data_ptr(), state[config.codes_key("exp_avg_sq")].data_ptr(),
+        state["exp_avg_sq.scale"].data_ptr(), out_ptr, n, g, o, _map_args(config.m_map),
+        _map_args(config.v_map), float(lr), float(beta1), float(beta2), float(eps),
         float(weight_decay), bool(decoupled), float(bias_correction1), float(bias_correction2),
         bool(maximize), float(grad_scale), config.block_size, _MASTER_CODES[config.master], key,
         index_offset,

@@ -37,6 +37,27 @@ kernels and :func:`quantize_ref` here produce the same bits):
   (set when ``y < 0``); the unsigned map has 256.
 - Dequantization: ``value = table[code] * scale``.
 
+fp8 maps (``QuantConfig.maps == "fp8"``; the codes are then stored as ``exp_avg.fp8`` and
+``exp_avg_sq.fp8``, so a state names its maps): the same blocks and scale (absmax), but
+the codes are 8-bit floats, 4 exponent bits with bias 15 and subnormals, no inf or NaN:
+sign + E4M3 for the first moment (magnitudes 0, 2**-17, ..., top 1.875) and E4M4 for
+sqrt(v) (0, 2**-18, ..., top 1.9375). A block is scaled to the map's top instead of 1:
+
+- ``y = x * inv`` with ``inv = fp32(top / scale)`` (0 where the dynamic maps take 0).
+- The code of |y| is |y| rounded to nearest, ties to even: at or above 2**-14, the fp32
+  bits rounded to M mantissa bits, ``((bits + 2**(22 - M) - 1 + lsb) >> (23 - M)) - (112 << M)``
+  with ``lsb`` the lowest kept bit (the carry moves into the exponent); below 2**-14,
+  ``rint(|y| * 2**(14 + M))`` (an exact product, rounded half to even). Clamped to the
+  largest code; the sign in bit 7 when ``y < 0`` (signed map).
+- Dequantization: ``value = table[code] * fp32(scale / top)``.
+
+Encoding and decoding are integer arithmetic, no table: the fused step takes 0.4-0.5x the
+dynamic maps' time (Xeon, 2 threads: ``python -m tierstate.bench.quant_step``). The steps
+between neighbouring codes are 6.25-12.5 % of the value for exp_avg (3.1-6.25 % for
+sqrt(v)) across 15 binades below the top, where the dynamic maps give 0.7-14 % in their top
+decade and coarser below: on the moments of the demo GPT after 300 AdamW steps the Adam
+update m / (sqrt(v) + eps) is off by 3.0 % (relative L2) against 2.1 % with the dynamic maps.
+
 The update (:func:`adam_q8_reference`) dequantizes m and v, runs the AdamW/Adam arithmetic
 of :func:`tierstate.kernels.reference.adam_update` in fp32, writes the weight per master
 mode, and requantizes m and v with the block's new scale, all in one pass per block.
@@ -154,6 +175,8 @@ class QuantMap:
     lut_base: int
     lut_threshold: Tensor
     lut8: Tensor
+    fp8_mantissa_bits: int = 0
+    top: float = 1.0
 
 
 def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
@@ -207,6 +230,82 @@ def unsigned_map() -> QuantMap:
     return _build_map("unsigned-dynamic", dynamic_magnitudes(8), signed=False)
 
 
+# ---- fp8 maps ---------------------------------------------------------------------------
+FP8_EXPONENT_BITS = 4
+FP8_BIAS = 15
+
+
+def fp8_magnitudes(mantissa_bits: int) -> list[float]:
+    """The 2**(4 + mantissa_bits) magnitudes of an fp8 map, in code order: code ``c < 2**M``
+    is ``c * 2**-(14 + M)`` (subnormal), above it ``(1 + f / 2**M) * 2**(e - 15)`` with
+    ``e = c >> M``, ``f = c & (2**M - 1)``: 4 exponent bits, bias 15, no inf or NaN."""
+    m = mantissa_bits
+    values = []
+    for c in range(2 ** (FP8_EXPONENT_BITS + m)):
+        e, f = c >> m, c & ((1 << m) - 1)
+        values.append(math.ldexp(c, -(FP8_BIAS - 1 + m)) if e == 0 else math.ldexp(1 + f / 2**m, e - FP8_BIAS))
+    return values
+
+
+def _build_fp8_map(name: str, mantissa_bits: int, signed: bool) -> QuantMap:
+    mags = torch.tensor(fp8_magnitudes(mantissa_bits), dtype=torch.float32)
+    assert mags.numel() == (128 if signed else 256)
+    table = torch.cat([mags, -mags]) if signed else mags.clone()
+    thresholds = torch.cat([(mags[:-1] + mags[1:]) / 2, torch.tensor([math.inf])])  # exact in fp32
+    empty_i32, empty_u8 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.uint8)
+    return QuantMap(name, signed, mags, table, thresholds, empty_i32, 0, 0, torch.zeros(0), empty_u8,
+                    fp8_mantissa_bits=mantissa_bits, top=float(mags[-1]))
+
+
+@lru_cache(maxsize=None)
+def fp8_signed_map() -> QuantMap:
+    """Map of the first moment in the ``"fp8"`` family: sign bit + E4M3 (top 1.875)."""
+    return _build_fp8_map("signed-fp8-e4m3", 3, signed=True)
+
+
+@lru_cache(maxsize=None)
+def fp8_unsigned_map() -> QuantMap:
+    """Map of the second moment's square root in the ``"fp8"`` family: E4M4 (top 1.9375)."""
+    return _build_fp8_map("unsigned-fp8-e4m4", 4, signed=False)
+
+
+# The map families of QuantConfig.maps: (first moment's map, sqrt(v)'s map).
+MAP_FAMILIES = ("dynamic", "fp8")
+# The codes of each family are stored under their own part name ("exp_avg.codes" against
+# "exp_avg.fp8"), so a state dict, a checkpoint shard or a DCP entry says which maps it
+# was written with and is never decoded with the other family's.
+CODES_PART = {"dynamic": "codes", "fp8": "fp8"}
+
+
+def family_of_parts(keys) -> str:
+    """The map family of a compressed state from its part names ("dynamic" for ``.codes``)."""
+    return "fp8" if any(str(k).endswith(".fp8") for k in keys) else "dynamic"
+
+
+def map_family(name: str) -> tuple[QuantMap, QuantMap]:
+    """(signed map of exp_avg, unsigned map of sqrt(exp_avg_sq)) of the family ``name``."""
+    if name == "dynamic":
+        return signed_map(), unsigned_map()
+    if name == "fp8":
+        return fp8_signed_map(), fp8_unsigned_map()
+    raise ValueError(f"quant maps {name!r}: choose one of {', '.join(MAP_FAMILIES)}")
+
+
+def _encode_fp8(y: Tensor, qmap: QuantMap) -> Tensor:
+    """int64 codes of the fp32 ``y`` (already scaled to the map's range): round to nearest,
+    ties to even, by the native kernels' integer steps (see the module doc)."""
+    m = qmap.fp8_mantissa_bits
+    a = y.abs()
+    bits = a.view(torch.int32).long()
+    lsb = (bits >> (23 - m)) & 1
+    normal = ((bits + ((1 << (22 - m)) - 1) + lsb) >> (23 - m)) - (112 << m)
+    sub = torch.round(a * float(2 ** (14 + m))).long()  # exact product; round half to even
+    codes = torch.where(bits >= (113 << 23), normal, sub).clamp_max(127 if qmap.signed else 255)
+    if qmap.signed:
+        codes = codes | ((y < 0).long() << 7)
+    return codes
+
+
 # ---- configuration ----------------------------------------------------------------------
 def check_block_size(block_size: object, where: str = "block_size") -> int:
     """A power of two in [64, 4096] (chunks of the native kernels are multiples of 4096)."""
@@ -228,19 +327,36 @@ class QuantConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     master: str = "fp32"
+    maps: str = "dynamic"
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size, "QuantConfig.block_size")
         if self.master not in MASTER_MODES:
             raise ValueError(f"QuantConfig.master={self.master!r}; choose one of {', '.join(MASTER_MODES)}")
+        if self.maps not in MAP_FAMILIES:
+            raise ValueError(f"QuantConfig.maps={self.maps!r}; choose one of {', '.join(MAP_FAMILIES)}")
+
+    @property
+    def m_map(self) -> QuantMap:
+        """The signed map of ``exp_avg``."""
+        return map_family(self.maps)[0]
+
+    @property
+    def v_map(self) -> QuantMap:
+        """The unsigned map of ``sqrt(exp_avg_sq)``."""
+        return map_family(self.maps)[1]
+
+    def codes_key(self, moment: str) -> str:
+        """The part name of a moment's codes: ``"exp_avg.codes"`` (dynamic) or ``"exp_avg.fp8"``."""
+        return f"{moment}.{CODES_PART[self.maps]}"
 
     def state_spec(self, n: int) -> dict[str, tuple[int, torch.dtype]]:
         """Name -> (numel, dtype) of every flat tensor of a parameter of n elements."""
         blocks = n_blocks(n, self.block_size)
         spec = {
-            "exp_avg.codes": (n, torch.uint8),
+            self.codes_key("exp_avg"): (n, torch.uint8),
             "exp_avg.scale": (blocks, torch.float32),
-            "exp_avg_sq.codes": (n, torch.uint8),
+            self.codes_key("exp_avg_sq"): (n, torch.uint8),
             "exp_avg_sq.scale": (blocks, torch.float32),
             "master": (n, torch.float32 if self.master == "fp32" else torch.bfloat16),
         }
@@ -269,13 +385,13 @@ class QuantConfig:
 
     def export_full(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """The state in full precision: ``param`` (fp32 weight), ``exp_avg``, ``exp_avg_sq``."""
-        n = state["exp_avg.codes"].numel()
+        m_codes, v_codes = state[self.codes_key("exp_avg")], state[self.codes_key("exp_avg_sq")]
+        n = m_codes.numel()
         master = state["master"].float()
         if self.master == "bf16_kahan":
             master = kahan_value(state["master"], state["master.comp"])
-        m = dequantize_ref(state["exp_avg.codes"], state["exp_avg.scale"], signed_map(), self.block_size)
-        s = dequantize_ref(state["exp_avg_sq.codes"], state["exp_avg_sq.scale"], unsigned_map(),
-                                 self.block_size)
+        m = dequantize_ref(m_codes, state["exp_avg.scale"], self.m_map, self.block_size)
+        s = dequantize_ref(v_codes, state["exp_avg_sq.scale"], self.v_map, self.block_size)
         return {"param": master, "exp_avg": m[:n], "exp_avg_sq": s * s}
 
 
@@ -291,21 +407,27 @@ def quantize_ref(x: Tensor, qmap: QuantMap, block_size: int) -> tuple[Tensor, Te
     absmax = padded.abs().amax(dim=1) if blocks else torch.zeros(0)
     finite = torch.isfinite(absmax)
     # Below FLT_MIN the reciprocal could overflow: such a block encodes as zeros.
-    inv = torch.where(finite & (absmax >= _FLT_MIN), torch.reciprocal(absmax), torch.zeros_like(absmax))
-    y = padded * inv[:, None]
-    codes = torch.searchsorted(qmap.thresholds[:-1], y.abs().contiguous(), right=True)
-    if qmap.signed:
-        codes = codes | ((y < 0).long() << 7)
+    ok = finite & (absmax >= _FLT_MIN)
+    if qmap.fp8_mantissa_bits:
+        inv = torch.where(ok, torch.full_like(absmax, qmap.top) / absmax, torch.zeros_like(absmax))
+        codes = _encode_fp8(padded * inv[:, None], qmap)
+    else:
+        inv = torch.where(ok, torch.reciprocal(absmax), torch.zeros_like(absmax))
+        y = padded * inv[:, None]
+        codes = torch.searchsorted(qmap.thresholds[:-1], y.abs().contiguous(), right=True)
+        if qmap.signed:
+            codes = codes | ((y < 0).long() << 7)
     codes = torch.where(finite[:, None], codes, torch.zeros_like(codes))
     scale = torch.where(finite, absmax, torch.full_like(absmax, math.nan))
     return codes.reshape(-1)[:n].to(torch.uint8), scale
 
 
 def dequantize_ref(codes: Tensor, scale: Tensor, qmap: QuantMap, block_size: int) -> Tensor:
-    """fp32 [n]: ``table[code] * scale[block]``."""
+    """fp32 [n]: ``table[code] * (scale[block] / top)`` (``top`` is 1 for the dynamic maps)."""
     n = codes.numel()
     values = qmap.table[codes.reshape(-1).long()]
-    per_element = scale.repeat_interleave(block_size)[:n]
+    mul = scale if qmap.top == 1.0 else scale / qmap.top
+    per_element = mul.repeat_interleave(block_size)[:n]
     return values * per_element
 
 
@@ -422,8 +544,8 @@ def adam_q8_math(
             w.mul_(1 - lr * weight_decay)
         else:
             g = g.add(w, alpha=weight_decay)
-    m = dequantize_ref(state["exp_avg.codes"], state["exp_avg.scale"], signed_map(), block)
-    s = dequantize_ref(state["exp_avg_sq.codes"], state["exp_avg_sq.scale"], unsigned_map(), block)
+    m = dequantize_ref(state[config.codes_key("exp_avg")], state["exp_avg.scale"], config.m_map, block)
+    s = dequantize_ref(state[config.codes_key("exp_avg_sq")], state["exp_avg_sq.scale"], config.v_map, block)
     v = s * s
     m.lerp_(g, 1 - beta1)
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -459,11 +581,11 @@ def adam_q8_reference(
         decoupled=decoupled, bias_correction1=bias_correction1, bias_correction2=bias_correction2,
         maximize=maximize, grad_scale=grad_scale)
     block = config.block_size
-    codes, scale = quantize_ref(m, signed_map(), block)
-    state["exp_avg.codes"].copy_(codes)
+    codes, scale = quantize_ref(m, config.m_map, block)
+    state[config.codes_key("exp_avg")].copy_(codes)
     state["exp_avg.scale"].copy_(scale)
-    codes, scale = quantize_ref(s_new, unsigned_map(), block)
-    state["exp_avg_sq.codes"].copy_(codes)
+    codes, scale = quantize_ref(s_new, config.v_map, block)
+    state[config.codes_key("exp_avg_sq")].copy_(codes)
     state["exp_avg_sq.scale"].copy_(scale)
     if config.master == "fp32":
         state["master"].copy_(w)

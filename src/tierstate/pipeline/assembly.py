@@ -108,7 +108,9 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             dtypes["master"] = torch.float32
     else:
         spec = quant.state_spec(0)
-        dtypes = {f"{name}.{part}": spec[f"exp_avg.{part}"][1] for name in specs for part in ("codes", "scale")}
+        codes_dtype, scale_dtype = spec[quant.codes_key("exp_avg")][1], spec["exp_avg.scale"][1]
+        dtypes = {k: d for name in specs for k, d in ((quant.codes_key(name), codes_dtype),
+                                                      (f"{name}.scale", scale_dtype))}
         dtypes |= {k: spec[k][1] for k in spec if k.startswith("master")} if any_master else {}
         inits = {}
     units = {k: quant.block_size for k in dtypes if k.endswith(".scale")} if quant is not None else None

@@ -31,11 +31,16 @@ Q8 = "q8"
 MASTER_DTYPES = ("fp32", "bf16_kahan", "bf16_sr")
 DEFAULT_QUANT_BLOCK = 256
 QUANT_BLOCK_RANGE = (64, 4096)  # powers of two; the native kernels' chunks are multiples of 4096
+# The 8-bit map families (tierstate.kernels.quant.MAP_FAMILIES) and the part name of each
+# one's codes (quant.CODES_PART; tests/quant/test_fp8_maps.py checks they agree).
+QUANT_MAPS = ("dynamic", "fp8")
+DEFAULT_QUANT_MAP = "dynamic"
+QUANT_CODES_PART = {"dynamic": "codes", "fp8": "fp8"}
 
 
 def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant_block: int = DEFAULT_QUANT_BLOCK,
-                            *, moment_keys=("exp_avg", "exp_avg_sq"), fp32_keys=(), needs_master: bool = True
-                            ) -> dict[str, float]:
+                            *, moment_keys=("exp_avg", "exp_avg_sq"), fp32_keys=(), needs_master: bool = True,
+                            quant_map: str = DEFAULT_QUANT_MAP) -> dict[str, float]:
     """Bytes per parameter of each stored state key: the one table the optimizer's stats and the
     planner read.
 
@@ -45,10 +50,12 @@ def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant
     ``"bf16_sr"`` (2 B). The master is counted only where one is kept (``needs_master``: low
     precision or accelerator parameters, or any 16-bit master mode). AdamW with q8 moments:
     6.03 B with an fp32 master, 6.03 with bf16 + compensation, 4.03 with stochastic rounding;
-    2.03 on fp32 host parameters, which are their own fp32 master.
+    2.03 on fp32 host parameters, which are their own fp32 master. ``quant_map`` names the
+    codes' part (``exp_avg.codes`` for ``"dynamic"``, ``exp_avg.fp8`` for ``"fp8"``); both
+    families take the same bytes.
     """
     if moment_dtype == Q8:
-        parts = (("codes", 1.0), ("scale", 4.0 / quant_block))
+        parts = ((QUANT_CODES_PART[quant_map], 1.0), ("scale", 4.0 / quant_block))
         per_moment = {f"{k}.{part}": b for k in moment_keys for part, b in parts}
     else:
         per_moment = {k: float({"fp32": 4, "bf16": 2}[moment_dtype]) for k in moment_keys}

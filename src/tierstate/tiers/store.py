@@ -83,7 +83,7 @@ class StateStore:
         names = [spec.name for spec in self._specs_of(s.group)]
         if self.quant is None:
             return names + (["master"] if s.needs_master else [])
-        keys = [f"{name}.{part}" for name in names for part in ("codes", "scale")]
+        keys = [k for name in names for k in (self.quant.codes_key(name), f"{name}.scale")]
         if s.needs_master:
             keys += ["master", "master.comp"] if self.quant.master == "bf16_kahan" else ["master"]
         return keys
@@ -95,7 +95,7 @@ class StateStore:
             return
         for gi in range(len(groups)):
             for spec in self._specs_of(gi):
-                if f"{spec.name}.codes" not in self.dtypes:
+                if self.quant.codes_key(spec.name) not in self.dtypes:
                     raise ValueError(f"param_groups[{gi}] now asks for state {spec.name!r} (amsgrad=True with "
                                      "Offload(moment_dtype='q8')?): the 8-bit kernels keep exp_avg and exp_avg_sq "
                                      "only; set it back (amsgrad=False) or use moment_dtype=torch.float32")
@@ -197,7 +197,7 @@ class StateStore:
         if not s.life.regions_dirty:
             return
         for spec in self._specs_of(s.group):
-            stored = [spec.name] if self.quant is None else [f"{spec.name}.codes", f"{spec.name}.scale"]
+            stored = [spec.name] if self.quant is None else [self.quant.codes_key(spec.name), f"{spec.name}.scale"]
             for key in stored:
                 if skip is not None and skip.get(key) is not None:
                     continue

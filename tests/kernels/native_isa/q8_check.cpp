@@ -1,6 +1,7 @@
 // Standalone check of the 8-bit state kernels on AArch64 (NEON against scalar), without
 // Python: built and run under qemu-aarch64 by test_kernels_native_isa.py, which writes the
-// two maps of tierstate/kernels/quant.py into a folder first (maps.bin, see below).
+// maps of tierstate/kernels/quant.py into a folder first (maps.bin, see below): both
+// families, the dynamic (table) maps and the fp8 (arithmetic) maps.
 //
 // On AArch64 the NEON and scalar variants round every operation alike (fmaf is base
 // AArch64, sqrt and division are correctly rounded, the encoder is integer arithmetic), so
@@ -8,9 +9,10 @@
 // bf16 + int16 compensation, bf16 stochastically rounded) and weight_out, over sizes with
 // partial blocks and scalar tails, at 1 and 2 threads.
 //
-// maps.bin: for the signed then the unsigned map: int32 lut_size, lut_shift, lut_base,
-// is_signed, n_thresholds; float table[256]; float thresholds[n_thresholds];
-// uint8 lut[lut_size + 3] (3 bytes of padding: the vector kernels gather 32-bit words).
+// maps.bin: for the dynamic signed, dynamic unsigned, fp8 signed and fp8 unsigned maps:
+// int32 lut_size, lut_shift, lut_base, is_signed, n_thresholds, fp8_mantissa_bits; float top;
+// float table[256]; float thresholds[n_thresholds]; uint8 lut[lut_size + 3] (3 bytes of
+// padding: the vector kernels gather 32-bit words).
 // Usage: q8_check MAPS_BIN. Exit status 0 when every check passes.
 #include <cmath>
 #include <cstdint>
@@ -28,16 +30,18 @@ namespace {
 struct Map {
   std::vector<float> table, thresholds;
   std::vector<uint8_t> lut;
-  int32_t size = 0, shift = 0, base = 0, is_signed = 0, n_thresholds = 0;
+  int32_t size = 0, shift = 0, base = 0, is_signed = 0, n_thresholds = 0, fp8_bits = 0;
+  float top = 1.0f;
   k::QuantMapRef ref() const {
-    return {table.data(), thresholds.data(), lut.data(), size, shift, base, is_signed != 0};
+    return {table.data(), thresholds.data(), lut.data(), size, shift, base, is_signed != 0, fp8_bits, top};
   }
 };
 
 bool read_map(FILE* f, Map& m) {
-  int32_t head[5];
-  if (fread(head, sizeof head, 1, f) != 1) return false;
+  int32_t head[6];
+  if (fread(head, sizeof head, 1, f) != 1 || fread(&m.top, 4, 1, f) != 1) return false;
   m.size = head[0], m.shift = head[1], m.base = head[2], m.is_signed = head[3], m.n_thresholds = head[4];
+  m.fp8_bits = head[5];
   m.table.resize(256);
   m.thresholds.resize(m.n_thresholds);
   m.lut.resize(m.size + 3);
@@ -121,49 +125,55 @@ int main(int argc, char** argv) {
     return 2;
   }
   FILE* f = std::fopen(argv[1], "rb");
-  Map sm, um;
-  if (f == nullptr || !read_map(f, sm) || !read_map(f, um)) {
+  Map maps[4];  // dynamic signed, dynamic unsigned, fp8 signed, fp8 unsigned
+  if (f == nullptr || !read_map(f, maps[0]) || !read_map(f, maps[1]) || !read_map(f, maps[2]) ||
+      !read_map(f, maps[3])) {
     std::fprintf(stderr, "cannot read the maps from %s\n", argv[1]);
     return 2;
   }
   std::fclose(f);
   long checks = 0;
-  for (int64_t n : {1, 3, 255, 257, 4099, 70000}) {
-    std::vector<float> grad(n);
-    g_state = 99 + n;
-    for (float& x : grad) x = next_float();
-    for (int64_t block : {64, 256}) {
-      // quantize / dequantize
-      std::vector<uint8_t> c1(n), c2(n);
-      std::vector<float> s1((n + block - 1) / block), s2(s1.size()), d1(n), d2(n);
-      for (const Map* m : {&sm, &um}) {
-        k::set_isa("neon");
-        k::quantize_blockwise(grad.data(), c1.data(), s1.data(), n, block, m->ref());
-        k::dequantize_blockwise(c1.data(), s1.data(), d1.data(), n, block, m->ref());
-        k::set_isa("scalar");
-        k::quantize_blockwise(grad.data(), c2.data(), s2.data(), n, block, m->ref());
-        k::dequantize_blockwise(c2.data(), s2.data(), d2.data(), n, block, m->ref());
-        same(c1, c2, "codes n=" + std::to_string(n));
-        same(s1, s2, "scales n=" + std::to_string(n));
-        same(d1, d2, "dequantized n=" + std::to_string(n));
-        checks += 3;
-      }
-      for (k::MasterMode mode : {k::MasterMode::kF32, k::MasterMode::kBF16Kahan, k::MasterMode::kBF16SR}) {
-        for (int threads : {1, 2}) {
-          const State a = run("neon", threads, n, block, mode, sm, um, grad);
-          const State b = run("scalar", 1, n, block, mode, sm, um, grad);
-          const std::string what = "adam_q8 n=" + std::to_string(n) + " block=" + std::to_string(block) +
-                                   " mode=" + std::to_string(static_cast<int>(mode)) + " threads=" +
-                                   std::to_string(threads);
-          same(a.master32, b.master32, what + " master32");
-          same(a.master16, b.master16, what + " master16");
-          same(a.comp, b.comp, what + " comp");
-          same(a.out, b.out, what + " weight_out");
-          same(a.mc, b.mc, what + " m codes");
-          same(a.vc, b.vc, what + " v codes");
-          same(a.ms, b.ms, what + " m scales");
-          same(a.vs, b.vs, what + " v scales");
-          checks += 8;
+  for (int family = 0; family < 2; ++family) {
+    const Map& sm = maps[2 * family];
+    const Map& um = maps[2 * family + 1];
+    const std::string fam = family ? " fp8" : " dynamic";
+    for (int64_t n : {1, 3, 255, 257, 4099, 70000}) {
+      std::vector<float> grad(n);
+      g_state = 99 + n;
+      for (float& x : grad) x = next_float();
+      for (int64_t block : {64, 256}) {
+        // quantize / dequantize
+        std::vector<uint8_t> c1(n), c2(n);
+        std::vector<float> s1((n + block - 1) / block), s2(s1.size()), d1(n), d2(n);
+        for (const Map* m : {&sm, &um}) {
+          k::set_isa("neon");
+          k::quantize_blockwise(grad.data(), c1.data(), s1.data(), n, block, m->ref());
+          k::dequantize_blockwise(c1.data(), s1.data(), d1.data(), n, block, m->ref());
+          k::set_isa("scalar");
+          k::quantize_blockwise(grad.data(), c2.data(), s2.data(), n, block, m->ref());
+          k::dequantize_blockwise(c2.data(), s2.data(), d2.data(), n, block, m->ref());
+          same(c1, c2, "codes n=" + std::to_string(n) + fam);
+          same(s1, s2, "scales n=" + std::to_string(n) + fam);
+          same(d1, d2, "dequantized n=" + std::to_string(n) + fam);
+          checks += 3;
+        }
+        for (k::MasterMode mode : {k::MasterMode::kF32, k::MasterMode::kBF16Kahan, k::MasterMode::kBF16SR}) {
+          for (int threads : {1, 2}) {
+            const State a = run("neon", threads, n, block, mode, sm, um, grad);
+            const State b = run("scalar", 1, n, block, mode, sm, um, grad);
+            const std::string what = "adam_q8 n=" + std::to_string(n) + " block=" + std::to_string(block) +
+                                     " mode=" + std::to_string(static_cast<int>(mode)) + " threads=" +
+                                     std::to_string(threads) + fam;
+            same(a.master32, b.master32, what + " master32");
+            same(a.master16, b.master16, what + " master16");
+            same(a.comp, b.comp, what + " comp");
+            same(a.out, b.out, what + " weight_out");
+            same(a.mc, b.mc, what + " m codes");
+            same(a.vc, b.vc, what + " v codes");
+            same(a.ms, b.ms, what + " m scales");
+            same(a.vs, b.vs, what + " v scales");
+            checks += 8;
+          }
         }
       }
     }

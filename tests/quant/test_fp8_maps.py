@@ -1,0 +1,155 @@
+"""The fp8 map family (``Offload(moment_dtype="q8", quant_map="fp8")``): its definition, the
+option's refusals, and a state that names its maps wherever it goes (state dict, conversion,
+checkpoint). The kernels' bits against the reference are in tests/kernels/test_kernels_quant.py
+and test_kernels_q8_update.py, the optimizer's in test_q8_optimizer_parity.py."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import tierstate as ts
+from _q8_common import assert_same_state_then_same_steps, make_params, raw_bytes
+from _q8_common import train as _train
+from tierstate.checkpoint.compressed import StateFormatWarning
+from tierstate.kernels import quant as Q
+from tierstate.placement import defaults
+
+
+def test_fp8_magnitudes_are_the_documented_floats():
+    """4 exponent bits, bias 15, subnormals below 2**-14, no inf or NaN: every code by hand."""
+    for m, make in ((3, Q.fp8_signed_map), (4, Q.fp8_unsigned_map)):
+        qmap = make()
+        mags = qmap.magnitudes.double()
+        assert mags.numel() == 2 ** (4 + m) and qmap.fp8_mantissa_bits == m
+        for c in range(mags.numel()):
+            e, f = c >> m, c % 2**m
+            want = c * 2.0 ** -(14 + m) if e == 0 else (1 + f / 2**m) * 2.0 ** (e - 15)
+            assert mags[c].item() == want, c
+        assert bool((mags[1:] > mags[:-1]).all())
+        assert qmap.top == mags[-1].item() == 2 - 2.0**-m  # 1.875 and 1.9375
+    signed = Q.fp8_signed_map()
+    assert torch.equal(signed.table[128:], -signed.table[:128])  # bit 7 is the sign, 128 is -0.0
+    assert math.copysign(1.0, signed.table[128].item()) == -1.0
+
+
+def test_placement_knows_the_families_and_their_part_names():
+    """placement/defaults.py keeps its own copy (it must not import the kernels)."""
+    assert defaults.QUANT_MAPS == Q.MAP_FAMILIES and defaults.QUANT_CODES_PART == Q.CODES_PART
+    for maps in Q.MAP_FAMILIES:
+        b = defaults.state_bytes_per_element("q8", "fp32", 256, quant_map=maps)
+        assert set(b) == {f"exp_avg.{Q.CODES_PART[maps]}", "exp_avg.scale", f"exp_avg_sq.{Q.CODES_PART[maps]}",
+                          "exp_avg_sq.scale", "master"}
+        assert sum(b.values()) == pytest.approx(6.03125)  # the same bytes in both families
+    assert set(Q.QuantConfig(256, "bf16_sr", "fp8").state_spec(10)) == {
+        "exp_avg.fp8", "exp_avg.scale", "exp_avg_sq.fp8", "exp_avg_sq.scale", "master"}
+
+
+def test_the_option_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match=r"Offload\(quant_map='fp4'\): must be one of 'dynamic', 'fp8'"):
+        ts.Offload(moment_dtype="q8", quant_map="fp4")
+    with pytest.raises(ValueError, match=r"quant_map='fp8', moment_dtype=torch.bfloat16\).*add moment_dtype='q8'"):
+        ts.Offload(moment_dtype=torch.bfloat16, quant_map="fp8")
+    with pytest.raises(ValueError, match=r"QuantConfig.maps='fp4'"):
+        Q.QuantConfig(256, "fp32", "fp4")
+    assert ts.Offload(moment_dtype="q8", quant_map="fp8").quant_config() == Q.QuantConfig(256, "fp32", "fp8")
+
+
+def _fp8_offload(folder, master="fp32", nvme=0.5, maps="fp8"):
+    return ts.Offload(cpu=1 - nvme, nvme=nvme, nvme_dir=str(folder), moment_dtype="q8", quant_map=maps,
+                      master_dtype=torch.float32 if master == "fp32" else master, subgroup_numel=2048)
+
+
+@pytest.mark.parametrize("master", Q.MASTER_MODES)
+def test_state_dict_names_the_maps_and_round_trips_to_the_byte(master, tmp_path):
+    params = make_params()
+    opt = ts.AdamW(params, lr=1e-2, offload=_fp8_offload(tmp_path / "a", master))
+    _train(opt, params, 3)
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    assert {"exp_avg.fp8", "exp_avg_sq.fp8"} <= set(st) and not any(k.endswith(".codes") for k in st)
+    cfg = Q.QuantConfig(256, master, "fp8")
+    full = cfg.export_full({k: v.reshape(-1) for k, v in st.items() if k != "step"})
+    assert torch.isfinite(full["exp_avg"]).all() and (full["exp_avg"] != 0).any()
+    params2 = make_params()
+    opt2 = ts.AdamW(params2, lr=1e-2, offload=_fp8_offload(tmp_path / "b", master, nvme=0.0))
+    opt2.load_state_dict(copy.deepcopy(sd))  # the same format: no conversion, no warning
+    assert_same_state_then_same_steps(opt, params, opt2, params2, seed=5)
+    opt.close(), opt2.close()
+
+
+def test_loading_the_other_family_converts_with_a_warning(tmp_path):
+    """dynamic -> fp8 and back: the moments are decoded with the maps their part names say and
+    encoded with the target's; the master (bf16 + compensation) moves unchanged."""
+    params = make_params()
+    dyn = ts.AdamW(params, lr=1e-2, offload=_fp8_offload(tmp_path / "d", "bf16_kahan", maps="dynamic"))
+    _train(dyn, params, 3)
+    dsd = dyn.state_dict()
+    fp8 = ts.AdamW(make_params(), lr=1e-2, offload=_fp8_offload(tmp_path / "f", "bf16_kahan"))
+    with pytest.warns(StateFormatWarning, match=r"converted the state of 3 parameter.*quant_map='fp8'"):
+        fp8.load_state_dict(dsd)
+    fsd = fp8.state_dict()
+    dcfg, fcfg = Q.QuantConfig(256, "bf16_kahan", "dynamic"), Q.QuantConfig(256, "bf16_kahan", "fp8")
+    for i in dsd["state"]:
+        d, f = dsd["state"][i], fsd["state"][i]
+        full = dcfg.export_full({k: v.reshape(-1) for k, v in d.items() if k != "step"})
+        codes, scale = Q.quantize_ref(full["exp_avg"], fcfg.m_map, 256)
+        assert torch.equal(f["exp_avg.fp8"].reshape(-1), codes) and torch.equal(f["exp_avg.scale"], scale)
+        codes, scale = Q.quantize_ref(full["exp_avg_sq"].sqrt(), fcfg.v_map, 256)
+        assert torch.equal(f["exp_avg_sq.fp8"].reshape(-1), codes) and torch.equal(f["exp_avg_sq.scale"], scale)
+        assert raw_bytes(f["master"]) == raw_bytes(d["master"]) and raw_bytes(f["master.comp"]) == raw_bytes(
+            d["master.comp"])
+        assert int(f["step"]) == 3
+    back = ts.AdamW(make_params(), lr=1e-2, offload=_fp8_offload(tmp_path / "b", "bf16_kahan", maps="dynamic"))
+    with pytest.warns(StateFormatWarning, match="quant_map='dynamic'"):
+        back.load_state_dict(fsd)
+    assert "exp_avg.codes" in back.state_dict()["state"][0]
+    for o in (dyn, fp8, back):
+        o.close()
+
+
+def test_checkpoint_keeps_the_fp8_parts_and_refuses_the_other_family(tmp_path):
+    params = make_params()
+    opt = ts.AdamW(params, lr=1e-2, offload=_fp8_offload(tmp_path / "a", "bf16_sr", nvme=1.0))
+    _train(opt, params, 3)
+    ts.save_optimizer(opt, tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["params"][0]["state"]["exp_avg.fp8"] == "uint8"
+    assert "state.0.exp_avg_sq.fp8" in manifest["tensors"]
+    params2 = make_params()
+    opt2 = ts.AdamW(params2, lr=1e-2, offload=_fp8_offload(tmp_path / "b", "bf16_sr", nvme=0.0))
+    ts.load_optimizer(opt2, tmp_path / "ckpt")
+    assert_same_state_then_same_steps(opt, params, opt2, params2, seed=6)
+    dyn = ts.AdamW(make_params(), lr=1e-2, offload=_fp8_offload(tmp_path / "c", "bf16_sr", maps="dynamic"))
+    with pytest.raises(ValueError, match=r"compressed with quant_map='fp8'.*quant_map=\.\.\.\).*load_state_dict"):
+        ts.load_optimizer(dyn, tmp_path / "ckpt")
+    assert dyn.state_dict()["state"] == {}
+    for o in (opt, opt2, dyn):
+        o.close()
+
+
+def test_fp8_state_trains_like_the_dynamic_state():
+    """The two families reach nearly the same weights on a small regression (AdamW, 200 steps):
+    a check that the fp8 moments drive Adam as moments, not a quality figure (those are in
+    docs/compressed_state.md)."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 32)
+    y = x @ torch.randn(32, 1)
+    losses = {}
+    for maps in Q.MAP_FAMILIES:
+        model = torch.nn.Linear(32, 1)
+        torch.nn.init.zeros_(model.weight), torch.nn.init.zeros_(model.bias)
+        opt = ts.AdamW(model.parameters(), lr=3e-2, weight_decay=0.0,
+                       offload=ts.Offload(moment_dtype="q8", quant_map=maps, master_dtype="bf16_kahan"))
+        for _ in range(200):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses[maps] = torch.nn.functional.mse_loss(model(x), y).item()
+        opt.close()
+    start = y.pow(2).mean().item()
+    assert losses["fp8"] < 0.01 * start and losses["dynamic"] < 0.01 * start, (losses, start)
