@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the master weight: fp32 (4 B), bf16 + int16 compensation (4 B) or bf16 with "
                              "stochastic rounding (2 B); the bf16 modes need --moment-dtype q8")
     parser.add_argument("--quant-block", type=int, default=256, help="elements per scale of q8 moments (default 256)")
+    parser.add_argument("--quant-map", choices=("dynamic", "fp8"), default="dynamic",
+                        help="the 8-bit maps of q8 moments (Offload.quant_map: the same bytes; fp8 runs a faster "
+                             "fused kernel)")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw",
                         help="the tierstate optimizer whose state is priced (default adamw)")
     parser.add_argument("--amsgrad", action="store_true", default=None,
@@ -204,6 +207,7 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
     moments, fp32_keys = state_keys_of(args)
     req = PlanRequest(model, device=device, param_dtype=args.param_dtype or ("bf16" if device == "cuda" else "fp32"),
                       moment_dtype=args.moment_dtype, master_dtype=args.master_dtype, quant_block=args.quant_block,
+                      quant_map=args.quant_map,
                       optimizer=args.optimizer, grad_streaming=streaming,
                       pin_memory=not args.no_pin_memory, subgroup_numel=args.subgroup_numel,
                       buffer_count=args.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
@@ -313,6 +317,7 @@ def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None,
     req, p = plan.request, plan.placement
     console.print(f"[bold]{req.model.name}[/bold]: {req.model.numel:,} parameters ({req.model.source}); "
                   f"{req.device}, params {req.param_dtype}, moments {req.moment_dtype}"
+                  + (f" ({req.quant_map} maps)" if req.moment_dtype == "q8" else "")
                   + (f", master {req.master_dtype}" if req.master_dtype != "fp32" else "")
                   + f", {req.optimizer}; state {req.state_bytes_per_param:.2f} B/param")
     console.print(f"placement: [bold]Offload(gpu={p.gpu:g}, cpu={p.cpu:g}, nvme={p.nvme:g})[/bold] - {plan.reason}")

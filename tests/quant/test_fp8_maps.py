@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,10 @@ from _q8_common import train as _train
 from tierstate.checkpoint.compressed import StateFormatWarning
 from tierstate.kernels import quant as Q
 from tierstate.placement import defaults
+from tierstate.placement.auto import offload_from_plan
+from tierstate.placement.model_spec import from_param_numels
+from tierstate.placement.plan_inputs import Budgets, Hardware, PlanRequest
+from tierstate.placement.planner import choose
 
 
 def test_fp8_magnitudes_are_the_documented_floats():
@@ -153,3 +160,25 @@ def test_fp8_state_trains_like_the_dynamic_state():
         opt.close()
     start = y.pow(2).mean().item()
     assert losses["fp8"] < 0.01 * start and losses["dynamic"] < 0.01 * start, (losses, start)
+
+
+def test_the_planner_prices_and_carries_the_maps(tmp_path):
+    """The same bytes in both families; the planned Offload, `tierstate plan` and its JSON keep
+    the maps (state keys named by the family's part)."""
+
+    model = from_param_numels([10_000_000] * 4)
+    kw = dict(device="cpu", param_dtype="bf16", state_keys=("exp_avg", "exp_avg_sq"), moment_dtype="q8")
+    dyn, fp8 = PlanRequest(model, **kw), PlanRequest(model, quant_map="fp8", **kw)
+    assert dyn.state_bytes_per_param == fp8.state_bytes_per_param == 6.03125
+    assert "exp_avg.fp8" in fp8.state_bytes() and "exp_avg.codes" in dyn.state_bytes()
+    with pytest.raises(ValueError, match="quant_map='fp8' needs moment_dtype='q8'"):
+        PlanRequest(model, **{**kw, "moment_dtype": "bf16"}, quant_map="fp8")
+    with pytest.raises(ValueError, match="quant_map='fp4'"):
+        PlanRequest(model, quant_map="fp4", **kw)
+    plan = choose(fp8, Hardware.conservative(), Budgets(host=8 * 2**30, disk=10**13))
+    assert offload_from_plan(plan).quant_map == "fp8"
+    r = subprocess.run([sys.executable, "-m", "tierstate", "plan", "124M", "--device", "cpu", "--moment-dtype", "q8",
+                        "--quant-map", "fp8", "--json"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TIERSTATE_PROFILE": str(tmp_path / "none.json")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "exp_avg.fp8" in json.loads(r.stdout)["state_bytes_per_param"], r.stdout[:2000]

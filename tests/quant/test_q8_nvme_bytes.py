@@ -11,18 +11,20 @@ import tierstate as ts
 N = 3 * (1 << 20)  # three sub-groups of 1 Mi elements: 4 KiB alignment is < 0.1 % of a region
 
 
-@pytest.mark.parametrize("moment, master, record", [
-    (torch.float32, torch.float32, 12.0),
-    (torch.bfloat16, torch.float32, 8.0),
-    ("q8", torch.float32, 6.03125),
-    ("q8", "bf16_kahan", 6.03125),
-    ("q8", "bf16_sr", 4.03125),
+@pytest.mark.parametrize("moment, master, record, maps", [
+    (torch.float32, torch.float32, 12.0, "dynamic"),
+    (torch.bfloat16, torch.float32, 8.0, "dynamic"),
+    ("q8", torch.float32, 6.03125, "dynamic"),
+    ("q8", "bf16_kahan", 6.03125, "dynamic"),
+    ("q8", "bf16_sr", 4.03125, "dynamic"),
+    ("q8", torch.float32, 6.03125, "fp8"),
+    ("q8", "bf16_sr", 4.03125, "fp8"),
 ])
-def test_nvme_bytes_per_param_in_stats(moment, master, record, tmp_path):
+def test_nvme_bytes_per_param_in_stats(moment, master, record, maps, tmp_path):
     p = torch.nn.Parameter(torch.randn(N).bfloat16())
     opt = ts.AdamW([p], lr=1e-3, offload=ts.Offload(
         cpu=0.0, nvme=1.0, nvme_dir=str(tmp_path), moment_dtype=moment, master_dtype=master,
-        subgroup_numel=1 << 20, buffer_count=2))
+        subgroup_numel=1 << 20, buffer_count=2, quant_map=maps))
     for _ in range(3):
         p.grad = torch.randn_like(p)
         opt.step()

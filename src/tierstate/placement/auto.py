@@ -120,7 +120,8 @@ def offload_from_plan(plan) -> Offload:
 
         compression = dict(moment_dtype={"bf16": torch.bfloat16, "q8": "q8"}[req.moment_dtype],
                            master_dtype=torch.float32 if req.master_dtype == "fp32" else req.master_dtype,
-                           quant_block=req.quant_block)
+                           quant_block=req.quant_block, **({"quant_map": req.quant_map}
+                                                           if req.moment_dtype == "q8" else {}))
     if p.nvme == 0 and p.gpu == 0:
         return Offload(cpu=1.0, **compression)
     return Offload(gpu=p.gpu, cpu=p.cpu, nvme=max(0.0, 1.0 - p.gpu - p.cpu),
@@ -141,7 +142,8 @@ def _tensors(params: Sequence) -> list:
 
 
 def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_keys: Sequence[str],
-                   moment_dtype: str = "fp32", master_dtype: str = "fp32", quant_block: int = 256) -> Offload:
+                   moment_dtype: str = "fp32", master_dtype: str = "fp32", quant_block: int = 256,
+                   quant_map: str = "dynamic") -> Offload:
     """The :class:`Offload` that the planner predicts fastest within this machine's budgets.
 
     ``params`` are the optimizer's parameters or its param-group dicts. ``state_keys`` are the
@@ -150,7 +152,7 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
     counted once); "auto" keeps them in fp32. ``allow_device_tier=False`` keeps the state off the device even on CUDA (the
     optimizer passes it for ``step_in_backward=True``, which updates the host tiers only).
     ``moment_dtype`` (``"fp32"``, ``"bf16"``, ``"q8"``), ``master_dtype`` (``"fp32"``,
-    ``"bf16_kahan"``, ``"bf16_sr"``) and ``quant_block`` price the state as
+    ``"bf16_kahan"``, ``"bf16_sr"``), ``quant_block`` and ``quant_map`` price the state as
     :class:`Offload` would store it (compressed state keeps off the device tier) and are
     carried into the returned policy.
     Raises ValueError (naming what is missing) when no placement fits.
@@ -171,7 +173,7 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
     param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
     req = PlanRequest(from_param_numels([p.numel() for p in trainable]), device="cuda" if on_cuda else "cpu",
                       param_dtype=param_dtype, state_keys=state_keys, moment_dtype=moment_dtype,
-                      master_dtype=master_dtype, quant_block=quant_block)
+                      master_dtype=master_dtype, quant_block=quant_block, quant_map=quant_map)
     if moment_dtype == "q8":
         allow_device_tier = False  # the device tier runs torch's fused Adam, which has no compressed state
     # The parameters (and any gradients) already exist: they are in use, not in the available figure.

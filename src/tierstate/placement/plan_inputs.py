@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, state_bytes_per_element
+from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, QUANT_MAPS, state_bytes_per_element
 from .layout import TierKind
 from .model_spec import ModelSpec
 
@@ -114,6 +114,7 @@ class PlanRequest:
     moment_dtype: str = "fp32"  # "fp32", "bf16" or "q8" (Offload.moment_dtype)
     master_dtype: str = "fp32"  # "fp32", "bf16_kahan" or "bf16_sr" (Offload.master_dtype)
     quant_block: int = 256  # Offload.quant_block, for moment_dtype="q8"
+    quant_map: str = "dynamic"  # Offload.quant_map, for moment_dtype="q8" (the same bytes either way)
     optimizer: str = ""  # the optimizer's name, shown in the output (the keys below say what it allocates)
     grad_streaming: bool | None = None  # None: on for CUDA, off for CPU (Offload's default)
     keep_device_grads: bool = False
@@ -166,6 +167,10 @@ class PlanRequest:
         qb = self.quant_block
         if isinstance(qb, bool) or not isinstance(qb, int) or not 64 <= qb <= 4096 or qb & (qb - 1):
             raise ValueError(f"quant_block={qb!r}: must be a power of two in [64, 4096], e.g. 256")
+        if self.quant_map not in QUANT_MAPS:
+            raise ValueError(f"quant_map={self.quant_map!r}: must be one of {QUANT_MAPS} (Offload.quant_map)")
+        if self.quant_map != "dynamic" and self.moment_dtype != "q8":
+            raise ValueError(f"quant_map={self.quant_map!r} needs moment_dtype='q8' (the maps of 8-bit moments)")
         if not isinstance(self.optimizer, str):
             raise ValueError(f"optimizer={self.optimizer!r}: must be a str (the name shown in the output)")
         for name in ("subgroup_numel", "buffer_count", "grad_accum"):
@@ -198,7 +203,7 @@ class PlanRequest:
         :func:`tierstate.placement.offload.state_bytes_per_element`, the optimizer's own table."""
         return state_bytes_per_element(self.moment_dtype, self.master_dtype, self.quant_block,
                                        moment_keys=self.state_keys, fp32_keys=self.fp32_state_keys,
-                                       needs_master=self.needs_master)
+                                       needs_master=self.needs_master, quant_map=self.quant_map)
 
     @property
     def state_bytes_per_param(self) -> float:
