@@ -36,6 +36,21 @@ def test_json_to_a_path_comes_with_the_table(tmp_path, capsys):
     assert len(json.loads(path.read_text())["rows"]) == 3
 
 
+def test_compressed_variants_are_held_to_the_floor_of_their_own_bytes(capsys):
+    argv = ["--sizes", "64k", "--threads", "1", "--reps", "2", "--warmup", "1", "--gap-ms", "0",
+            "--variants", "native,native-q8,native-fp8,native-fp8-sr,floor", "--json"]
+    assert step.main(_parse(argv)) == 0
+    rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["native-fp8"]["bytes_per_param"] == rows["native-q8"]["bytes_per_param"] == 16.03125
+    assert rows["native-fp8-sr"]["bytes_per_param"] == 12.03125
+    for name, r in rows.items():
+        # the floor of its own bytes is the floor row's time scaled by B/param / 28
+        assert abs(r["vs_own_floor"] - r["vs_floor"] * 28 / r["bytes_per_param"]) < 1e-9, name
+    assert rows["floor"]["vs_own_floor"] == 1.0
+    assert step.main(_parse(["--sizes", "64k", "--variants", "native-fp8"])) == 2
+    assert "add floor" in capsys.readouterr().err
+
+
 def test_interleave_times_each_call_once_per_round_and_runs_the_hooks_outside():
     log = []
     calls = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}

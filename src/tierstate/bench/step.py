@@ -23,6 +23,16 @@ phase (on shared VMs it can move by ~1.7x within seconds), reported as medians:
 - ``floor``             torch AdamW(fused=True) on fp32 grad/param alone: the 28 B/param
                         a fused step must move, at the speed torch moves it
 
+Compressed state (``docs/compressed_state.md``), not run unless named in ``--variants``:
+
+- ``native-q8``         8-bit moments in the dynamic maps, fp32 master: 16.03 B/param
+- ``native-fp8``        8-bit moments in the fp8 maps, fp32 master: 16.03 B/param
+- ``native-fp8-sr``     the fp8 maps with a stochastically rounded bf16 master: 12.03 B/param
+
+Besides "x floor" (time over the floor row's), each row reports "x own floor": its time
+over the floor of its own bytes, floor time * B/param / 28, so a layout that moves fewer
+bytes is held to a shorter floor.
+
 Every timed call starts after ``--gap-ms`` (default 20) of sleep. torch's OpenMP workers
 spin-wait after each parallel region (libgomp's default policy): measured 5-8 ms of CPU
 time within 40 ms of a 2-thread torch op, ~1 ms with OMP_WAIT_POLICY=PASSIVE. Back to
@@ -59,8 +69,13 @@ from ._timing import JSON_STDOUT, counts_arg, emit_json, interleave
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 VARIANTS = ("native", "native-bf16-moments", "torch-fused+casts", "torch-foreach+casts",
             "deepspeed+copy", "floor")
+# Compressed state: named with --variants (the default run stays the uncompressed comparison).
+COMPRESSED_VARIANTS = {"native-q8": ("dynamic", "fp32"), "native-fp8": ("fp8", "fp32"),
+                       "native-fp8-sr": ("fp8", "bf16_sr")}
 BYTES_PER_PARAM = {"native": 28, "native-bf16-moments": 20, "torch-fused+casts": 40,
-                   "torch-foreach+casts": 40, "deepspeed+copy": 40, "floor": 28}
+                   "torch-foreach+casts": 40, "deepspeed+copy": 40, "floor": 28,
+                   # grad 2 + master 4 (2 for bf16_sr) each way + codes 1 + 1 + scales 8/256 each way + weight 2
+                   "native-q8": 16.03125, "native-fp8": 16.03125, "native-fp8-sr": 12.03125}
 
 
 @dataclass
@@ -68,13 +83,14 @@ class Row:
     params: int
     threads: int
     variant: str
-    bytes_per_param: int
+    bytes_per_param: float
     median_ms: float
     min_ms: float
     max_ms: float
     params_per_s: float
     gb_per_s: float
     vs_floor: float  # time / floor time (same size, threads, run)
+    vs_own_floor: float  # time / (floor time * bytes_per_param / 28): the floor of the row's own bytes
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -117,7 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="parameter counts, comma-separated (default: 25M,100M)")
     _option(cpu, "--threads", type=_parse_ints, default=[1, 2], help="thread counts, comma-separated (default: 1,2)")
     _option(cpu, "--reps", type=int, default=15, help="timed rounds per variant (default 15)")
-    _option(cpu, "--variants", default=",".join(VARIANTS), help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    _option(cpu, "--variants", default=",".join(VARIANTS),
+            help=f"comma-separated subset of: {', '.join(VARIANTS)}; and compressed state, run only when named: "
+                 f"{', '.join(COMPRESSED_VARIANTS)}")
     _option(cpu, "--gap-ms", type=float, default=20.0,
             help="sleep before each timed call, longer than torch's OpenMP spin-wait (default 20; 0: back to back)")
     parser.set_defaults(given=[])
@@ -158,6 +176,14 @@ def _build(n: int, variants: list[str]) -> dict[str, Callable[[], None]]:
         mb, vb = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
         steps["native-bf16-moments"] = lambda: kernels.adam_update(
             master, grad_bf16, mb, vb, None, weight_bf16, **adam_kwargs())
+    for name in COMPRESSED_VARIANTS.keys() & set(variants):
+        from ..kernels import quant  # noqa: PLC0415 - only when a compressed variant is asked for
+
+        maps, mode = COMPRESSED_VARIANTS[name]
+        config = quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, mode, maps)
+        state = config.init_state(torch.randn(n, generator=gen))
+        steps[name] = (lambda st=state, c=config: kernels.adam_q8_update(
+            st, grad_bf16, weight_bf16, config=c, step=step_count[0] + 1, **adam_kwargs()))
 
     torch_variants = {"torch-fused+casts", "torch-foreach+casts", "floor"} & set(variants)
     if torch_variants:
@@ -208,17 +234,17 @@ def measure(n: int, threads: int, variants: list[str], reps: int, warmup: int, g
         med = statistics.median(samples)
         rows.append(Row(n, threads, name, BYTES_PER_PARAM[name], med * 1e3, min(samples) * 1e3,
                         max(samples) * 1e3, n / med, BYTES_PER_PARAM[name] * n / med / 1e9,
-                        med / floor))
+                        med / floor, med / (floor * BYTES_PER_PARAM[name] / 28)))
     del steps
     return rows
 
 
 def _print_table(rows: list[Row]) -> None:
     headers = ["params", "threads", "variant", "B/param", "median ms", "min-max ms", "Gparam/s",
-               "GB/s", "x floor"]
-    cells = [[f"{r.params / 1e6:g}M", str(r.threads), r.variant, str(r.bytes_per_param),
+               "GB/s", "x floor", "x own floor"]
+    cells = [[f"{r.params / 1e6:g}M", str(r.threads), r.variant, f"{r.bytes_per_param:g}",
               f"{r.median_ms:.1f}", f"{r.min_ms:.1f}-{r.max_ms:.1f}", f"{r.params_per_s / 1e9:.2f}",
-              f"{r.gb_per_s:.0f}", f"{r.vs_floor:.2f}"] for r in rows]
+              f"{r.gb_per_s:.0f}", f"{r.vs_floor:.2f}", f"{r.vs_own_floor:.2f}"] for r in rows]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -251,6 +277,9 @@ def _summary(rows: list[Row]) -> list[str]:
             parts.append(f"{by['deepspeed+copy'].median_ms / nat.median_ms:.2f}x faster than deepspeed+copy")
         if "native-bf16-moments" in by:
             parts.append(f"bf16 moments = {by['native-bf16-moments'].vs_floor:.2f}x floor")
+        for name in COMPRESSED_VARIANTS:
+            if name in by:
+                parts.append(f"{name} = {by[name].vs_own_floor:.2f}x the floor of its {by[name].bytes_per_param:.2f} B")
         lines.append("; ".join(parts))
     return lines
 
@@ -271,9 +300,13 @@ def main(args: argparse.Namespace) -> int:
 
 def _main_cpu(args: argparse.Namespace) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
+    known = (*VARIANTS, *COMPRESSED_VARIANTS)
+    unknown = [v for v in variants if v not in known]
     if unknown:
-        print(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}", file=sys.stderr)
+        print(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(known)}", file=sys.stderr)
+        return 2
+    if not {"floor"} & set(variants) and COMPRESSED_VARIANTS.keys() & set(variants):
+        print("--variants: the compressed variants are priced against the floor row; add floor", file=sys.stderr)
         return 2
     if args.reps < 1 or args.warmup < 0 or args.gap_ms < 0:
         print("--reps must be >= 1, --warmup >= 0 and --gap-ms >= 0", file=sys.stderr)
