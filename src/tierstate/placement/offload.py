@@ -73,7 +73,7 @@ class Offload:
         quant_map: the 8-bit maps of ``"q8"``: ``"dynamic"`` (default: bitsandbytes' dynamic-tree
             maps, decoded and encoded through tables) or ``"fp8"`` (8-bit floats: sign + E4M3
             for ``exp_avg``, E4M4 for ``sqrt(exp_avg_sq)``, decoded and encoded by arithmetic:
-            the fused step takes 0.4-0.5x the dynamic maps' time on a Xeon, at a larger update
+            the fused step takes 0.4-0.8x the dynamic maps' time on a Xeon, at a larger update
             error; figures in ``docs/compressed_state.md``). Same bytes either way.
         sr_seed: seed of ``"bf16_sr"``'s rounding; each parameter mixes its index in, and the
             rounding of an element depends on (seed, parameter, step, element) only, so a run
