@@ -88,19 +88,19 @@ struct VecAvx2 {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
   }
   // decode_fp8_one / encode_fp8_one (vec_scalar.h) on 8 lanes, no table.
+  // Decoding through the fp16 that holds the code (fp8_as_f16, vec_scalar.h): VCVTPH2PS
+  // widens it exactly, subnormals included.
   template <int M, bool kSigned>
   static VecAvx2 decode_fp8(const uint8_t* codes) {
-    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-    const __m256i mag = kSigned ? _mm256_and_si256(c, _mm256_set1_epi32(0x7F)) : c;
-    const __m256 normal = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(112 << M)), 23 - M));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / static_cast<float>(1u << (14 + M))));
-    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(1 << M), mag));
-    __m256 r = _mm256_blendv_ps(normal, sub, is_sub);
+    const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    __m128i h;
     if (kSigned) {
-      const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-      r = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(r), sign));
+      h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 10 - M),
+                       _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8));
+    } else {
+      h = _mm_slli_epi16(c, 10 - M);
     }
-    return {r};
+    return {_mm256_cvtph_ps(h)};
   }
   template <int M, bool kSigned>
   static void encode_fp8(uint8_t* out, VecAvx2 y) {

@@ -104,19 +104,20 @@ struct VecAvx512 {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
   }
-  // decode_fp8_one / encode_fp8_one (vec_scalar.h) on 16 lanes, no table.
+  // decode_fp8_one / encode_fp8_one (vec_scalar.h) on 16 lanes, no table. Decoding goes
+  // through the fp16 that holds the code (fp8_as_f16): VCVTPH2PS widens it exactly,
+  // subnormals included, whatever MXCSR.DAZ says.
   template <int M, bool kSigned>
   static VecAvx512 decode_fp8(const uint8_t* codes) {
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    const __m512i mag = kSigned ? _mm512_and_si512(c, _mm512_set1_epi32(0x7F)) : c;
-    const __m512 normal = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(112 << M)), 23 - M));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / static_cast<float>(1u << (14 + M))));
-    __m512 r = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(1 << M)), sub);
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    __m256i h;
     if (kSigned) {
-      const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-      r = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
+      h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 10 - M),
+                          _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
+    } else {
+      h = _mm256_slli_epi16(c, 10 - M);
     }
-    return {r};
+    return {_mm512_cvtph_ps(h)};
   }
   template <int M, bool kSigned>
   static void encode_fp8(uint8_t* out, VecAvx512 y) {

@@ -60,15 +60,12 @@ struct VecNeon {
     vst1q_f32(lanes, y.v);
     for (int k = 0; k < 4; ++k) out[k] = encode_q8_one(lanes[k], m);
   }
+  // Decoding through the fp16 that holds the code (fp8_as_f16, vec_scalar.h): FCVTL widens it exactly.
   template <int M, bool kSigned>
   static VecNeon decode_fp8(const uint8_t* codes) {
-    const uint32x4_t c = {codes[0], codes[1], codes[2], codes[3]};
-    const uint32x4_t mag = kSigned ? vandq_u32(c, vdupq_n_u32(0x7F)) : c;
-    const float32x4_t normal = vreinterpretq_f32_u32(vshlq_n_u32(vaddq_u32(mag, vdupq_n_u32(112u << M)), 23 - M));
-    const float32x4_t sub = vmulq_n_f32(vcvtq_f32_u32(mag), 1.0f / static_cast<float>(1u << (14 + M)));
-    float32x4_t r = vbslq_f32(vcltq_u32(mag, vdupq_n_u32(1u << M)), sub, normal);
-    if (kSigned) r = vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(r), vshlq_n_u32(vandq_u32(c, vdupq_n_u32(0x80)), 24)));
-    return {r};
+    const uint16x4_t h = {fp8_as_f16<M, kSigned>(codes[0]), fp8_as_f16<M, kSigned>(codes[1]),
+                          fp8_as_f16<M, kSigned>(codes[2]), fp8_as_f16<M, kSigned>(codes[3])};
+    return {vcvt_f32_f16(vreinterpret_f16_u16(h))};
   }
   template <int M, bool kSigned>
   static void encode_fp8(uint8_t* out, VecNeon y) {

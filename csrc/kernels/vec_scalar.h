@@ -129,6 +129,16 @@ inline float fp8_magnitude(uint32_t c) {
                        : bits_float((c + (112u << M)) << (23 - M));
 }
 
+// The same value as an fp16: with 4 exponent bits, bias 15 and M mantissa bits, a code is an
+// fp16 whose exponent field's top bit is 0 and whose mantissa's low 10 - M bits are 0 (its
+// subnormals are fp16 subnormals), so the vector variants decode with the hardware's exact
+// fp16 -> fp32 conversion.
+template <int M, bool kSigned>
+inline uint16_t fp8_as_f16(uint8_t code) {
+  const uint32_t mag = kSigned ? code & 0x7Fu : code;
+  return static_cast<uint16_t>((mag << (10 - M)) | (kSigned ? (code & 0x80u) << 8 : 0u));
+}
+
 template <int M, bool kSigned>
 inline float decode_fp8_one(uint8_t code) {
   const float mag = fp8_magnitude<M>(kSigned ? code & 0x7Fu : code);

@@ -51,10 +51,11 @@ sqrt(v) (0, 2**-18, ..., top 1.9375). A block is scaled to the map's top instead
   largest code; the sign in bit 7 when ``y < 0`` (signed map).
 - Dequantization: ``value = table[code] * fp32(scale / top)``.
 
-Encoding and decoding are integer arithmetic, no table: the fused step takes 0.4-0.8x the
-dynamic maps' time (Xeon, 2 threads: ``tierstate bench step --variants ...`` and
-``python -m tierstate.bench.quant_step``, docs/compressed_state.md). The steps
-between neighbouring codes are 6.25-12.5 % of the value for exp_avg (3.1-6.25 % for
+Encoding is integer arithmetic and decoding the exact widening of the fp16 that holds the
+code (4 exponent bits and bias 15 are fp16's layout with the top exponent bit 0), no table:
+the fused step takes 0.4-0.8x the dynamic maps' time (Xeon, 2 threads: ``tierstate bench
+step --variants ...`` and ``python -m tierstate.bench.quant_step``, docs/compressed_state.md).
+The steps between neighbouring codes are 6.25-12.5 % of the value for exp_avg (3.1-6.25 % for
 sqrt(v)) across 15 binades below the top, where the dynamic maps give 0.7-14 % in their top
 decade and coarser below. On the moments of the demo GPT after 300 AdamW steps (the table
 below, here with eps = 1e-8 and no bias correction) the Adam update m / (sqrt(v) + eps) is
