@@ -85,9 +85,9 @@ double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale);
 // 8-bit floats (4 exponent bits, bias 15, subnormals, no inf/NaN), encoded by integer
 // arithmetic on the fp32 bits (~5 cycles per 16 values on AVX-512, against ~24 for the two
 // dependent gathers of the table encoder above; a Xeon, one core, values in L1) and decoded
-// by widening the fp16 that holds the code (vec_scalar.h: fp8_as_f16). A block is scaled so that its absmax meets the map's top value
-// (`top`: 1 for the table maps, the largest fp8 value otherwise): y = x * (top / absmax),
-// value = code's value * (absmax / top).
+// by widening the fp16 that holds the code (vec_scalar.h: fp8_as_f16). A block is scaled so
+// that its absmax meets the map's top value (`top`: 1 for the table maps, the largest fp8
+// value otherwise): y = x * (top / absmax), value = code's value * (absmax / top).
 struct QuantMapRef {
   const float* table;
   const float* thresholds;

@@ -114,8 +114,8 @@ class OffloadAccess:
         if mismatch:
             raise ValueError(f"{file}: parameter {index}'s state is {mismatch}, this optimizer keeps "
                              f"{sorted(ours.items())}; load the checkpoint into an optimizer with its Offload("
-                             "moment_dtype=..., master_dtype=..., quant_block=..., quant_map=...) and move the state with "
-                             "opt.load_state_dict(other.state_dict()), which converts it (with a warning)")
+                             "moment_dtype=..., master_dtype=..., quant_block=..., quant_map=...) and move the "
+                             "state with opt.load_state_dict(other.state_dict()), which converts it (with a warning)")
 
     def read_state(self, index: int, key: str, piece_numel: int) -> Iterator[Tensor]:
         """The flat state ``key`` of parameter ``index`` as uint8 byte pieces, in order."""

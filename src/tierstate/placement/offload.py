@@ -174,7 +174,8 @@ class Offload:
         if isinstance(qb, bool) or not isinstance(qb, int) or not lo <= qb <= hi or qb & (qb - 1):
             raise ValueError(f"Offload(quant_block={qb!r}): must be a power of two in [{lo}, {hi}], e.g. 256")
         if self.quant_map not in QUANT_MAPS:
-            raise ValueError(f"Offload(quant_map={self.quant_map!r}): must be one of {', '.join(map(repr, QUANT_MAPS))}")
+            raise ValueError(f"Offload(quant_map={self.quant_map!r}): must be one of "
+                             f"{', '.join(map(repr, QUANT_MAPS))}")
         if self.quant_map != DEFAULT_QUANT_MAP and self.moment_dtype != Q8:
             raise ValueError(f"Offload(quant_map={self.quant_map!r}, moment_dtype={self.moment_dtype!r}): the maps "
                              "are those of 8-bit moments; add moment_dtype='q8'")
