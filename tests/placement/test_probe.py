@@ -46,6 +46,15 @@ def test_profile_roundtrip_and_the_planner_reads_it(quick_profile, tmp_path):
     m = quick_profile["measurements"]
     assert hw.step_params_per_s == m["optimizer_step"]["best"]
     assert hw.disk_read == m["nvme"][0]["read_bytes_per_s"]
+    by_maps = m["compressed_step"]["by_maps"]
+    assert set(by_maps) == {"dynamic", "fp8"} and all(r > 0 for r in by_maps.values())
+    assert hw.compressed_rate("fp8") == by_maps["fp8"] and hw.compressed_rate("dynamic") == by_maps["dynamic"]
+    # a profile saved before the 8-bit rates were probed: the conservative rates, scaled by how
+    # much faster this machine's fp32 step is than the conservative one
+    del loaded["measurements"]["compressed_step"]
+    old = Hardware.from_profile(loaded, source="test")
+    scale = hw.step_params_per_s / Hardware.conservative().step_params_per_s
+    assert old.compressed_rate("fp8") == pytest.approx(Hardware.conservative().compressed_rate("fp8") * scale)
 
 
 def test_default_path_honours_the_environment(monkeypatch, tmp_path):

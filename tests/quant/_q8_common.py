@@ -24,12 +24,13 @@ def train(opt, params, steps: int, seed: int = 0) -> None:
         opt.step()
 
 
-def q8_offload(nvme_dir, master: str, nvme: float, block: int = 256) -> "ts.Offload":
-    """8-bit moments with ``master`` ("fp32", "bf16_kahan", "bf16_sr"), ``nvme`` of the state on
-    NVMe under ``nvme_dir`` and the rest in RAM, small sub-groups so every tier holds several."""
+def q8_offload(nvme_dir, master: str, nvme: float, block: int = 256, maps: str = "dynamic") -> "ts.Offload":
+    """8-bit moments in the ``maps`` family with ``master`` ("fp32", "bf16_kahan", "bf16_sr"),
+    ``nvme`` of the state on NVMe under ``nvme_dir`` and the rest in RAM, small sub-groups so
+    every tier holds several."""
     return ts.Offload(cpu=1 - nvme, nvme=nvme, nvme_dir=str(nvme_dir), moment_dtype="q8",
                       master_dtype=torch.float32 if master == "fp32" else master, quant_block=block,
-                      subgroup_numel=2048)
+                      subgroup_numel=2048, quant_map=maps)
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

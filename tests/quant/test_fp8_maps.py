@@ -182,3 +182,27 @@ def test_the_planner_prices_and_carries_the_maps(tmp_path):
                        env={**os.environ, "TIERSTATE_PROFILE": str(tmp_path / "none.json")})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "exp_avg.fp8" in json.loads(r.stdout)["state_bytes_per_param"], r.stdout[:2000]
+
+
+def test_the_cost_model_prices_8bit_updates_by_their_probed_rate():
+    """The 8-bit kernels are compute-bound: the CPU update of compressed state takes the
+    longer of its bytes at the fp32 kernel's rate and the probed rate of its own fused step."""
+    from dataclasses import replace
+
+    from tierstate.placement.cost_model import predict_time
+    from tierstate.placement.plan_inputs import Placement
+
+    model = from_param_numels([10_000_000] * 10)
+    kw = dict(device="cpu", param_dtype="bf16", state_keys=("exp_avg", "exp_avg_sq"), moment_dtype="q8")
+    hw = replace(Hardware.conservative(), step_params_per_s=1.7e9,
+                 compressed_params_per_s=(("dynamic", 0.78e9), ("fp8", 1.55e9)))
+    all_cpu = Placement(gpu=0.0, cpu=1.0, nvme=0.0)
+    dyn = predict_time(PlanRequest(model, **kw), all_cpu, hw).cpu_update
+    fp8 = predict_time(PlanRequest(model, quant_map="fp8", **kw), all_cpu, hw).cpu_update
+    assert dyn == pytest.approx(100e6 / 0.78e9) and fp8 == pytest.approx(100e6 / 1.55e9)
+    # a rate faster than the bytes allow does not make the update faster than its traffic
+    fast = replace(hw, compressed_params_per_s=(("dynamic", 100e9), ("fp8", 100e9)))
+    by_bytes = PlanRequest(model, **kw).update_bytes_per_param() * 100e6 / (1.7e9 * 28)
+    assert predict_time(PlanRequest(model, **kw), all_cpu, fast).cpu_update == pytest.approx(by_bytes)
+    full = predict_time(PlanRequest(model, **{**kw, "moment_dtype": "fp32"}), all_cpu, hw).cpu_update
+    assert full == pytest.approx(28 * 100e6 / (1.7e9 * 28))  # fp32 state: its bytes, unchanged

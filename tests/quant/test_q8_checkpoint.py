@@ -83,21 +83,23 @@ def test_damaged_manifest_part_is_refused(tmp_path):
     q.close()
 
 
-def test_mmap_state_dict_and_dcp_round_trip(tmp_path):
+@pytest.mark.parametrize("maps", Q.MAP_FAMILIES)
+def test_mmap_state_dict_and_dcp_round_trip(maps, tmp_path):
     """A file-backed state dict of NVMe compressed state (per-block scales included) equals
-    state_dict(), and DCP saves and loads it back byte for byte."""
+    state_dict(), and DCP saves and loads it back byte for byte, in both map families."""
     import torch.distributed.checkpoint as dcp
 
     from tierstate.checkpoint import mmap_state_dict
 
     params = _params()
-    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path / "n", "bf16_sr", 1.0))
+    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path / "n", "bf16_sr", 1.0, maps=maps))
     _train(opt, params, 2)
     sd = opt.state_dict()
     mapped = mmap_state_dict(opt, tmp_path / "scratch")
     for i in sd["state"]:
         for key, value in sd["state"][i].items():
             assert torch.equal(value, mapped["state"][i][key]), (i, key)
+    assert f"exp_avg.{Q.CODES_PART[maps]}" in sd["state"][0]
     dcp.save(sd, checkpoint_id=str(tmp_path / "dcp"))
     target = mmap_state_dict(opt, tmp_path / "scratch2", host_views=False)
     for st in target["state"].values():

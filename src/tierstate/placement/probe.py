@@ -7,6 +7,10 @@ What it measures (each entry of the profile names its method and units):
 - ``optimizer_step``: :func:`tierstate.kernels.adam_update` (fp32 weight, grad and moments,
   28 B of traffic per parameter) on one large buffer, per kernel thread count, params/s;
 - ``grad_sumsq``: the gradient-norm pass of every step, params/s;
+- ``compressed_step``: the fused 8-bit step (:func:`tierstate.kernels.adam_q8_update`, fp32
+  master, bf16 gradient and weight out) of each map family at the best thread count,
+  params/s: compute-bound where the fp32 step is memory-bound, so the planner prices
+  compressed state by it rather than by its bytes;
 - ``host_matmul``: fp32 and bf16 matrix multiplication, FLOP/s (the compute estimate);
 - ``nvme``: for each ``--nvme-dir``: sequential write then read of one file with O_DIRECT
   (through :mod:`tierstate.io` when the native engine loads, else ``os.pwrite``/``os.preadv``
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -304,6 +309,7 @@ def measure_optimizer_step(numel: int, reps: int) -> dict:
         # and a quarter of the working set may fit in cache
         arrays = (w, g, m, v)
         sumsq = _rate(len(arrays) * numel, _timed(lambda: [kernels.grad_sumsq(a) for a in arrays], reps))
+        compressed = measure_compressed_step(w, g, reps)
     finally:
         kernels.set_num_threads(prev_kernel)
         torch.set_num_threads(prev_torch)
@@ -315,7 +321,30 @@ def measure_optimizer_step(numel: int, reps: int) -> dict:
                            "best": by_threads[best_t]["median"]},
         "grad_sumsq": {"method": f"tierstate.kernels.grad_sumsq on 4 x {numel:,} fp32 elements, {best_t} threads",
                        "units": "params/s", "best": sumsq["median"], "stats": sumsq},
+        "compressed_step": {"method": f"tierstate.kernels.adam_q8_update (AdamW, fp32 master, bf16 grad and weight "
+                                      f"out, block 256) on {numel:,} elements, {best_t} threads; per map family",
+                            "units": "params/s", "bytes_per_param": 16.03125,
+                            "by_maps": {k: r["median"] for k, r in compressed.items()}, "stats": compressed},
     }
+
+
+def measure_compressed_step(weight, grad, reps: int) -> dict:
+    """params/s of the fused 8-bit AdamW step of each map family over ``weight``'s elements
+    (fp32 master, ``grad`` as bf16), at the kernels' current thread count."""
+    import torch
+    from tierstate import kernels
+    from tierstate.kernels import quant
+
+    g16 = grad.bfloat16()
+    out = torch.empty(weight.numel(), dtype=torch.bfloat16)
+    rates = {}
+    for maps in quant.MAP_FAMILIES:
+        config = quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, "fp32", maps)
+        rates[maps] = _rate(weight.numel(), _timed(partial(
+            kernels.adam_q8_update, config.init_state(weight), g16, out, config=config, lr=1e-4, beta1=0.9,
+            beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, bias_correction1=0.1,
+            bias_correction2=0.001), reps))
+    return rates
 
 
 def measure_host_matmul(size: int, reps: int) -> dict:
@@ -528,6 +557,8 @@ def _summary_rows(profile: dict) -> list[tuple[str, str]]:
     for t, r in step["by_threads"].items():
         rows.append((f"AdamW step, {t} thread(s)", f"{r['median'] / 1e9:.2f} Gparam/s ({step['impl']})"))
     rows.append(("gradient norm pass", f"{m['grad_sumsq']['best'] / 1e9:.2f} Gparam/s"))
+    for maps, rate in (m.get("compressed_step") or {}).get("by_maps", {}).items():
+        rows.append((f"AdamW step, 8-bit moments ({maps} maps)", f"{rate / 1e9:.2f} Gparam/s"))
     for dtype, r in m["host_matmul"]["by_dtype"].items():
         rows.append((f"CPU matmul {dtype}", f"{r['median'] / 1e9:.0f} GFLOP/s"))
     for d in m["nvme"]:
