@@ -92,7 +92,7 @@ def to_compressed(st: dict, config: Q.QuantConfig, keep_master: bool) -> dict:
     codes, scale = Q.quantize_ref(m.reshape(-1), config.m_map, config.block_size)
     out[config.codes_key("exp_avg")], out["exp_avg.scale"] = codes.view(shape), scale
     v = st["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
-    codes, scale = Q.quantize_ref(v.clamp_min(0).sqrt(), config.v_map, config.block_size)
+    codes, scale = Q.quantize_ref(Q.sqrt_exact(v.clamp_min(0)), config.v_map, config.block_size)
     out[config.codes_key("exp_avg_sq")], out["exp_avg_sq.scale"] = codes.view(shape), scale
     if keep_master and "master" in st:
         w = st["master"].detach().to("cpu", torch.float32).reshape(-1)
