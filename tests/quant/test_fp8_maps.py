@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tierstate as ts
-from _q8_common import assert_same_state_then_same_steps, make_params, raw_bytes
+from _q8_common import assert_same_state_then_same_steps, make_params, q8_offload, raw_bytes
 from _q8_common import train as _train
 from tierstate.checkpoint.compressed import StateFormatWarning
 from tierstate.kernels import quant as Q
@@ -66,8 +66,7 @@ def test_the_option_refuses_what_it_cannot_do():
 
 
 def _fp8_offload(folder, master="fp32", nvme=0.5, maps="fp8"):
-    return ts.Offload(cpu=1 - nvme, nvme=nvme, nvme_dir=str(folder), moment_dtype="q8", quant_map=maps,
-                      master_dtype=torch.float32 if master == "fp32" else master, subgroup_numel=2048)
+    return q8_offload(folder, master, nvme, maps=maps)
 
 
 @pytest.mark.parametrize("master", Q.MASTER_MODES)
