@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 
 #include "kernels/isa_table.h"
 
@@ -339,29 +338,8 @@ inline float max_nan_scalar(float a, float b) {
   return a > b ? a : b;
 }
 
-// A type with its own horizontal max (VecAvx512: a NaN test and one reduction) uses it;
-// the others go lane by lane.
-template <class W, class = void>
-struct HasReduceMaxNan : std::false_type {};
-template <class W>
-struct HasReduceMaxNan<W, std::void_t<decltype(W::reduce_max_nan(std::declval<W>()))>> : std::true_type {};
-
-template <class W, class = void>
-struct HasMaxAbsNan : std::false_type {};
-template <class W>
-struct HasMaxAbsNan<W, std::void_t<decltype(W::max_abs_nan(std::declval<W>(), std::declval<W>()))>>
-    : std::true_type {};
-
-// Lane by lane: NaN if acc or x is NaN, else max(acc, |x|); acc holds no negative values.
-template <class W>
-inline W max_abs_nan(W acc, W x) {
-  if constexpr (HasMaxAbsNan<W>::value) return W::max_abs_nan(acc, x);
-  else return W::max_nan(acc, W::abs(x));
-}
-
 template <class W>
 inline float reduce_max_nan(W x) {
-  if constexpr (HasReduceMaxNan<W>::value) return W::reduce_max_nan(x);
   float lanes[W::kWidth];
   W::store(lanes, x);
   float r = lanes[0];
@@ -449,8 +427,8 @@ inline void adam_q8_elements(const AdamQ8Task& t, const CM& m_codec, const CV& v
     }
     W::store(m_row + (i - b0), m);
     W::store(s_row + (i - b0), s);
-    am = max_abs_nan(am, m);
-    as = max_abs_nan(as, s);
+    am = W::max_nan(am, W::abs(m));
+    as = W::max_nan(as, s);
   }
   amax_m = max_nan_scalar(amax_m, reduce_max_nan(am));
   amax_s = max_nan_scalar(amax_s, reduce_max_nan(as));

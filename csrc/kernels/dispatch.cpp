@@ -259,8 +259,7 @@ void adam_q8_update(void* master, void* master_comp, const void* grad, uint8_t* 
   check_common(master, grad, n, grad_dtype, DType::kF32, out_dtype);
   check_quant(n, p.block_size, m_map, "exp_avg");
   check_quant(n, p.block_size, v_map, "exp_avg_sq");
-  if (m_map.fp8_mantissa_bits == 0 ? (!m_map.is_signed || v_map.is_signed || v_map.fp8_mantissa_bits != 0)
-                                   : (!m_map.is_signed || v_map.is_signed || v_map.fp8_mantissa_bits == 0))
+  if (!m_map.is_signed || v_map.is_signed || (m_map.fp8_mantissa_bits == 0) != (v_map.fp8_mantissa_bits == 0))
     throw std::invalid_argument("exp_avg needs the signed map and exp_avg_sq the unsigned map of one family "
                                 "(both table maps or both fp8 maps)");
   if (n > 0 && (m_codes == nullptr || m_scale == nullptr || v_codes == nullptr || v_scale == nullptr))

@@ -173,20 +173,6 @@ struct VecAvx512 {
     const __mmask16 unordered = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);
     return {_mm512_mask_add_ps(_mm512_max_ps(a.v, b.v), unordered, a.v, b.v)};
   }
-  // The horizontal max_nan (body.h): NaN when any lane is NaN (the block's scale is then
-  // NaN whatever the payload), else the largest lane. The lane-by-lane loop it replaces took
-  // ~7 cycles per 16 values of the fused 8-bit update (two reductions per block of 256).
-  static float reduce_max_nan(VecAvx512 a) {
-    if (_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q)) return __builtin_nanf("");
-    return _mm512_reduce_max_ps(a.v);
-  }
-  // max_abs_nan (body.h) as one integer max of the magnitudes' bits: every NaN's bits
-  // exceed +inf's, which exceed every finite value's, so a NaN lane stays NaN (1 op + the
-  // mask of |x|, against 3 for max_nan).
-  static VecAvx512 max_abs_nan(VecAvx512 acc, VecAvx512 x) {
-    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF));
-    return {_mm512_castsi512_ps(_mm512_max_epi32(_mm512_castps_si512(acc.v), mag))};
-  }
   static VecAvx512 sign(VecAvx512 a) {
     const __m512 zero = _mm512_setzero_ps();
     const __mmask16 pos = _mm512_cmp_ps_mask(a.v, zero, _CMP_GT_OQ);
