@@ -32,7 +32,8 @@ import torch
 from ..kernels import quant as Q
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-PART_SUFFIXES = (".codes", ".fp8", ".scale", ".comp")
+CODES_SUFFIXES = tuple(f".{part}" for part in Q.CODES_PART.values())  # ".codes", ".fp8": uint8 codes
+PART_SUFFIXES = (*CODES_SUFFIXES, ".scale", ".comp")
 
 
 class StateFormatWarning(UserWarning):

@@ -21,6 +21,7 @@ import json
 import math
 import re
 
+from .compressed import CODES_SUFFIXES, PART_SUFFIXES
 from .durable import CorruptCheckpointError
 from .format import DATA_ALIGNMENT, SHARD_PREFIX, SHARD_SUFFIX, Checksum, _DTYPE_TO_ST, dtype_name
 
@@ -34,10 +35,10 @@ _DTYPES = {dtype_name(d): d for d in _DTYPE_TO_ST}
 _HEX_LENGTH = {"crc32": 8, "sha256": 64}
 # a state key is torch's name, or a part of compressed state ("exp_avg.codes", "exp_avg.fp8",
 # "master.comp")
-_STATE_KEY = r"[A-Za-z_][A-Za-z0-9_]*(?:\.(?:codes|fp8|scale|comp))?"
+_STATE_KEY = rf"[A-Za-z_][A-Za-z0-9_]*(?:\.(?:{'|'.join(sfx[1:] for sfx in PART_SUFFIXES)}))?"
 _TENSOR_NAME = re.compile(rf"^(?:state\.(0|[1-9][0-9]*)\.({_STATE_KEY})|param\.(0|[1-9][0-9]*))$")
 # the integer parts of compressed state (tierstate.checkpoint.compressed); other state is floating point
-_PART_DTYPES = {".codes": "uint8", ".fp8": "uint8", ".comp": "int16"}
+_PART_DTYPES = {**{sfx: "uint8" for sfx in CODES_SUFFIXES}, ".comp": "int16"}
 
 
 def canonical_bytes(manifest: dict) -> bytes:
