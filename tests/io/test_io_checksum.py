@@ -111,3 +111,27 @@ def test_bad_arguments_name_the_fix():
         tio.crc32c(b"x", -1)
     with pytest.raises(TypeError, match="not a buffer"):
         tio.crc32c(12345)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_a_large_buffer_split_over_the_thread_pool_has_the_serial_crc(threads):
+    """From 2 MiB the default variant splits the buffer over the kernels' thread pool and joins
+    the parts (crc32c_combine); every split, odd length, unaligned start and continuation value
+    must give the one-thread CRC of the same bytes."""
+    import tierstate.io as tio
+    from tierstate.kernels import backend
+
+    serial = _isas()[0]  # a named variant never splits
+    data = torch.randint(0, 256, ((6 << 20) + 4099,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    before = backend.get_num_threads()
+    backend.set_num_threads(threads)
+    try:
+        for start, size in [(0, 2 << 20), (1, (2 << 20) - 1), (3, (2 << 20) + 1), (0, 3 << 20), (7, (6 << 20) + 61),
+                            (64, 5 << 20), (0, data.numel())]:
+            piece = data[start:start + size]
+            assert tio.crc32c(piece) == tio.crc32c(piece, isa=serial), (threads, start, size)
+            assert tio.crc32c(piece, 0x1234ABCD) == tio.crc32c(piece, 0x1234ABCD, isa=serial), (threads, start, size)
+        head, tail = data[:(3 << 20) + 5], data[(3 << 20) + 5:]
+        assert tio.crc32c(tail, tio.crc32c(head)) == tio.crc32c(data, isa="table")
+    finally:
+        backend.set_num_threads(before)

@@ -15,13 +15,31 @@ from typing import Any
 from .buffers import buffer_span
 from .engine import _require_native
 
+# From this size the native CRC splits a buffer over the kernels' thread pool (csrc/io/crc32c.cpp).
+_SPLIT_FROM = 2 << 20
+_pool_configured = False
+
+
+def _configure_pool() -> None:
+    """Give the kernels' thread pool its default size (TIERSTATE_NUM_THREADS or the
+    cores torch uses) before the first large CRC, which may come before any kernel call."""
+    global _pool_configured
+    from ..kernels import backend  # noqa: PLC0415 - the kernels load only when a CRC is split
+
+    backend.get_num_threads()
+    _pool_configured = True
+
 
 def crc32c(buf: Any, value: int = 0, *, isa: str | None = None) -> int:
     """The CRC-32C of ``buf`` (a CPU tensor, numpy array or buffer-protocol object),
-    continuing from ``value`` (the CRC of the bytes before it; 0 to start)."""
+    continuing from ``value`` (the CRC of the bytes before it; 0 to start). A buffer of
+    2 MiB or more is split over the kernels' threads (:func:`tierstate.kernels.set_num_threads`)
+    unless ``isa`` names a variant."""
     if not isinstance(value, int) or not 0 <= value < 2**32:
         raise ValueError(f"value={value!r}: expected the CRC-32C of the preceding bytes, an int in [0, 2**32)")
     address, nbytes, keepalive = buffer_span(buf, writable=False)
+    if not isa and nbytes >= _SPLIT_FROM and not _pool_configured:
+        _configure_pool()
     try:
         return _require_native().io_crc32c(address, nbytes, value, isa or "")
     finally:
