@@ -1,14 +1,15 @@
 """The capacity case: a Llama-shaped model larger than RAM trains with its weights and its
 optimizer state on NVMe.
 
-    python benchmarks/capacity.py --size 7b --dir /mnt/nvme/cap --steps 3 --seq 64
+    python benchmarks/capacity.py --size 7b --dir /mnt/nvme/cap --steps 3 --seq 64 [--moment-dtype q8]
 
 What runs: a transformers ``LlamaForCausalLM`` built under ``with torch.device("meta")`` (no
 memory), its decoder layers given to ``ts.offload_weights(model, "nvme", init=model._init_weights)``
 (each layer materialized, initialized, written to the NVMe home and released in turn: the
 model is never whole in RAM), in fp32, so the home holds the only copy of each weight (4 B per
 parameter) and the optimizer keeps no master; then ``ts.AdamW`` with bf16 moments on NVMe
-(4 B per parameter) and ``step_in_backward=True``, so a layer's gradients are applied and
+(4 B per parameter; ``--moment-dtype q8``: 8-bit codes and a scale per 256 elements, 2.03 B)
+and ``step_in_backward=True``, so a layer's gradients are applied and
 dropped as its backward ends. Batch 1 x ``--seq`` tokens of random ids. ``--host-allocator
 retain`` keeps freed host memory in the heap (:mod:`tierstate.host_allocator`), so the 808 MB of
 fp32 gradients a 7B layer makes each step are not mapped and faulted in afresh; it is off by
@@ -21,8 +22,8 @@ of a step next to it: max(disk bytes / disk bandwidth, compute), where the bandw
 ``tierstate bench io`` on the same folder and the compute is the forward + backward of one
 resident decoder layer times the layer count, plus the resident head and embedding.
 
-Disk needed: 8 B per parameter (53.9 GB for 7B; the bandwidth test's 1 GiB file is removed
-before the model is written); the script checks the free space first. Both folders are removed at the end.
+Disk needed: 8 B per parameter (53.9 GB for 7B; with ``--moment-dtype q8`` 6.03 B, 40.6 GB;
+the bandwidth test's 1 GiB file is removed before the model is written); the script checks the free space first. Both folders are removed at the end.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ SIZES = {  # Llama-2 shapes (7b is Llama-2-7B's: 6.74e9 parameters), and smaller
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, vocab_size=32000),
 }
 GIB = 2**30
-# Bytes per parameter on disk: the fp32 weights (the only copy) + two bf16 moments.
-DISK_PER_PARAM = 4 + 2 * 2
+# Bytes per parameter on disk: the fp32 weights (the only copy) + the two moments: bf16, or
+# 8-bit codes with an fp32 scale per 256-element block (Offload(moment_dtype="q8")).
+MOMENT_BYTES = {"bf16": 2 * 2, "q8": 2 * (1 + 4 / 256)}
 BENCH_IO_BYTES = 1 << 30
 
 
@@ -68,6 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(tierstate.host_allocator), 'system' gives it back (default system: with "
                         "retain the 7B case's heap grew to 19 GB while writing the layers and was "
                         "killed for memory)")
+    p.add_argument("--moment-dtype", choices=sorted(MOMENT_BYTES), default="bf16",
+                   help="how the AdamW moments are stored on NVMe: bf16 (default) or q8, 8-bit codes with a "
+                        "scale per 256 elements (Offload(moment_dtype='q8'), docs/compressed_state.md): half "
+                        "the moment bytes read and written each step")
+    p.add_argument("--quant-map", choices=("dynamic", "fp8"), default="fp8",
+                   help="the 8-bit code family with --moment-dtype q8 (default fp8: the faster host kernel)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this file")
     p.add_argument("--no-bench-io", action="store_true", help="skip the disk bandwidth test (no floor then)")
     args = p.parse_args(argv)
@@ -243,19 +251,24 @@ def main(argv=None) -> int:
     n_params = param_count(cfg)
     args.dir.mkdir(parents=True, exist_ok=True)
     # the disk test's file is removed before the model is written: the larger of the two
-    need = max(n_params * DISK_PER_PARAM, 0 if args.no_bench_io else BENCH_IO_BYTES)
+    per_param = 4 + MOMENT_BYTES[args.moment_dtype]
+    need = max(int(n_params * per_param), 0 if args.no_bench_io else BENCH_IO_BYTES)
     free = shutil.disk_usage(args.dir).free
     if free < need * 1.02:
         print(f"--dir {args.dir}: {free / 1e9:.1f} GB free, the {args.size} case needs {need / 1e9:.1f} GB "
-              f"({n_params / 1e9:.2f} B parameters x {DISK_PER_PARAM} B: fp32 weights + two bf16 moments); "
+              f"({n_params / 1e9:.2f} B parameters x {per_param:.2f} B: fp32 weights + two {args.moment_dtype} "
+              "moments); "
               "free space or pick a smaller --size", file=sys.stderr)
         return 2
     wdir, sdir = args.dir / "weights", args.dir / "state"
     report: dict = {"size": args.size, "params": n_params, "seq": args.seq, "batch": 1, "steps": args.steps,
+                    "moment_dtype": args.moment_dtype,
+                    "quant_map": args.quant_map if args.moment_dtype == "q8" else None,
                     "dir": str(args.dir), "disk_free_before_gb": free / 1e9,
                     "torch_threads": torch.get_num_threads(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     print(f"capacity case: Llama {args.size}, {n_params / 1e9:.2f} B parameters, fp32 weights on NVMe "
-          f"({n_params * 4 / 1e9:.1f} GB) + bf16 AdamW moments on NVMe ({n_params * 4 / 1e9:.1f} GB), "
+          f"({n_params * 4 / 1e9:.1f} GB) + {args.moment_dtype} AdamW moments on NVMe "
+          f"({n_params * MOMENT_BYTES[args.moment_dtype] / 1e9:.1f} GB), "
           f"batch 1 x {args.seq}, {torch.get_num_threads()} threads, under {args.dir}")
     if args.host_allocator == "retain":
         ts.host_allocator.retain_freed_memory()
@@ -298,7 +311,9 @@ def main(argv=None) -> int:
             raise RuntimeError(f"rotary inv_freq was not initialized by init: {inv[:4]}")
         pool = {k: v for k, v in (("subgroup_numel", args.subgroup_numel), ("buffer_count", args.buffer_count))
                 if v is not None}
-        offload = ts.Offload(nvme=1.0, moment_dtype=torch.bfloat16, nvme_dir=sdir,
+        moments = {"bf16": dict(moment_dtype=torch.bfloat16),
+                   "q8": dict(moment_dtype="q8", quant_map=args.quant_map)}[args.moment_dtype]
+        offload = ts.Offload(nvme=1.0, nvme_dir=sdir, **moments,
                              host_allocator=args.host_allocator, **pool)
         report["offload"] = repr(offload)
         opt = ts.AdamW(model.parameters(), lr=1e-5, step_in_backward=True, offload=offload)

@@ -26,15 +26,20 @@ def test_parameter_count_is_the_models(size):
         assert capacity.param_count(cfg) >= 6.7e9  # Llama-2-7B's 6.74e9
 
 
-def test_a_tiny_run_reports_its_figures_and_removes_its_folders(tmp_path):
+@pytest.mark.parametrize("moments,record_bytes", [("bf16", 4.0), ("q8", 2 * (1 + 4 / 256))])
+def test_a_tiny_run_reports_its_figures_and_removes_its_folders(tmp_path, moments, record_bytes):
     out = tmp_path / "r.json"
     work = tmp_path / "cap"
     r = subprocess.run([sys.executable, str(BENCHMARKS / "capacity.py"), "--size", "tiny", "--dir", str(work),
-                        "--steps", "2", "--seq", "16", "--no-bench-io", "--json", str(out)],
+                        "--steps", "2", "--seq", "16", "--no-bench-io", "--moment-dtype", moments, "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert [s["step"] for s in rep["steps"]] == [1, 2]
+    # the moments are stored as asked (the weights are their own fp32 master: no master bytes)
+    assert rep["moment_dtype"] == moments
+    gauges = rep["steps"][-1]["optimizer"]["gauges"]
+    assert gauges["nvme_record_bytes_per_param"] == pytest.approx(record_bytes, rel=5e-3)  # + records' alignment
     assert all(math.isfinite(s["loss"]) for s in rep["steps"])
     # the weights really streamed from the NVMe home: every layer fetched forward and backward
     assert rep["streamer"]["blocks"] == 4 and rep["streamer"]["materializations"] == 2 * 2 * 4

@@ -117,7 +117,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
     master_on_device = any(by_trainable[t].needs_master for t in heads)
     tiers = make_tiers(layout, dtypes, inits, offload, device, master_on_device=master_on_device, telemetry=telemetry,
-                       units=units)
+                       units=units, blocks=streamed_block_subgroups(layout, trainable) if step_in_backward else ())
     store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]), quant=quant,
                        sr_seed=offload.sr_seed)
     grads = None
@@ -133,6 +133,18 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
         store.close()
         raise
     return Parts(device, store, trainable, shards, heads, grads, weights, generation)
+
+
+def streamed_block_subgroups(layout, trainable: list) -> list[set[int]]:
+    """Per block of streamed weights, the sub-groups its parameters span: what one block's
+    gradients complete during backward (empty when no weight streams)."""
+    spans: dict[tuple[int, int], set[int]] = {}
+    for t, p in enumerate(trainable):
+        handle = weights_of(p)
+        if handle is not None:
+            spans.setdefault((id(handle.streamer), handle.block), set()).update(
+                seg.subgroup for seg in layout.segments_of(t))
+    return list(spans.values())
 
 
 def check_compressed(offload: Offload, rule, param_groups: list, trainable: list):

@@ -204,7 +204,7 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
                          "tierstate.Offload(...) explicitly, or free memory/disk.") from exc
     offload = offload_from_plan(plan)
     _log.info(
-        "tierstate: offload='auto' chose Offload(gpu=%.3g, cpu=%.3g, nvme=%.3g, subgroup_numel=%s, buffer_count=%d) "
+        "tierstate: offload='auto' chose Offload(gpu=%.3g, cpu=%.3g, nvme=%.3g, subgroup_numel=%s, buffer_count=%s) "
         "for %s params: "
         "%s. Budgets: host %s "
         "(%.0f%% of %s available + %s already held by the parameters), disk %s free under %s, device %s. Predicted "

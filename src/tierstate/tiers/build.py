@@ -1,7 +1,7 @@
 """make_tiers: the tiers a layout needs, one per kind with elements, each made by its own class."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -12,13 +12,15 @@ from .host import HostTier
 
 def make_tiers(layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float], offload: Offload,
                device: torch.device, *, master_on_device: bool, telemetry,
-               units: Mapping[str, int] | None = None) -> dict:
+               units: Mapping[str, int] | None = None, blocks: Sequence[set[int]] = ()) -> dict:
     """``{kind: tier}`` for every kind the layout gives elements to.
 
     ``master_on_device``: whether a parameter in the device range keeps an fp32 master there
     (an fp32 parameter wholly on the device is its own master, as in torch, so the device
     tier then holds no master arena). Host arenas are pinned for a CUDA device. ``units``:
     state key -> elements per stored item (a compressed moment's block scale).
+    ``blocks``: per block of streamed weights, the sub-group indices its gradients complete
+    during backward (sizes the NVMe tier's read-ahead; empty when no update runs in backward).
     """
     pin = offload.pin_memory and device.type == "cuda"
     tiers: dict = {}
@@ -30,7 +32,9 @@ def make_tiers(layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping
     if layout.tier_numel[TierKind.NVME] > 0:
         from .nvme import NvmeTier  # noqa: PLC0415 - the NVMe tier loads the I/O engine
 
-        tiers[TierKind.NVME] = NvmeTier(layout, dtypes, inits, offload, telemetry=telemetry, units=units)
+        own = {sg.index for sg in layout.subgroups if sg.tier is TierKind.NVME}
+        tiers[TierKind.NVME] = NvmeTier(layout, dtypes, inits, offload, telemetry=telemetry, units=units,
+                                        block_records=max((len(b & own) for b in blocks), default=0))
         for folder in offload.nvme_dirs:  # warn when a drive of the tier nearly fills up
             if folder.is_dir():
                 telemetry.watch_disk(folder)

@@ -40,6 +40,15 @@ for the whole plan would cycle every record through the disk each step (GPT-2 12
 records, B = 16: 28 each way per step, against 14 for the plain step); with the window,
 the middle of the plan stays cached and a step moves ``S - B + W`` records each way (18),
 all of it during forward and backward.
+
+Weights streamed per block (:func:`tierstate.offload_weights`) change the shape of the
+plan: a block's gradients complete all its records within that block's backward, a burst
+of ``R`` records (48 for a Llama-2-7B layer at 4 Mi elements) that a 4-record window cannot
+stay ahead of. With ``R`` given (``block_records``) the window is ``min(B // 2, R)`` and the
+default pool ``16 + 2R`` (:meth:`tierstate.Offload.buffer_count_for`): one block's records
+are read while the previous block's are updated, and the rest of the pool still caches the
+end of the plan. On the 7B capacity case (2-vCPU Xeon VM, one virtio disk) the optimizer's
+waits for its records fell from 17-23 s a step to 9.5-11 s and the step from 62-65 s to 47-49 s.
 """
 from __future__ import annotations
 
@@ -92,6 +101,9 @@ class NvmeTier:
         telemetry: where I/O time and bytes are booked (optional).
         units: state key -> elements per stored item, for keys stored per block (the scales
             of compressed state); ``read_range``/``write_range`` count those keys in items.
+        block_records: the most records one block of streamed weights completes at once when
+            the update runs during backward (0: none), which sizes the read-ahead window and
+            the default pool (see [Note: a plan in a fixed order]).
         pin_memory: page-lock the pool (CUDA runs); default ``offload.pin_memory`` when
             CUDA is available.
     """
@@ -104,7 +116,7 @@ class NvmeTier:
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
                  offload: Offload, telemetry=None, pin_memory: bool | None = None,
-                 units: Mapping[str, int] | None = None) -> None:
+                 units: Mapping[str, int] | None = None, block_records: int = 0) -> None:
         self.layout = layout
         self.subgroups = [sg for sg in layout.subgroups if sg.tier is TierKind.NVME]
         if not self.subgroups:
@@ -129,7 +141,7 @@ class NvmeTier:
                 pin_memory = offload.pin_memory and torch.cuda.is_available()
             self.pin_memory = bool(pin_memory)
             # more buffers than records would hold nothing; two keep one updating while one moves
-            pool_size = min(offload.buffer_count, max(2, len(self.subgroups)))
+            pool_size = min(offload.buffer_count_for(block_records), max(2, len(self.subgroups)))
             memories = [self._allocate(self.record_nbytes) for _ in range(pool_size)]
             self._io = Pool(memories, self._res.files, self._where, self._ledger, telemetry)
             self._pool = self._io.buffers
@@ -143,7 +155,8 @@ class NvmeTier:
         self._plan_pos = 0
         self._evict_needed = False  # the plan lets read-ahead evict records it needs later
         # ... but only to fill this many plan positions ahead (see [Note: a plan in a fixed order])
-        self._evict_window = max(1, min(4, len(self._pool) // 4))
+        self._evict_window = max(1, min(len(self._pool) // 2, block_records) if block_records
+                                 else min(4, len(self._pool) // 4))
         self._tick = 0
 
     # -- construction ------------------------------------------------------------------------

@@ -41,7 +41,8 @@ an update. The CRC runs without the GIL, in the variant chosen at run time
 core, the ``crc32`` instruction 11), called from the thread that calls into the tier: a
 write's when it is queued (the bytes the record must read back as), a read's when its
 completion is collected. A record of 2 MiB or more is split over the kernels' threads,
-which are idle then (one core reads DRAM at ~15 GB/s; two did 28-33 GB/s on the Xeon VM). It costs one more pass over every record moved, which competes
+which are idle then (one core reads DRAM at ~15 GB/s; two did 28-33 GB/s on the Xeon VM).
+It costs one more pass over every record moved, which competes
 with the update kernels for memory bandwidth: +2 % step time at 400M parameters and
 +5 % at 100M (``tierstate bench step --offload nvme``, benchmarks/README.md).
 """
