@@ -247,8 +247,9 @@ def predict_time(req: PlanRequest, placement: Placement, hw: Hardware) -> StepTi
     kernel_rate = hw.step_params_per_s * ADAM_KERNEL_BYTES  # bytes/s of the measured kernel
     per_param = req.update_bytes_per_param()
     seconds_per_param = per_param / kernel_rate
-    if req.moment_dtype == "q8" and hw.compressed_rate(req.quant_map) > 0:
-        seconds_per_param = max(seconds_per_param, 1.0 / hw.compressed_rate(req.quant_map))
+    compressed_rate = hw.compressed_rate(req.quant_map) if req.moment_dtype == "q8" else 0.0
+    if compressed_rate > 0:
+        seconds_per_param = max(seconds_per_param, 1.0 / compressed_rate)
     cpu_host = n_host * seconds_per_param
     cpu_nvme = n_nvme * seconds_per_param
     grad_pass = (n_host + n_nvme) * pb / (hw.sumsq_params_per_s * 4)
