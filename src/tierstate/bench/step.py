@@ -25,9 +25,9 @@ phase (on shared VMs it can move by ~1.7x within seconds), reported as medians:
 
 Compressed state (``docs/compressed_state.md``), not run unless named in ``--variants``:
 
-- ``native-q8``         8-bit moments in the dynamic maps, fp32 master: 16.03 B/param
-- ``native-fp8``        8-bit moments in the fp8 maps, fp32 master: 16.03 B/param
-- ``native-fp8-sr``     the fp8 maps with a stochastically rounded bf16 master: 12.03 B/param
+- ``native-q8``         8-bit moments in the dynamic maps, fp32 master: 16.06 B/param
+- ``native-fp8``        8-bit moments in the fp8 maps, fp32 master: 16.06 B/param
+- ``native-fp8-sr``     the fp8 maps with a stochastically rounded bf16 master: 12.06 B/param
 
 Besides "x floor" (time over the floor row's), each row reports "x own floor": its time
 over the floor of its own bytes, floor time * B/param / 28, so a layout that moves fewer
@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import kernels
+from ..kernels import quant
 from . import step_nvme
 from ._timing import JSON_STDOUT, counts_arg, emit_json, interleave
 
@@ -74,8 +75,9 @@ COMPRESSED_VARIANTS = {"native-q8": ("dynamic", "fp32"), "native-fp8": ("fp8", "
                        "native-fp8-sr": ("fp8", "bf16_sr")}
 BYTES_PER_PARAM = {"native": 28, "native-bf16-moments": 20, "torch-fused+casts": 40,
                    "torch-foreach+casts": 40, "deepspeed+copy": 40, "floor": 28,
-                   # grad 2 + master 4 (2 for bf16_sr) each way + codes 1 + 1 + scales 8/256 each way + weight 2
-                   "native-q8": 16.03125, "native-fp8": 16.03125, "native-fp8-sr": 12.03125}
+                   # bf16 grad in, codes + scales + master read and written, bf16 weight out
+                   **{name: quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, master, maps).step_bytes_per_param()
+                      for name, (maps, master) in COMPRESSED_VARIANTS.items()}}
 
 
 @dataclass

@@ -190,6 +190,12 @@ class QuantConfig:
         master = {"fp32": 4, "bf16_kahan": 4, "bf16_sr": 2}[self.master]
         return 2 + 8 / self.block_size + master
 
+    def step_bytes_per_param(self, grad_bytes: int = 2, out_bytes: int = 2) -> float:
+        """Memory traffic of one fused update of one element: the gradient read, the state
+        (codes, scales, master) read and written, the rounded weight written; 16.0625 for an
+        fp32 master, a bf16 gradient and a bf16 weight out."""
+        return grad_bytes + 2 * self.bytes_per_param() + out_bytes
+
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         """Fresh state for the fp32 ``weight``: zero moments, the master from the weight."""
         if not isinstance(weight, Tensor) or weight.dtype != torch.float32:

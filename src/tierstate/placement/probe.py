@@ -162,6 +162,7 @@ def measure_optimizer_step(numel: int, reps: int) -> dict:
     elements per array; size it with :func:`beyond_cache_numel` to measure memory, not cache."""
     import torch
     from tierstate import kernels
+    from tierstate.kernels import quant
 
     w, g = torch.randn(numel), torch.randn(numel) * 1e-3
     m, v = torch.zeros(numel), torch.zeros(numel)
@@ -197,7 +198,8 @@ def measure_optimizer_step(numel: int, reps: int) -> dict:
                        "units": "params/s", "best": sumsq["median"], "stats": sumsq},
         "compressed_step": {"method": f"tierstate.kernels.adam_q8_update (AdamW, fp32 master, bf16 grad and weight "
                                       f"out, block 256) on {numel:,} elements, {best_t} threads; per map family",
-                            "units": "params/s", "bytes_per_param": 16.03125,
+                            "units": "params/s",
+                            "bytes_per_param": quant.QuantConfig().step_bytes_per_param(),  # either family
                             "by_maps": {k: r["median"] for k, r in compressed.items()}, "stats": compressed},
     }
 
