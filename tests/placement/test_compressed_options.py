@@ -51,8 +51,16 @@ def test_bytes_per_element_table():
     assert sum(state_bytes_per_element("q8", "bf16_kahan", 256).values()) == 6.03125
     assert sum(state_bytes_per_element("q8", "bf16_sr", 256).values()) == 4.03125
     assert sum(state_bytes_per_element("q8", "fp32", 256, needs_master=False).values()) == 2.03125
-    # a 16-bit master is kept even where an fp32 parameter would be its own master
-    assert state_bytes_per_element("q8", "bf16_sr", 256, needs_master=False)["master"] == 2.0
+    # a bf16 host parameter is its own bf16 master: the compensation is all a master adds
+    assert sum(state_bytes_per_element("q8", "bf16_kahan", 256, needs_master=False).values()) == 4.03125
+    assert state_bytes_per_element("q8", "bf16_kahan", 256, needs_master=False)["master.comp"] == 2.0
+    assert "master" not in state_bytes_per_element("q8", "bf16_sr", 256, needs_master=False)
+    assert sum(state_bytes_per_element("q8", "bf16_sr", 256, needs_master=False).values()) == 2.03125
+    # which parameters are their own master
+    from tierstate.placement.defaults import is_own_master
+    assert is_own_master("fp32", "fp32") and is_own_master("bf16", "bf16_kahan") and is_own_master("bf16", "bf16_sr")
+    assert not any(is_own_master(p, m) for p, m in [("fp32", "bf16_kahan"), ("fp32", "bf16_sr"), ("bf16", "fp32"),
+                                                     ("fp16", "fp32"), ("fp16", "bf16_kahan"), ("fp16", "bf16_sr")])
     # the optimizer's policy reads the same table
     assert ts.Offload(moment_dtype="q8", master_dtype="bf16_sr").bytes_per_element() == \
         state_bytes_per_element("q8", "bf16_sr", 256)
@@ -85,12 +93,19 @@ def test_plan_request_prices_compressed_state():
     full = PlanRequest(model, **kw)
     q8 = PlanRequest(model, moment_dtype="q8", **kw)
     sr = PlanRequest(model, moment_dtype="q8", master_dtype="bf16_sr", **kw)
+    kahan = PlanRequest(model, moment_dtype="q8", master_dtype="bf16_kahan", **kw)
+    on_gpu = PlanRequest(model, moment_dtype="q8", master_dtype="bf16_sr", **(kw | {"device": "cuda"}))
     assert full.state_bytes_per_param == 12 and q8.state_bytes_per_param == 6.03125
-    assert sr.state_bytes_per_param == 4.03125
-    # kernel traffic: grad 2 + master 2x4 + moments 2x8 + bf16 out 2 = 28 B; q8: 2 + 8 + 2x2.03 + 2
+    # bf16 host parameters are their own bf16 master; on an accelerator the host keeps a copy
+    assert sr.state_bytes_per_param == 2.03125 and kahan.state_bytes_per_param == 4.03125
+    assert on_gpu.state_bytes_per_param == 4.03125
+    # kernel traffic: grad 2 + master 2x4 + moments 2x8 + bf16 out 2 = 28 B; q8: 2 + 8 + 2x2.03 + 2;
+    # the parameter as its own master is read and written in place (2x2), with no extra weight out
     assert full.update_bytes_per_param() == 28
     assert q8.update_bytes_per_param() == pytest.approx(16.0625)
-    assert sr.update_bytes_per_param() == pytest.approx(12.0625)
+    assert sr.update_bytes_per_param() == pytest.approx(2 + 4 + 2 * 2.03125)
+    assert kahan.update_bytes_per_param() == pytest.approx(2 + 4 + 4 + 2 * 2.03125)
+    assert on_gpu.update_bytes_per_param() == pytest.approx(12.0625)
     with pytest.raises(ValueError, match="needs moment_dtype='q8'"):
         PlanRequest(model, master_dtype="bf16_sr", **kw)
     with pytest.raises(ValueError, match="quant_block=3"):
@@ -104,4 +119,4 @@ def test_plan_request_prices_compressed_state():
     assert plan.placement.nvme == 0
     offload = offload_from_plan(plan)
     assert offload.moment_dtype == "q8" and offload.master_dtype == "bf16_sr" and offload.quant_block == 256
-    assert plan.as_dict()["state_bytes_per_param"]["total"] == 4.03125
+    assert plan.as_dict()["state_bytes_per_param"]["total"] == 2.03125

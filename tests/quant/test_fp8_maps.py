@@ -78,7 +78,9 @@ def test_state_dict_names_the_maps_and_round_trips_to_the_byte(master, tmp_path)
     st = sd["state"][0]
     assert {"exp_avg.fp8", "exp_avg_sq.fp8"} <= set(st) and not any(k.endswith(".codes") for k in st)
     cfg = Q.QuantConfig(256, master, "fp8")
-    full = cfg.export_full({k: v.reshape(-1) for k, v in st.items() if k != "step"})
+    parts = {k: v.reshape(-1) for k, v in st.items() if k != "step"}
+    parts.setdefault("master", params[0].detach().reshape(-1))  # a bf16 parameter is its own bf16 master
+    full = cfg.export_full(parts)
     assert torch.isfinite(full["exp_avg"]).all() and (full["exp_avg"] != 0).any()
     params2 = make_params()
     opt2 = ts.AdamW(params2, lr=1e-2, offload=_fp8_offload(tmp_path / "b", master, nvme=0.0))
@@ -89,25 +91,29 @@ def test_state_dict_names_the_maps_and_round_trips_to_the_byte(master, tmp_path)
 
 def test_loading_the_other_family_converts_with_a_warning(tmp_path):
     """dynamic -> fp8 and back: the moments are decoded with the maps their part names say and
-    encoded with the target's; the master (bf16 + compensation) moves unchanged."""
+    encoded with the target's; the compensation of the bf16 parameters (their own masters)
+    moves unchanged."""
     params = make_params()
     dyn = ts.AdamW(params, lr=1e-2, offload=_fp8_offload(tmp_path / "d", "bf16_kahan", maps="dynamic"))
     _train(dyn, params, 3)
     dsd = dyn.state_dict()
-    fp8 = ts.AdamW(make_params(), lr=1e-2, offload=_fp8_offload(tmp_path / "f", "bf16_kahan"))
+    fp8_params = make_params()
+    for q, p in zip(fp8_params, params):  # the model's weights, loaded beside the optimizer's state
+        q.data.copy_(p.data)
+    fp8 = ts.AdamW(fp8_params, lr=1e-2, offload=_fp8_offload(tmp_path / "f", "bf16_kahan"))
     with pytest.warns(StateFormatWarning, match=r"converted the state of 3 parameter.*quant_map='fp8'"):
         fp8.load_state_dict(dsd)
     fsd = fp8.state_dict()
     dcfg, fcfg = Q.QuantConfig(256, "bf16_kahan", "dynamic"), Q.QuantConfig(256, "bf16_kahan", "fp8")
     for i in dsd["state"]:
         d, f = dsd["state"][i], fsd["state"][i]
-        full = dcfg.export_full({k: v.reshape(-1) for k, v in d.items() if k != "step"})
+        full = dcfg.export_full({"master": params[i].detach().reshape(-1),
+                                 **{k: v.reshape(-1) for k, v in d.items() if k != "step"}})
         codes, scale = Q.quantize_ref(full["exp_avg"], fcfg.m_map, 256)
         assert torch.equal(f["exp_avg.fp8"].reshape(-1), codes) and torch.equal(f["exp_avg.scale"], scale)
         codes, scale = Q.quantize_ref(Q.sqrt_exact(full["exp_avg_sq"]), fcfg.v_map, 256)
         assert torch.equal(f["exp_avg_sq.fp8"].reshape(-1), codes) and torch.equal(f["exp_avg_sq.scale"], scale)
-        assert raw_bytes(f["master"]) == raw_bytes(d["master"]) and raw_bytes(f["master.comp"]) == raw_bytes(
-            d["master.comp"])
+        assert "master" not in f and raw_bytes(f["master.comp"]) == raw_bytes(d["master.comp"])
         assert int(f["step"]) == 3
     back = ts.AdamW(make_params(), lr=1e-2, offload=_fp8_offload(tmp_path / "b", "bf16_kahan", maps="dynamic"))
     with pytest.warns(StateFormatWarning, match="quant_map='dynamic'"):

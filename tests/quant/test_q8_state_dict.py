@@ -34,8 +34,11 @@ def test_state_dict_parts_and_exact_round_trip(master, tmp_path):
     assert st["exp_avg.codes"].dtype == torch.uint8 and tuple(st["exp_avg.codes"].shape) == (37, 300)
     assert st["exp_avg.scale"].dtype == torch.float32 and st["exp_avg.scale"].numel() == Q.n_blocks(n, 256)
     assert st["exp_avg_sq.codes"].dtype == torch.uint8 and st["exp_avg_sq.scale"].numel() == Q.n_blocks(n, 256)
-    assert st["master"].dtype == (torch.float32 if master == "fp32" else torch.bfloat16)
+    # bf16 parameters are their own bf16 master: only an fp32 master is kept beside them
+    assert ("master" in st) == (master == "fp32")
+    assert master != "fp32" or st["master"].dtype == torch.float32
     assert ("master.comp" in st) == (master == "bf16_kahan")
+    assert master != "bf16_kahan" or st["master.comp"].dtype == torch.int16
     # through torch.save, into a fresh optimizer on other tiers: every byte comes back
     buf = io.BytesIO()
     torch.save(sd, buf)
@@ -77,6 +80,8 @@ def test_cross_loading_converts_with_a_warning(tmp_path):
     _train(full_opt, params, 3)
     full_sd = full_opt.state_dict()
     q_params = _model()
+    for q, p in zip(q_params, params):  # the model's weights come with the optimizer's state, as in torch
+        q.data.copy_(p.data)
     q_opt = ts.AdamW(q_params, lr=1e-2, offload=_offload(tmp_path / "q", "bf16_kahan"))
     with pytest.warns(StateFormatWarning, match="converted the state of 3 parameter"):
         q_opt.load_state_dict(full_sd)
@@ -89,12 +94,14 @@ def test_cross_loading_converts_with_a_warning(tmp_path):
         codes, scale = Q.quantize_ref(Q.sqrt_exact(v.reshape(-1)), Q.unsigned_map(), 256)
         assert torch.equal(qsd["state"][i]["exp_avg_sq.codes"].reshape(-1), codes)
         w = full_sd["state"][i]["master"].reshape(-1)
-        got = Q.kahan_value(qsd["state"][i]["master"].reshape(-1), qsd["state"][i]["master.comp"].reshape(-1))
+        assert "master" not in qsd["state"][i]  # the bf16 parameter is the master; the compensation completes it
+        got = Q.kahan_value(q_params[i].detach().reshape(-1), qsd["state"][i]["master.comp"].reshape(-1))
         # bf16 + int16 compensation holds an fp32 master to 2**-17 of a bf16 ulp (24 significant bits)
         assert bool(((got - w).abs() <= w.abs() * 2.0**-23).all())
         assert int(qsd["state"][i]["step"]) == 3
     # compressed -> full
-    back = ts.AdamW(_model(), lr=1e-2, offload=ts.Offload(cpu=1.0))
+    back_params = [torch.nn.Parameter(q.detach().clone()) for q in q_params]
+    back = ts.AdamW(back_params, lr=1e-2, offload=ts.Offload(cpu=1.0))
     with pytest.warns(StateFormatWarning, match="full-precision state"):
         back.load_state_dict(qsd)
     bsd = back.state_dict()

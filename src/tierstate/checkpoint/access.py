@@ -108,7 +108,10 @@ class OffloadAccess:
                 and -(-s.local.numel() // rec["quant_block"]) != self.store.item_count(s, "exp_avg.scale"):
             mismatch = f"compressed with quant_block={rec.get('quant_block')}"
         elif quant is not None:
+            own = str(s.local.dtype).removeprefix("torch.") if not s.needs_master else None
             for key, dt in saved.items():
+                if key == "master" and dt == own:
+                    continue  # a saved master of a parameter that is its own: loaded into the parameter
                 if key.startswith("master") and (key not in ours or ours[key] != dt):
                     mismatch = f"compressed with a {dt} {key!r}"
         if mismatch:
@@ -152,7 +155,8 @@ class OffloadAccess:
         or a block for a scale of compressed state)."""
         s = self.slots[index]
         if key == "master" and not s.needs_master:
-            # An fp32 host parameter is its own master: the saved master is its value.
+            # A host parameter that is its own master (fp32, or bf16 under a bf16 master): the
+            # saved master is its value.
             with self.store.values_of(s, True) as flat:
                 flat[offset: offset + values.numel()].copy_(values)
             return

@@ -12,15 +12,20 @@ named parts, and ``state_dict()["state"][i]`` holds exactly those (plain tensors
 - ``exp_avg.scale``     fp32 [ceil(n / B)]: the absmax of each block of B = ``quant_block``
 - ``exp_avg_sq.codes``  uint8, shaped like the parameter: codes of sqrt(exp_avg_sq)
 - ``exp_avg_sq.scale``  fp32 [ceil(n / B)]
-- ``master``            fp32 or bf16 (``master_dtype``), where a master is kept
-- ``master.comp``       int16, only for ``master_dtype="bf16_kahan"``
+- ``master``            fp32 or bf16 (``master_dtype``), where a master is kept: not for
+                        a host parameter that is its own master (fp32 under an fp32
+                        master, bf16 under a bf16 one; the parameter holds the value)
+- ``master.comp``       int16, only for ``master_dtype="bf16_kahan"``; kept for a bf16
+                        parameter that is its own master too: the fp32 weight is then
+                        the parameter plus its compensation
 - ``step``              as torch
 
 The maps and the encoding are those of :mod:`tierstate.kernels.quant`. The block size is
 not stored: a scale count ``ceil(n / B)`` names B wherever B matters (for ``n <= B`` every
 block size gives one block over the whole parameter, the same numbers).
 :func:`full_state_dict` returns torch's plain schema (``exp_avg``, ``exp_avg_sq`` in fp32,
-``master`` in fp32 where one is kept), which ``torch.optim.AdamW`` loads.
+``master`` in fp32 where one is kept or where a bf16 parameter's compensation holds more
+than the parameter does), which ``torch.optim.AdamW`` loads.
 """
 from __future__ import annotations
 
@@ -61,9 +66,10 @@ def master_mode_of(st: dict) -> str:
     return "bf16_kahan" if "master.comp" in st else "bf16_sr"
 
 
-def to_full(st: dict, numel: int, where: str = "state") -> dict:
+def to_full(st: dict, numel: int, where: str = "state", own_values=None) -> dict:
     """One parameter's compressed state as full-precision tensors (torch's keys), shaped by
-    the codes; ``step`` and any other key kept."""
+    the codes; ``step`` and any other key kept. ``own_values``: the flat values of a bf16
+    parameter that is its own master; with its ``master.comp`` it gives the fp32 ``master``."""
     family = Q.family_of_parts(st)
     m_map, v_map = Q.map_family(family)
     part = Q.CODES_PART[family]
@@ -80,13 +86,17 @@ def to_full(st: dict, numel: int, where: str = "state") -> dict:
         if mode == "bf16_kahan":
             part["master.comp"] = st["master.comp"].reshape(-1)
         out["master"] = Q.master_value(Q.QuantConfig(block, mode), part).view(shape)
+    elif "master.comp" in st and own_values is not None:
+        out["master"] = Q.kahan_value(own_values.reshape(-1), st["master.comp"].reshape(-1)).view(shape)
     return out
 
 
-def to_compressed(st: dict, config: Q.QuantConfig, keep_master: bool) -> dict:
+def to_compressed(st: dict, config: Q.QuantConfig, keep_master: bool, own_values=None) -> dict:
     """One parameter's full-precision state (torch's keys) as the parts of ``config``.
-    ``keep_master``: the target keeps a master (else a saved one is dropped: an fp32 host
-    parameter is its own master, and the parameter holds that value)."""
+    ``keep_master``: the target keeps a master (else a saved one is dropped: a host parameter
+    that is its own master holds that value). ``own_values``: the flat bf16 values of a
+    parameter that is its own ``bf16_kahan`` master; a saved fp32 master then becomes the
+    compensation that brings the parameter to it."""
     m = st["exp_avg"].detach().to("cpu", torch.float32)
     shape = m.shape
     out = {k: v for k, v in st.items() if k not in MOMENTS and not k.startswith("master")}
@@ -104,15 +114,20 @@ def to_compressed(st: dict, config: Q.QuantConfig, keep_master: bool) -> dict:
             out["master"] = bf.view(shape)
             if config.master == "bf16_kahan":
                 out["master.comp"] = Q.kahan_comp(w, bf).view(shape)
+    elif config.master == "bf16_kahan" and own_values is not None and "master" in st:
+        w = st["master"].detach().to("cpu", torch.float32).reshape(-1)
+        out["master.comp"] = Q.kahan_comp(w, own_values.reshape(-1)).view(shape)
     return out
 
 
-def _same_format(st: dict, config: Q.QuantConfig, numel: int, keep_master: bool) -> bool:
+def _same_format(st: dict, config: Q.QuantConfig, numel: int, keep_master: bool, own_comp: bool) -> bool:
     if Q.family_of_parts(st) != config.maps:
         return False  # the other maps' codes
     if st["exp_avg.scale"].numel() != Q.n_blocks(numel, config.block_size):
         return False  # another block size (equal counts mean equal blocks: see the note)
-    if "master" in st and keep_master:
+    if "master" in st and (keep_master or own_comp):
+        # a bf16 parameter that is its own bf16_kahan master takes a saved bf16_kahan master's
+        # compensation as it is (the parameter holds that master); any other master converts
         return master_mode_of(st) == config.master
     return True
 
@@ -139,14 +154,17 @@ def convert_for(opt, state_dict: dict) -> dict:
         numel = s.local.numel()
         compressed = is_compressed(st)
         where = f"load_state_dict: state of parameter {saved_id}"
+        own_comp = config is not None and store.keeps_own_comp(s)
+        own = _own_values(store, s) if own_comp or ("master.comp" in st and "master" not in st) else None
         try:
             if config is None and compressed:
-                converted[saved_id] = to_full(st, numel, where)
+                converted[saved_id] = to_full(st, numel, where, own)
             elif config is not None and not compressed:
                 if all(k in st for k in MOMENTS):
-                    converted[saved_id] = to_compressed(st, config, s.needs_master)
-            elif config is not None and not _same_format(st, config, numel, s.needs_master):
-                converted[saved_id] = to_compressed(to_full(st, numel, where), config, s.needs_master)
+                    converted[saved_id] = to_compressed(st, config, s.needs_master, own if own_comp else None)
+            elif config is not None and not _same_format(st, config, numel, s.needs_master, own_comp):
+                converted[saved_id] = to_compressed(to_full(st, numel, where, own), config, s.needs_master,
+                                                    own if own_comp else None)
         except KeyError as exc:
             raise ValueError(f"{where} lacks {exc.args[0]!r} (it has {sorted(st)}); compressed state needs "
                              "exp_avg.codes/.scale and exp_avg_sq.codes/.scale (.fp8 in place of .codes for "
@@ -163,10 +181,20 @@ def convert_for(opt, state_dict: dict) -> dict:
     return out
 
 
+def _own_values(store, s):
+    """A copy of the flat values of ``s``'s bf16 parameter, the master that a saved state's
+    compensation completes (None for another dtype)."""
+    if s.param.dtype != torch.bfloat16:
+        return None
+    with store.values_of(s, False) as flat:
+        return flat.detach().to("cpu").clone()
+
+
 def full_state_dict(opt) -> dict:
     """The optimizer's ``state_dict()`` with every state in full precision, torch's schema:
     ``exp_avg`` and ``exp_avg_sq`` as fp32 tensors shaped like the parameter, ``master`` (fp32)
-    where a master is kept, ``step``; loads into ``torch.optim.AdamW`` and into any tierstate
+    where a master is kept and for a bf16 parameter that is its own ``bf16_kahan`` master (the
+    parameter plus its compensation), ``step``; loads into ``torch.optim.AdamW`` and into any tierstate
     optimizer. For an optimizer without compressed state it is ``state_dict()`` itself.
 
     Each parameter's state is expanded in turn (its full-precision copy is 12 B/param while it
@@ -175,11 +203,13 @@ def full_state_dict(opt) -> dict:
     sd = opt.state_dict()
     if opt.state_store.quant is None:
         return sd
+    store = opt.state_store
     params = [p for g in opt.param_groups for p in g["params"]]
     ids = [i for g in sd["param_groups"] for i in g["params"]]
-    numel = {i: p.numel() for i, p in zip(ids, params)}
+    slots = {i: store.slot_of(p) for i, p in zip(ids, params)}
     out = copy.copy(sd)
-    out["state"] = {i: (to_full(st, numel[i], f"state of parameter {i}") if is_compressed(st) else st)
+    out["state"] = {i: (to_full(st, slots[i].local.numel(), f"state of parameter {i}", _own_values(store, slots[i]))
+                        if is_compressed(st) else st)
                     for i, st in sd["state"].items()}
     return out
 

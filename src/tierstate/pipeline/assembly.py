@@ -23,6 +23,8 @@ from torch import Tensor
 
 from ..dist import local_tensor, shard_groups
 from ..placement import Offload, plan_layout
+from ..placement.defaults import is_own_master
+from ..placement.offload import dtype_name
 from ..tiers import (Slot, StateStore, device_heads, device_tier_on_cpu_allowed, make_tiers, tier_fractions)
 from ..tiers.host import move_to_huge_pages
 from .grads import Gradients
@@ -70,11 +72,11 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             t = len(trainable) if p.requires_grad or rule.eager_state else None
             if t is not None:
                 trainable.append(p)
-            # a streamed fp32 weight is updated where it lives (its block's host image), even on
-            # an accelerator: it is its own master, as an fp32 host parameter is
-            own_master = p.dtype == torch.float32 and (not on_accel or weights_of(p) is not None)
-            own_master = own_master and offload.master_mode == "fp32"  # a 16-bit master is always stored
-            if own_master and t is not None and not on_accel and weights_of(p) is None and local_tensor(p) is p:
+            # a streamed weight is updated where it lives (its block's host image), even on an
+            # accelerator: it is its own master, as a host parameter of the master's dtype is
+            own_master = is_own_master(dtype_name(p.dtype), offload.master_mode) and (not on_accel or weights_of(p) is not None)
+            if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
+                    and local_tensor(p) is p:
                 move_to_huge_pages(p)  # updated in place by every host step: see the note there
             slots.append(Slot(len(slots), p, gi, t, needs_master=not own_master))
     if offload.gpu > 0 and any(weights_of(p) is not None for p in trainable):
@@ -111,7 +113,10 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
         codes_dtype, scale_dtype = spec[quant.codes_key("exp_avg")][1], spec["exp_avg.scale"][1]
         dtypes = {k: d for name in specs for k, d in ((quant.codes_key(name), codes_dtype),
                                                       (f"{name}.scale", scale_dtype))}
-        dtypes |= {k: spec[k][1] for k in spec if k.startswith("master")} if any_master else {}
+        if any_master:
+            dtypes |= {k: spec[k][1] for k in spec if k.startswith("master")}
+        elif "master.comp" in spec and trainable:  # bf16 parameters, their own masters, keep the compensation
+            dtypes["master.comp"] = spec["master.comp"][1]
         inits = {}
     units = {k: quant.block_size for k in dtypes if k.endswith(".scale")} if quant is not None else None
     by_trainable = {s.trainable: s for s in slots if s.trainable is not None}

@@ -341,7 +341,8 @@ class StepEngine:
         """Host-memory bytes the update of (the host part of) one parameter reads and writes (one fused pass)."""
         n = grad.numel()
         state, master = self.store.bytes_per_element(s)  # a block's scale counts 4 / block
-        weight = master if s.needs_master else s.local.element_size()  # the master, or the fp32 param itself
+        # the stored master, or the parameter itself (its own master; a bf16 one keeps its compensation)
+        weight = master if s.needs_master else s.local.element_size() + master
         out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
         return round(n * (grad.element_size() + state + weight)), round(n * (state + weight + out))
 

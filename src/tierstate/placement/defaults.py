@@ -38,6 +38,19 @@ DEFAULT_QUANT_MAP = "dynamic"
 QUANT_CODES_PART = {"dynamic": "codes", "fp8": "fp8"}
 
 
+def is_own_master(param_dtype: str, master_dtype: str) -> bool:
+    """Whether a parameter updated in host memory is its own master: its dtype (``"fp32"``,
+    ``"bf16"``, ``"fp16"``) is the master's, so the update reads and writes it in place and
+    no copy of it is stored. An fp32 parameter under an fp32 master, as in torch; a bf16
+    parameter under a bf16 master (``"bf16_kahan"``, ``"bf16_sr"``): the master is rounded
+    to bf16 after every update and the parameter receives exactly that value, so a stored
+    copy would only repeat it (2 B/param in the state and in every NVMe record, read and
+    written each step). ``"bf16_kahan"`` still keeps its compensation (``master.comp``)."""
+    if param_dtype == "fp32":
+        return master_dtype == "fp32"
+    return param_dtype == "bf16" and master_dtype in ("bf16_kahan", "bf16_sr")
+
+
 def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant_block: int = DEFAULT_QUANT_BLOCK,
                             *, moment_keys=("exp_avg", "exp_avg_sq"), fp32_keys=(), needs_master: bool = True,
                             quant_map: str = DEFAULT_QUANT_MAP) -> dict[str, float]:
@@ -47,10 +60,12 @@ def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant
     ``moment_dtype``: ``"fp32"`` (4 B a moment), ``"bf16"`` (2 B) or ``"q8"`` (1 B of code plus
     a 4 B scale per ``quant_block`` elements: 1.016 B at 256); ``master_dtype``: ``"fp32"``
     (4 B), ``"bf16_kahan"`` (2 B bf16 + 2 B int16 compensation, key ``master.comp``) or
-    ``"bf16_sr"`` (2 B). The master is counted only where one is kept (``needs_master``: low
-    precision or accelerator parameters, or any 16-bit master mode). AdamW with q8 moments:
-    6.03 B with an fp32 master, 6.03 with bf16 + compensation, 4.03 with stochastic rounding;
-    2.03 on fp32 host parameters, which are their own fp32 master. ``quant_map`` names the
+    ``"bf16_sr"`` (2 B). The master is counted only where one is kept (``needs_master``:
+    accelerator parameters, and host parameters that are not their own master, see
+    :func:`is_own_master`); ``master.comp`` wherever the mode is ``"bf16_kahan"``. AdamW with
+    q8 moments: 6.03 B with an fp32 master, 6.03 with bf16 + compensation, 4.03 with stochastic
+    rounding; on host parameters that are their own master 2.03 (fp32 under fp32, bf16 under
+    ``"bf16_sr"``) and 4.03 (bf16 under ``"bf16_kahan"``). ``quant_map`` names the
     codes' part (``exp_avg.codes`` for ``"dynamic"``, ``exp_avg.fp8`` for ``"fp8"``); both
     families take the same bytes.
     """
@@ -60,12 +75,10 @@ def state_bytes_per_element(moment_dtype: str, master_dtype: str = "fp32", quant
     else:
         per_moment = {k: float({"fp32": 4, "bf16": 2}[moment_dtype]) for k in moment_keys}
     out = per_moment | {k: 4.0 for k in fp32_keys}
-    if master_dtype != "fp32":
-        out["master"] = 2.0
-        if master_dtype == "bf16_kahan":
-            out["master.comp"] = 2.0
-    elif needs_master:
-        out["master"] = 4.0
+    if needs_master:
+        out["master"] = 4.0 if master_dtype == "fp32" else 2.0
+    if master_dtype == "bf16_kahan":
+        out["master.comp"] = 2.0
     return out
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .defaults import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, QUANT_MAPS, state_bytes_per_element
+from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, QUANT_MAPS, is_own_master,
+                       state_bytes_per_element)
 from .layout import TierKind
 from .model_spec import ModelSpec
 
@@ -214,7 +215,9 @@ class PlanRequest:
 
     @property
     def needs_master(self) -> bool:
-        return self.on_accelerator or self.param_dtype != "fp32" or self.master_dtype != "fp32"
+        """A master copy is stored: accelerator parameters, and host parameters of another
+        dtype than the master's (:func:`tierstate.placement.defaults.is_own_master`)."""
+        return self.on_accelerator or not is_own_master(self.param_dtype, self.master_dtype)
 
     def state_bytes(self) -> dict[str, float]:
         """State key -> bytes per element, as the optimizer allocates them (the master last):
@@ -229,13 +232,17 @@ class PlanRequest:
 
     def update_bytes_per_param(self) -> float:
         """Memory traffic of one CPU update of one element (what the kernel reads and writes):
-        the gradient, the weight (its master, or the fp32 parameter itself) and the state read
-        and written, the rounded low-precision weight written."""
+        the gradient, the weight (its master, or the parameter itself where it is its own master,
+        with a bf16 one's compensation) and the state read and written, and the rounded
+        low-precision weight written beside a stored master."""
         pb = DTYPE_BYTES[self.param_dtype]
         keys = self.state_bytes()
         state = sum(b for key, b in keys.items() if not key.startswith("master"))
-        weight = sum(b for key, b in keys.items() if key.startswith("master")) or 4.0
-        out = pb if self.param_dtype != "fp32" else 0  # the rounded weight written in the same pass
+        master = sum(b for key, b in keys.items() if key.startswith("master"))
+        if self.needs_master:
+            weight, out = master, (pb if self.param_dtype != "fp32" else 0)  # the rounded weight, same pass
+        else:
+            weight, out = pb + master, 0  # updated in place
         return 2 * weight + pb + 2 * state + out
 
     @property

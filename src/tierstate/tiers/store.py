@@ -85,8 +85,16 @@ class StateStore:
             return names + (["master"] if s.needs_master else [])
         keys = [k for name in names for k in (self.quant.codes_key(name), f"{name}.scale")]
         if s.needs_master:
-            keys += ["master", "master.comp"] if self.quant.master == "bf16_kahan" else ["master"]
+            keys.append("master")
+        if self.quant.master == "bf16_kahan" and (s.needs_master or self.keeps_own_comp(s)):
+            keys.append("master.comp")
         return keys
+
+    def keeps_own_comp(self, s: Slot) -> bool:
+        """``s`` is a bf16 parameter that is its own ``bf16_kahan`` master: its compensation
+        (``master.comp``) is state like a moment, kept beside the parameter's own values."""
+        return (self.quant is not None and self.quant.master == "bf16_kahan" and not s.needs_master
+                and s.trainable is not None and "master.comp" in self.dtypes)
 
     def check_specs(self, groups: Sequence[Mapping]) -> None:
         """Refuse hyper-parameters changed since construction so that the rule now keeps a
@@ -101,8 +109,9 @@ class StateStore:
                                      "only; set it back (amsgrad=False) or use moment_dtype=torch.float32")
 
     def held_keys(self, s: Slot) -> list[str]:
-        """The keys whose values exist now: a master only once it was filled."""
-        return [k for k in self.keys(s) if not k.startswith("master") or s.master.filled]
+        """The keys whose values exist now: a master (and its compensation) only once it was
+        filled; the compensation of a parameter that is its own master with the state."""
+        return [k for k in self.keys(s) if not (s.needs_master and k.startswith("master")) or s.master.filled]
 
     def unit(self, key: str) -> int:
         """Elements per stored item of ``key``: the block size for a block's scale, else 1."""
@@ -206,6 +215,9 @@ class StateStore:
                 # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
                 fill = torch.full((1,), init, dtype=self.dtypes[key]).expand(self.item_count(s, key))
                 self.write(s, key, fill)
+        if self.keeps_own_comp(s) and (skip is None or skip.get("master.comp") is None):
+            # the parameter holds its bf16 master exactly: nothing is left to compensate
+            self.write(s, "master.comp", torch.zeros((1,), dtype=self.dtypes["master.comp"]).expand(s.local.numel()))
 
     def start_state(self, s: Slot) -> None:
         """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
@@ -322,6 +334,10 @@ class StateStore:
         s.step = int(step) if step is not None else 0
         s.master = MasterLife.READY if ("master" in keys and s.needs_master) else MasterLife.ABSENT
         s.pending_pieces.clear()
+        if "master.comp" in self.keys(s) and "master.comp" not in keys and (not s.needs_master or "master" in keys):
+            # a bf16 master saved without compensation (bf16_sr) is exact as it is: nothing to
+            # compensate (a master not saved at all is filled from the parameter, with its own)
+            self.write(s, "master.comp", torch.zeros((1,), dtype=self.dtypes["master.comp"]).expand(s.local.numel()))
 
     # -- the tiers as a whole ------------------------------------------------------------------
     def settle(self) -> None:
