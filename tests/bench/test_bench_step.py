@@ -38,12 +38,14 @@ def test_json_to_a_path_comes_with_the_table(tmp_path, capsys):
 
 def test_compressed_variants_are_held_to_the_floor_of_their_own_bytes(capsys):
     argv = ["--sizes", "64k", "--threads", "1", "--reps", "2", "--warmup", "1", "--gap-ms", "0",
-            "--variants", "native,native-q8,native-fp8,native-fp8-sr,floor", "--json"]
+            "--variants", "native,native-q8,native-fp8,native-fp8-sr,native-fp8-kahan,floor", "--json"]
     assert step.main(_parse(argv)) == 0
     rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     # grad 2 + (codes 2 + scales 8/256 + master 4, or 2 for bf16_sr) read and written + weight out 2
     assert rows["native-fp8"]["bytes_per_param"] == rows["native-q8"]["bytes_per_param"] == 16.0625
-    assert rows["native-fp8-sr"]["bytes_per_param"] == 12.0625
+    # a bf16 master is the bf16 weight, in place: grad 2 + (codes, scales, weight [, comp]) x 2
+    assert rows["native-fp8-sr"]["bytes_per_param"] == 10.0625
+    assert rows["native-fp8-kahan"]["bytes_per_param"] == 14.0625
     for name, r in rows.items():
         # the floor of its own bytes is the floor row's time scaled by B/param / 28
         assert abs(r["vs_own_floor"] - r["vs_floor"] * 28 / r["bytes_per_param"]) < 1e-9, name

@@ -93,6 +93,26 @@ def test_bf16_parameters_keep_an_fp32_master_in_each_record(tmp_path):
     assert r["read_bytes"] == r["write_bytes"] == 4 * record
 
 
+@pytest.mark.parametrize("master, per_element", [("fp32", 4 + 2 * (1 + 4 / 256)), ("bf16_kahan", 2 + 2 * (1 + 4 / 256)),
+                                                 ("bf16_sr", 2 * (1 + 4 / 256))])
+def test_compressed_records_of_bf16_parameters_hold_no_master_copy(master, per_element, tmp_path):
+    """8-bit moments on bf16 parameters: an fp32 master is in each record; a bf16 master is the
+    parameter itself, so a record holds its compensation (bf16_kahan) or nothing more (bf16_sr)."""
+    r = _run(tmp_path, "--dtype", "bf16", "--moment-dtype", "q8", "--master-dtype", master)
+    assert master in r["moment_dtype"]
+    # each key's region of a record is aligned to 4 KiB on its own: codes, scales, [master | comp]
+    sub = 256 << 10
+    parts = [sub, sub * 4 // 256] * 2 + ([sub * 4] if master == "fp32" else [sub * 2] if master == "bf16_kahan" else [])
+    record = sum(_align(b) for b in parts)
+    assert record == pytest.approx(sub * per_element, rel=0.01)
+    assert r["read_bytes"] == r["write_bytes"] == 4 * record
+
+
+def test_a_16bit_master_without_8bit_moments_is_refused(capsys):
+    assert step_nvme.main(_parse(["--master-dtype", "bf16_sr"])) == 2
+    assert "needs --moment-dtype q8" in capsys.readouterr().err
+
+
 def test_a_short_last_record_moves_its_own_size(tmp_path):
     """2M parameters in 256 Ki-element sub-groups: the eighth record is short. A step reads the
     records the pool lacks and writes back the ones it evicts: the two sets are complementary, so

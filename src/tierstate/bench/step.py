@@ -27,7 +27,11 @@ Compressed state (``docs/compressed_state.md``), not run unless named in ``--var
 
 - ``native-q8``         8-bit moments in the dynamic maps, fp32 master: 16.06 B/param
 - ``native-fp8``        8-bit moments in the fp8 maps, fp32 master: 16.06 B/param
-- ``native-fp8-sr``     the fp8 maps with a stochastically rounded bf16 master: 12.06 B/param
+- ``native-fp8-sr``     the fp8 maps with a stochastically rounded bf16 master, which is the
+                        bf16 weight itself, updated in place (as ``ts.AdamW`` does for bf16
+                        parameters on the host): 10.06 B/param
+- ``native-fp8-kahan``  the same with a compensated bf16 master (the weight plus an int16
+                        compensation): 14.06 B/param
 
 Besides "x floor" (time over the floor row's), each row reports "x own floor": its time
 over the floor of its own bytes, floor time * B/param / 28, so a layout that moves fewer
@@ -71,12 +75,15 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 VARIANTS = ("native", "native-bf16-moments", "torch-fused+casts", "torch-foreach+casts",
             "deepspeed+copy", "floor")
 # Compressed state: named with --variants (the default run stays the uncompressed comparison).
+# name -> (maps, master mode); a bf16 master is the bf16 weight itself (no weight written apart)
 COMPRESSED_VARIANTS = {"native-q8": ("dynamic", "fp32"), "native-fp8": ("fp8", "fp32"),
-                       "native-fp8-sr": ("fp8", "bf16_sr")}
+                       "native-fp8-sr": ("fp8", "bf16_sr"), "native-fp8-kahan": ("fp8", "bf16_kahan")}
 BYTES_PER_PARAM = {"native": 28, "native-bf16-moments": 20, "torch-fused+casts": 40,
                    "torch-foreach+casts": 40, "deepspeed+copy": 40, "floor": 28,
                    # bf16 grad in, codes + scales + master read and written, bf16 weight out
-                   **{name: quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, master, maps).step_bytes_per_param()
+                   # beside an fp32 master (a bf16 master is the weight, read and written in place)
+                   **{name: quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, master, maps).step_bytes_per_param(
+                       out_bytes=2 if master == "fp32" else 0)
                       for name, (maps, master) in COMPRESSED_VARIANTS.items()}}
 
 
@@ -107,7 +114,8 @@ def _parse_ints(text: str) -> list[int]:
 
 # The options of each tier's step; one of them given with the other --offload is refused.
 CPU_OPTIONS = ("--sizes", "--threads", "--reps", "--variants", "--gap-ms")
-NVME_OPTIONS = ("--params", "--dtype", "--moment-dtype", "--quant-map", "--param-numel", "--subgroup-numel",
+NVME_OPTIONS = ("--params", "--dtype", "--moment-dtype", "--quant-map", "--master-dtype", "--param-numel",
+                "--subgroup-numel",
                 "--buffer-count", "--nvme-dir", "--steps", "--probe-bytes")
 
 
@@ -184,8 +192,11 @@ def _build(n: int, variants: list[str]) -> dict[str, Callable[[], None]]:
         maps, mode = COMPRESSED_VARIANTS[name]
         config = quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, mode, maps)
         state = config.init_state(torch.randn(n, generator=gen))
-        steps[name] = (lambda st=state, c=config: kernels.adam_q8_update(
-            st, grad_bf16, weight_bf16, config=c, step=step_count[0] + 1, **adam_kwargs()))
+        out = weight_bf16
+        if mode != "fp32":  # the bf16 weight is the master: updated in place, nothing written apart
+            state["master"], out = state["master"].clone(), None
+        steps[name] = (lambda st=state, c=config, o=out: kernels.adam_q8_update(
+            st, grad_bf16, o, config=c, step=step_count[0] + 1, **adam_kwargs()))
 
     torch_variants = {"torch-fused+casts", "torch-foreach+casts", "floor"} & set(variants)
     if torch_variants:

@@ -63,6 +63,9 @@ def add_arguments(group, option) -> None:
            help="optimizer moments' dtype; q8: blockwise 8-bit moments (docs/compressed_state.md)")
     option(group, "--quant-map", choices=("dynamic", "fp8"), default="dynamic",
            help="the 8-bit maps of --moment-dtype q8 (Offload.quant_map; default dynamic)")
+    option(group, "--master-dtype", choices=("fp32", "bf16_kahan", "bf16_sr"), default="fp32",
+           help="the master of --moment-dtype q8 (Offload.master_dtype; default fp32); a bf16 "
+                "master of --dtype bf16 parameters is the parameter itself")
     option(group, "--param-numel", type=count_arg, default=4_000_000,
            help="elements per parameter tensor (the last one takes the rest; default 4M)")
     option(group, "--subgroup-numel", type=count_arg, default=DEFAULT_SUBGROUP_NUMEL,
@@ -178,7 +181,10 @@ def _dtypes(args: argparse.Namespace) -> tuple[torch.dtype, "torch.dtype | str"]
 def _moment_offload(args: argparse.Namespace) -> dict:
     """The Offload keyword arguments of the moments' format."""
     _, moment = _dtypes(args)
-    return dict(moment_dtype=moment, quant_map=args.quant_map) if moment == "q8" else dict(moment_dtype=moment)
+    if moment != "q8":
+        return dict(moment_dtype=moment)
+    master = torch.float32 if args.master_dtype == "fp32" else args.master_dtype
+    return dict(moment_dtype=moment, quant_map=args.quant_map, master_dtype=master)
 
 
 def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
@@ -187,6 +193,9 @@ def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
     both moments, and the master for bf16 parameters), and the interpreter's own."""
     dtype, moment = _dtypes(args)
     master = 4 if dtype != torch.float32 else 0
+    if moment == "q8" and args.master_dtype != "fp32":  # a bf16 master: 2 B, or the bf16 parameter itself
+        own = dtype == torch.bfloat16
+        master = (0 if own else 2) + (2 if args.master_dtype == "bf16_kahan" else 0)
     per_moment = 1 + 4 / 256 if moment == "q8" else moment.itemsize  # q8: a code and a scale per block
     record = args.subgroup_numel * (2 * per_moment + master)
     return int(params * (4 * dtype.itemsize + 2 * per_moment + master) + args.buffer_count * record + _BASE_BYTES)
@@ -273,7 +282,8 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
         result = {
             "params": params,
             "dtype": args.dtype,
-            "moment_dtype": args.moment_dtype + (f" ({args.quant_map} maps)" if args.moment_dtype == "q8" else ""),
+            "moment_dtype": args.moment_dtype + (f" ({args.quant_map} maps, {args.master_dtype} master)"
+                                                 if args.moment_dtype == "q8" else ""),
             "subgroups": len(tier.subgroups),
             "subgroup_numel": args.subgroup_numel,
             "buffer_count": args.buffer_count,
@@ -376,6 +386,10 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < (1 if name == "steps" else 2):
             print(f"--{name.replace('_', '-')} must be at least {1 if name == 'steps' else 2}", file=sys.stderr)
             return 2
+    if args.master_dtype != "fp32" and args.moment_dtype != "q8":
+        print(f"--master-dtype {args.master_dtype} needs --moment-dtype q8 (a 16-bit master is part of the "
+              "compressed state)", file=sys.stderr)
+        return 2
     sizes = _sizes(args)
     if not sizes:
         print("tierstate bench step --offload nvme: no default size fits in the host RAM available; "
