@@ -19,7 +19,10 @@ lists them with their sizes and dtypes):
 parameter (the last one may be shorter), so a caller that splits a parameter into pieces
 must cut at multiples of ``block_size``. Bytes per parameter: 2 (codes) + 8 / B (scales)
 plus 4 (fp32 master) or 2 (bf16 + stochastic rounding) or 4 (bf16 + compensation: the
-same bytes as fp32, but the master is a ready bf16 weight).
+same bytes as fp32, but the master is a ready bf16 weight). ``master`` may be the bf16
+weight itself, updated in place with ``weight_out=None``: the optimizer does so for bf16
+parameters in host memory (then 2 B of a bf16 master are the parameter's own, and only
+the compensation is state: 4 + 8 / B B with ``bf16_kahan``, 2 + 8 / B with ``bf16_sr``).
 
 Quantization of a block x[0..B) (the encoding is exact and deterministic; the native
 kernels and :func:`quantize_ref` here produce the same bits):

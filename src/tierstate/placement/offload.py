@@ -70,8 +70,10 @@ class Offload:
         master_dtype: how the master weight is stored: ``torch.float32``, ``"bf16_kahan"``
             (bf16 plus an int16 compensation term: the fp32 weight to 24 significant bits, 4
             B, and the stored master is a ready bf16 weight) or ``"bf16_sr"`` (bf16 with
-            seeded stochastic rounding, 2 B). The 16-bit modes need ``moment_dtype="q8"``;
-            with them every parameter keeps a master, fp32 parameters too.
+            seeded stochastic rounding, 2 B). The 16-bit modes need ``moment_dtype="q8"``.
+            A bf16 parameter in host memory is its own bf16 master (updated in place; only
+            ``"bf16_kahan"``'s 2 B compensation is stored beside it); fp32 parameters and
+            parameters on an accelerator keep a stored master.
         quant_block: elements per quantization block of ``"q8"`` (a power of two in [64,
             4096]; 256 by default: 1.58 % update error, 128 gives 1.32 % for 0.03 B/param more).
         quant_map: the 8-bit maps of ``"q8"``: ``"dynamic"`` (default: bitsandbytes' dynamic-tree

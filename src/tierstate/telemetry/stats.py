@@ -72,7 +72,8 @@ class StepStats:
         "record": ..}``, the first two measured (``bytes["nvme/read"]`` / ``nvme/write`` over
         the gauge ``nvme_params``, per step), ``record`` the bytes of the tier's records per
         parameter (what moving every record once costs: 12.0 for fp32 AdamW state with a
-        master, ~6.03 with ``moment_dtype="q8"``, ~4.03 with q8 and a ``bf16_sr`` master; the
+        master, ~6.03 with ``moment_dtype="q8"``, ~4.03 with q8 and a ``bf16_kahan`` master of
+        bf16 parameters, which are their own master (~2.03 with ``bf16_sr``); the
         pool keeps the last ``buffer_count`` records of a step in RAM, so the measured
         figures are lower by that share). None without an NVMe tier."""
         n = self.gauges.get("nvme_params")

@@ -74,7 +74,9 @@ class Slot:
     param: Tensor
     group: int  # index into param_groups
     trainable: int | None  # index into the layout (None: frozen at construction, no state)
-    needs_master: bool  # an fp32 master copy exists in the tiers
+    # a master copy (``master``) exists in the tiers; False for a host parameter that is its own
+    # master (fp32 under an fp32 master, bf16 under a bf16 one: tierstate.placement.defaults.is_own_master)
+    needs_master: bool
     life: StateLife = StateLife.FRESH
     master: MasterLife = MasterLife.ABSENT
     # (sub-group, param offset) of the master pieces still PENDING

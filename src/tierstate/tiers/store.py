@@ -42,8 +42,10 @@ class StateStore:
             Each moment ``k`` of the rule is then stored as ``k.codes`` (uint8, one per
             element) and ``k.scale`` (fp32, one per block of ``quant.block_size`` elements of
             the parameter), and a master as ``master`` (fp32 or bf16) plus ``master.comp``
-            (int16) for ``bf16_kahan``; see :mod:`tierstate.kernels.quant`. Keys stored per
-            block are counted in blocks ("items") by every method taking offsets or sizes.
+            (int16) for ``bf16_kahan``; a bf16 parameter that is its own bf16 master keeps
+            only ``master.comp`` (:meth:`keeps_own_comp`); see :mod:`tierstate.kernels.quant`.
+            Keys stored per block are counted in blocks ("items") by every method taking
+            offsets or sizes.
     """
 
     def __init__(self, slots: Sequence[Slot], layout: Layout, tiers: Mapping, dtypes: Mapping[str, torch.dtype],
