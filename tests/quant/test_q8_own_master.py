@@ -7,6 +7,8 @@ the parameter, loads of masters saved beside other parameters, and the parameter
 honoured as the master, as torch does for fp32."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -150,3 +152,31 @@ def test_a_full_state_dict_converts_into_the_parameters_compensation(tmp_path):
         assert torch.equal(Q.kahan_value(p.detach().reshape(-1), q.state_dict()["state"][i]["master.comp"].reshape(-1)),
                            got)
     full.close(), q.close()
+
+
+def test_a_checkpoint_that_stored_the_master_of_bf16_parameters_loads(tmp_path):
+    """Checkpoints written before bf16 parameters became their own master (tierstate at
+    ce7208c, 2026-12-02: 8-bit moments, bf16_kahan, bf16 parameters, half on NVMe) hold
+    a ``master`` beside each parameter: it loads into the parameter, the compensation and the
+    moments as they are, byte for byte."""
+    import glob
+    import shutil
+
+    from safetensors import safe_open
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(Path(__file__).parent / "data" / "kahan_stored_master_2026-12-02", ckpt)
+    saved = safe_open(glob.glob(str(ckpt / "*.safetensors"))[0], "pt")
+    params = make_params(seed=42)  # other values: the checkpoint's replace them
+    opt = ts.AdamW(params, lr=1e-2, offload=q8_offload(tmp_path / "nvme", "bf16_kahan", nvme=0.5))
+    ts.load_optimizer(opt, ckpt)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        assert raw_bytes(p.detach()) == raw_bytes(saved.get_tensor(f"param.{i}"))
+        assert raw_bytes(p.detach()) == raw_bytes(saved.get_tensor(f"state.{i}.master"))  # the same value
+        assert "master" not in sd["state"][i]
+        for key in ("exp_avg.codes", "exp_avg.scale", "exp_avg_sq.codes", "exp_avg_sq.scale", "master.comp"):
+            assert raw_bytes(sd["state"][i][key]) == raw_bytes(saved.get_tensor(f"state.{i}.{key}")), (i, key)
+        assert int(sd["state"][i]["step"]) == 3
+    _train(opt, params, 1)
+    opt.close()
