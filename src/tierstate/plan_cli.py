@@ -44,6 +44,7 @@ from .placement.cost_model import BUDGET_NAMES, Kind
 from .placement.joint import JointPlan, plan_joint
 from .placement.layout import TIER_ORDER
 from .placement.model_spec import ModelSpec, parse_count, resolve_model
+from .placement.defaults import DEFAULT_SUBGROUP_NUMEL
 from .placement.plan_inputs import DTYPE_BYTES, Budgets, Hardware, Placement, PlanError, PlanRequest, gib
 from .placement.planner import Plan, choose, evaluate
 
@@ -125,7 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--subgroup-numel", type=int, default=PlanRequest.subgroup_numel)
-    parser.add_argument("--buffer-count", type=int, default=PlanRequest.buffer_count)
+    parser.add_argument("--buffer-count", type=int, default=None,
+                        help="NVMe pool buffers (default: the optimizer's, 16, or with --step-in-backward over "
+                             "streamed weights 16 + twice the records one block spans)")
+    parser.add_argument("--step-in-backward", action="store_true",
+                        help="plan for ts.AdamW(step_in_backward=True) (its default NVMe pool with streamed weights)")
     parser.add_argument("--no-pin-memory", action="store_true")
     parser.add_argument("--grad-streaming", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--device-mem", help="device memory budget, e.g. 80GiB (default: free memory in the profile)")
@@ -212,7 +217,7 @@ def build_inputs(args: argparse.Namespace) -> tuple[PlanRequest, Hardware, Budge
                       pin_memory=not args.no_pin_memory, subgroup_numel=args.subgroup_numel,
                       buffer_count=args.buffer_count, micro_batch=args.micro_batch, seq_len=args.seq_len,
                       grad_accum=args.grad_accum, activation_checkpointing=args.activation_checkpointing,
-                      state_keys=moments, fp32_state_keys=fp32_keys)
+                      step_in_backward=args.step_in_backward, state_keys=moments, fp32_state_keys=fp32_keys)
     sources = [f"rates: {hw.source}"]
     if args.host_mem:
         host = parse_size(args.host_mem, "--host-mem")
@@ -320,7 +325,10 @@ def _print_human(plan: Plan, sources: list[str], comparison: list[dict] | None,
                   + (f" ({req.quant_map} maps)" if req.moment_dtype == "q8" else "")
                   + (f", master {req.master_dtype}" if req.master_dtype != "fp32" else "")
                   + f", {req.optimizer}; state {req.state_bytes_per_param:.2f} B/param")
-    console.print(f"placement: [bold]Offload(gpu={p.gpu:g}, cpu={p.cpu:g}, nvme={p.nvme:g})[/bold] - {plan.reason}")
+    pool = (f", subgroup_numel={req.subgroup_numel}" if req.subgroup_numel != DEFAULT_SUBGROUP_NUMEL else "") + (
+        f", buffer_count={req.buffer_count}" if req.buffer_count is not None and p.nvme > 0 else "")
+    console.print(f"placement: [bold]Offload(gpu={p.gpu:g}, cpu={p.cpu:g}, nvme={p.nvme:g}{pool})[/bold] - "
+                  f"{plan.reason}" + (f"; NVMe pool of {req.pool_buffers} buffers" if p.nvme > 0 else ""))
     table = Table(title="memory by tier")
     table.add_column("state")
     for tier in TIER_ORDER:

@@ -22,6 +22,7 @@ from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
 from ..telemetry import Telemetry
+from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
 from .params import checked_group, params_list, refuse_nothing_to_train
@@ -49,7 +50,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             offload = Offload.with_nvme_dir(offload, nvme_dir)
         params = params_list(params, type(self).__name__)
         if isinstance(offload, str) and offload == "auto":
-            offload = self._choose_auto(params, defaults, allow_device_tier=not step_in_backward)
+            offload = self._choose_auto(params, defaults, step_in_backward=step_in_backward)
         self.offload = Offload.from_mode(offload)
         if max_grad_norm is not None:
             if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
@@ -90,7 +91,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _policy(self) -> StepPolicy:
         return StepPolicy(self.max_grad_norm, self.on_nonfinite, self.step_in_backward, self._partition_group)
 
-    def _choose_auto(self, params: list, defaults: dict, allow_device_tier: bool) -> Offload:
+    def _choose_auto(self, params: list, defaults: dict, step_in_backward: bool) -> Offload:
         try:
             from ..placement.auto import choose_offload
         except ImportError as exc:
@@ -101,7 +102,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # the per-element state the planner prices: the rule's keys for every group's arguments
         groups = [defaults | g if isinstance(g, dict) else defaults for g in params]
         keys = [spec.name for g in groups for spec in self.rule.state_specs(g)]
-        return choose_offload(params, allow_device_tier=allow_device_tier, state_keys=keys)
+        # step_in_backward updates the host tiers only: no device tier then
+        return choose_offload(params, allow_device_tier=not step_in_backward, state_keys=keys,
+                              step_in_backward=step_in_backward, streamed_blocks=streamed_blocks(params))
 
     # -- what the engine holds, as torch code and tools ask for it -------------------------------
     @property

@@ -74,7 +74,8 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                 trainable.append(p)
             # a streamed weight is updated where it lives (its block's host image), even on an
             # accelerator: it is its own master, as a host parameter of the master's dtype is
-            own_master = is_own_master(dtype_name(p.dtype), offload.master_mode) and (not on_accel or weights_of(p) is not None)
+            own_master = is_own_master(dtype_name(p.dtype), offload.master_mode) and (
+                not on_accel or weights_of(p) is not None)
             if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
                     and local_tensor(p) is p:
                 move_to_huge_pages(p)  # updated in place by every host step: see the note there

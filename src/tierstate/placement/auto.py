@@ -124,6 +124,7 @@ def offload_from_plan(plan) -> Offload:
                                                            if req.moment_dtype == "q8" else {}))
     if p.nvme == 0 and p.gpu == 0:
         return Offload(cpu=1.0, **compression)
+    # buffer_count None: the optimizer sizes its pool as the plan priced it (Offload.buffer_count_for)
     return Offload(gpu=p.gpu, cpu=p.cpu, nvme=max(0.0, 1.0 - p.gpu - p.cpu),
                    subgroup_numel=req.subgroup_numel, buffer_count=req.buffer_count, **compression)
 
@@ -141,9 +142,27 @@ def _tensors(params: Sequence) -> list:
     return out
 
 
+def request_for(trainable: Sequence, *, state_keys: tuple[str, ...], moment_dtype: str = "fp32",
+                master_dtype: str = "fp32", quant_block: int = 256, quant_map: str = "dynamic",
+                step_in_backward: bool = False, streamed_blocks: Sequence[Sequence] = ()) -> PlanRequest:
+    """The :class:`PlanRequest` of ``choose_offload`` for these trainable tensors: their sizes,
+    device and dtype, and the blocks of those whose weights stream (``streamed_blocks``)."""
+    dtypes = {str(p.dtype) for p in trainable}
+    param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
+    model = from_param_numels([p.numel() for p in trainable])
+    blocks = tuple(sum(p.numel() for p in block) for block in streamed_blocks if block)
+    if blocks:
+        model = replace(model, block_numels=blocks, outside_numel=model.numel - sum(blocks))
+    return PlanRequest(model, device="cuda" if trainable[0].device.type == "cuda" else "cpu",
+                       param_dtype=param_dtype, state_keys=tuple(state_keys), moment_dtype=moment_dtype,
+                       master_dtype=master_dtype, quant_block=quant_block, quant_map=quant_map,
+                       weights_offloaded=bool(blocks), step_in_backward=step_in_backward)
+
+
 def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_keys: Sequence[str],
                    moment_dtype: str = "fp32", master_dtype: str = "fp32", quant_block: int = 256,
-                   quant_map: str = "dynamic") -> Offload:
+                   quant_map: str = "dynamic", step_in_backward: bool = False,
+                   streamed_blocks: Sequence[Sequence] = ()) -> Offload:
     """The :class:`Offload` that the planner predicts fastest within this machine's budgets.
 
     ``params`` are the optimizer's parameters or its param-group dicts. ``state_keys`` are the
@@ -154,7 +173,12 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
     ``moment_dtype`` (``"fp32"``, ``"bf16"``, ``"q8"``), ``master_dtype`` (``"fp32"``,
     ``"bf16_kahan"``, ``"bf16_sr"``), ``quant_block`` and ``quant_map`` price the state as
     :class:`Offload` would store it (compressed state keeps off the device tier) and are
-    carried into the returned policy.
+    carried into the returned policy. ``streamed_blocks``: the trainable parameters whose
+    weights stream (``ts.offload_weights``), one sequence per block; they hold no memory
+    between uses, and with ``step_in_backward`` the optimizer's default NVMe pool grows with
+    the records one block spans (:meth:`Offload.buffer_count_for`), which the plan prices and
+    leaves to the optimizer (the returned policy's ``buffer_count`` is None unless a smaller
+    pool had to be chosen).
     Raises ValueError (naming what is missing) when no placement fits.
     """
     import psutil
@@ -169,15 +193,16 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
         return Offload(cpu=1.0)
     device = trainable[0].device
     on_cuda = device.type == "cuda"
-    dtypes = {str(p.dtype) for p in trainable}
-    param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
-    req = PlanRequest(from_param_numels([p.numel() for p in trainable]), device="cuda" if on_cuda else "cpu",
-                      param_dtype=param_dtype, state_keys=state_keys, moment_dtype=moment_dtype,
-                      master_dtype=master_dtype, quant_block=quant_block, quant_map=quant_map)
+    req = request_for(trainable, state_keys=state_keys, moment_dtype=moment_dtype, master_dtype=master_dtype,
+                      quant_block=quant_block, quant_map=quant_map, step_in_backward=step_in_backward,
+                      streamed_blocks=streamed_blocks)
+    streamed = req.weights_offloaded
     if moment_dtype == "q8":
         allow_device_tier = False  # the device tier runs torch's fused Adam, which has no compressed state
     # The parameters (and any gradients) already exist: they are in use, not in the available figure.
-    existing = sum(p.numel() * p.element_size() for p in trainable if p.device.type == "cpu")
+    # With weights streamed, the plan prices no parameter memory (weights_offloaded: the weight
+    # plan's), so none is added back to the budget either.
+    existing = 0 if streamed else sum(p.numel() * p.element_size() for p in trainable if p.device.type == "cpu")
     existing += sum(p.grad.numel() * p.grad.element_size() for p in trainable
                     if p.grad is not None and p.grad.device.type == "cpu")
     fraction = _host_fraction()

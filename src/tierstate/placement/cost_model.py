@@ -207,7 +207,7 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
     if nvme_numel:
         record_numel = min(req.subgroup_numel, nvme_numel)
         record = sum((record_numel * b + RECORD_ALIGN - 1) // RECORD_ALIGN * RECORD_ALIGN for b in keys.values())
-        n_records = min(req.buffer_count, math.ceil(nvme_numel / req.subgroup_numel))
+        n_records = min(req.pool_buffers, math.ceil(nvme_numel / req.subgroup_numel))
         items.append(MemoryItem(TierKind.HOST, Kind.NVME_BUFFER_POOL, n_records * record, req.pinned,
                                 f"{n_records} x {gib(record)} records"))
         rounding += n_records * (pow2_ceil(record) - record) if req.pinned else 0
@@ -264,7 +264,7 @@ def predict_time(req: PlanRequest, placement: Placement, hw: Hardware) -> StepTi
         # The pool is a write-back cache: the last buffer_count records of a step stay in RAM
         # and the next step starts on them, so a step moves S - buffer_count records each way
         # and has no fill bubble (tiers/nvme.py, "the buffer pool is a write-back cache").
-        moved = max(0, records - req.buffer_count) * (n_nvme / records) * state
+        moved = max(0, records - req.pool_buffers) * (n_nvme / records) * state
         disk = moved / hw.disk_read + moved / hw.disk_write
         # Disk-bound: I/O back to back plus one record's update, which sits between its read and write.
         pipeline = max(pipeline, disk + (cpu_nvme / records if moved else 0.0))

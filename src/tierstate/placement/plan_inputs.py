@@ -139,7 +139,9 @@ class PlanRequest:
     keep_device_grads: bool = False
     pin_memory: bool = True
     subgroup_numel: int = DEFAULT_SUBGROUP_NUMEL
-    buffer_count: int = DEFAULT_BUFFER_COUNT
+    # the NVMe pool's buffers (Offload.buffer_count); None: the optimizer's default
+    # (Offload.buffer_count_for), which grows with step_in_backward over streamed weights
+    buffer_count: int | None = None
     micro_batch: int | None = None
     seq_len: int | None = None
     grad_accum: int = 1
@@ -147,6 +149,9 @@ class PlanRequest:
     # True when the weights are offloaded (``ts.offload_weights``): their compute copy and the
     # activations are then priced by the weight plan (placement/weights_plan.py), not here.
     weights_offloaded: bool = False
+    # ts.AdamW(step_in_backward=True): with the weights streamed per block, the default pool
+    # holds twice the NVMe records one block's gradients complete (Offload.buffer_count_for)
+    step_in_backward: bool = False
     # The optimizer's per-element state besides the master, by torch's key names: the keys its
     # rule declares (``UpdateRule.state_specs``: ``("exp_avg", "exp_avg_sq")`` for AdamW, ``()``
     # for SGD without momentum). ``state_keys`` are moments, stored in ``moment_dtype``;
@@ -194,8 +199,11 @@ class PlanRequest:
             raise ValueError(f"optimizer={self.optimizer!r}: must be a str (the name shown in the output)")
         for name in ("subgroup_numel", "buffer_count", "grad_accum"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be a positive int")
+            if name == "buffer_count" and value is None:
+                continue  # the optimizer's default pool
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive int"
+                                 + (" or None (the optimizer's default pool)" if name == "buffer_count" else ""))
         for name in ("micro_batch", "seq_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -212,6 +220,22 @@ class PlanRequest:
     @property
     def pinned(self) -> bool:
         return self.on_accelerator and self.pin_memory
+
+    @property
+    def block_records(self) -> int:
+        """The most NVMe records one streamed block's gradients complete during backward, as
+        the optimizer counts them to size its default pool (0 unless ``step_in_backward`` over
+        weights streamed per block): the largest block's elements over the sub-group size,
+        plus one for a block that starts inside a record."""
+        if not (self.step_in_backward and self.weights_offloaded and self.model.blocks_known):
+            return 0
+        return -(-max(self.model.block_numels) // self.subgroup_numel) + 1
+
+    @property
+    def pool_buffers(self) -> int:
+        """The NVMe pool's buffers: ``buffer_count``, or the optimizer's default
+        (:meth:`tierstate.placement.Offload.buffer_count_for`: 16 + 2 x :attr:`block_records`)."""
+        return self.buffer_count if self.buffer_count is not None else DEFAULT_BUFFER_COUNT + 2 * self.block_records
 
     @property
     def needs_master(self) -> bool:

@@ -47,7 +47,7 @@ class Plan:
         return {
             "model": {"name": req.model.name, "params": req.model.numel, "tensors": len(req.model.param_numels),
                       "source": req.model.source},
-            "config": {k: v for k, v in asdict(req).items() if k != "model"},
+            "config": {k: v for k, v in asdict(req).items() if k != "model"} | {"pool_buffers": req.pool_buffers},
             # per stored key, the same table the optimizer keeps (placement.defaults.state_bytes_per_element)
             "state_bytes_per_param": {"total": req.state_bytes_per_param, **req.state_bytes()},
             "placement": asdict(self.placement),
@@ -142,7 +142,8 @@ def choose(req: PlanRequest, hw: Hardware, budgets: Budgets = Budgets(), *, allo
     Raises :class:`PlanError` naming what is missing.
     """
     sizes = [req.subgroup_numel] + sorted((s for s in subgroup_options if s < req.subgroup_numel), reverse=True)
-    counts = [req.buffer_count] + sorted((c for c in buffer_options if c < req.buffer_count), reverse=True)
+    # None (the optimizer's default pool) is tried as itself first, then the smaller explicit pools
+    counts = [req.buffer_count] + sorted((c for c in buffer_options if c < req.pool_buffers), reverse=True)
     best: Plan | None = None
     for size in sizes:
         for count in counts:

@@ -90,6 +90,21 @@ def _flat(image: Tensor, place) -> Tensor:
     return image[place.byte_offset: place.byte_offset + place.nbytes].view(p.dtype)
 
 
+def streamed_blocks(params) -> list[list[Tensor]]:
+    """The parameters among ``params`` (tensors or param-group dicts) whose weights stream,
+    grouped per block of their streamer, in the order they come (the planner prices the
+    NVMe pool of ``step_in_backward`` by the largest block)."""
+    tensors = [t for item in params for t in (
+        ([item["params"]] if isinstance(item.get("params"), Tensor) else list(item.get("params", ())))
+        if isinstance(item, dict) else [item])]
+    blocks: dict[tuple[int, int], list[Tensor]] = {}
+    for p in tensors:
+        handle = _registry.get(p) if isinstance(p, Tensor) else None
+        if handle is not None and p.requires_grad:
+            blocks.setdefault((id(handle._streamer), handle.block), []).append(p)
+    return list(blocks.values())
+
+
 def closed_name(param: Tensor) -> str | None:
     """The name of ``param`` if a WeightStreamer streamed it and was closed (its values are gone)."""
     return _closed.get(param)
