@@ -180,3 +180,40 @@ def test_a_checkpoint_that_stored_the_master_of_bf16_parameters_loads(tmp_path):
         assert int(sd["state"][i]["step"]) == 3
     _train(opt, params, 1)
     opt.close()
+
+
+@pytest.mark.parametrize("master", ["bf16_kahan", "bf16_sr"])
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_streamed_bf16_weights_are_their_own_master_bit_for_bit(master, in_backward, tmp_path):
+    """Weights streamed per block (ts.offload_weights, NVMe) are updated in their block's host
+    image: there the bf16 image is the master. 6 steps equal the same model with resident
+    weights, every parameter and state part, the update after backward and during it."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
+                                   max_position_embeddings=64, tie_word_embeddings=False)
+    runs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).bfloat16()
+        ws = ts.offload_weights(model, "nvme", nvme_dir=tmp_path / f"w{streamed}") if streamed else None
+        opt = ts.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, step_in_backward=in_backward,
+                       offload=q8_offload(tmp_path / f"s{streamed}", master, nvme=0.5))
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(6):
+            ids = torch.randint(0, 128, (2, 12), generator=gen)
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        values = {n: (ws.read_param(p) if ws is not None and ts.weights.streamed(p) is not None
+                      else p.detach().clone()) for n, p in model.named_parameters()}
+        runs.append((values, opt.state_dict()))
+        opt.close()
+        if ws is not None:
+            ws.close()
+    (want, sd_want), (got, sd_got) = runs
+    assert [n for n in want if raw_bytes(want[n]) != raw_bytes(got[n])] == []
+    for i, st in sd_want["state"].items():
+        assert "master" not in st and sorted(st) == sorted(sd_got["state"][i])
+        for k, v in st.items():
+            assert torch.equal(v, sd_got["state"][i][k]), (i, k)
