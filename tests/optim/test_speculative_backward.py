@@ -128,6 +128,56 @@ def test_unscale_and_clip_grad_norm_by_hand_roll_back(tmp_path) -> None:
         o.close()
 
 
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+def test_clip_grad_norm_by_hand_without_a_scaler_is_the_plain_step(kind, where, tmp_path) -> None:
+    """torch's clip_grad_norm_ between backward and step(), with neither max_grad_norm nor a
+    scaler: the first step sees the gradients change after their hooks, so the updates during
+    backward stay speculative (and roll back) from then on. Before, the steps after the first
+    updated during backward with the unclipped gradients, without a copy, and silently
+    differed from the plain step (every parameter, 0 rollbacks)."""
+    nets, opts = _pair(kind, tmp_path, where)
+    gens = [torch.Generator().manual_seed(1) for _ in range(2)]
+    for i in range(6):
+        for net, opt, gen in zip(nets, opts, gens):
+            loss_of(net, i, gen).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)  # active: the norm is ~0.04 here
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    _same(nets, opts)
+    assert opts[1].rollbacks >= 1
+    for o in opts:
+        o.close()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_gradient_changed_after_an_update_that_cannot_be_undone_is_an_error(where, tmp_path) -> None:
+    """A change first made after the steps that learned there was none (clipping switched on
+    at step 3): the updates during backward used the gradients as backward left them and kept
+    no copy. step() says so, naming the fix, instead of returning as if it were the plain step;
+    the steps after it speculate, and are the plain step's again."""
+    nets, opts = _pair("cpu", tmp_path, where)
+    gen = [torch.Generator().manual_seed(1) for _ in range(2)]
+    for i in range(6):
+        for j, (net, opt, g) in enumerate(zip(nets, opts, gen)):
+            loss_of(net, i, g).backward()
+            if i >= 3:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.01)
+            if j == 1 and i == 3:
+                with pytest.raises(RuntimeError, match=r"changed after backward.*max_grad_norm"):
+                    opt.step()
+                for p, q in zip(nets[0].parameters(), net.parameters()):  # continue from the plain run
+                    with torch.no_grad():
+                        q.copy_(p)
+                opt.load_state_dict(opts[0].state_dict())
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    _same(nets, opts)
+    for o in opts:
+        o.close()
+
+
 def test_state_moves_during_backward_when_clipping_is_inactive(tmp_path) -> None:
     """Speculation is not a deferral: with clipping configured but not active the updates run
     during backward (the cpu_update phase is booked before step() is called)."""

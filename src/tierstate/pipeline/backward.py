@@ -44,7 +44,8 @@ backward thread against ~1.9-2.0 s with a worker thread, and peaks ~0.2 GiB lowe
 Clipping needs the global norm, a GradScaler's overflow check every gradient, and with
 gradient accumulation only the last backward's gradients are final: none of that is known
 when a sub-group becomes ready. So when any of them may apply (``max_grad_norm`` is set, a
-loss scaler or accumulation was seen, or it is the first step and nothing is known yet),
+loss scaler or accumulation was seen, a step found a gradient changed after its hook, as
+``clip_grad_norm_`` by hand does, or it is the first step and nothing is known yet),
 the updates during backward are speculative: each sub-group's state (and its parameter's
 values) is copied aside just before its update, with the unclipped gradient times the loss
 scale of the previous step. ``step()`` then decides as the plain step would, from the sums
@@ -69,6 +70,9 @@ is active on most steps pays about the plain step, not twice it.
 - with parameters whose weights stream (``ts.offload_weights``) updates cannot be
   rolled back (their gradients are released once applied): no clipping, no GradScaler, no
   accumulation there (refused);
+- without speculation, a gradient changed after its hook (a change first made after the
+  steps that learned there was none) finds its update made with the value backward left:
+  ``step()`` raises ``RuntimeError`` saying so, and every later step speculates;
 - without speculation, a non-finite gradient cannot skip the whole step: each gradient is
   checked when it is handed over and the updates stop at the first non-finite one;
   sub-groups updated before stay updated, the rest stay untouched, and ``step()`` raises
@@ -130,6 +134,9 @@ class BackwardDriver(Speculation):
                 "step_in_backward=False")
         self.known = False  # a step has been taken: what follows is learned from it
         self.saw_scaler = False
+        # a step found a gradient changed after its hook (clip_grad_norm_, scaler.unscale_, ...):
+        # from then on every update during backward keeps what is needed to undo it
+        self.saw_change = False
         self.expected_passes = 1  # backward passes per step, as the last step counted them
         self.spec_scale = 1.0  # the loss scale's inverse the last step used
         self.undo: dict[int, dict] = {}  # sub-group -> its copies, reused across steps
@@ -177,7 +184,7 @@ class BackwardDriver(Speculation):
         if not self.can_undo:
             return False
         policy = self.engine.policy
-        return (policy.max_grad_norm is not None or self.saw_scaler or self.expected_passes > 1
+        return (policy.max_grad_norm is not None or self.saw_scaler or self.saw_change or self.expected_passes > 1
                 or not self.known)
 
     def _taking(self) -> bool:
@@ -221,6 +228,9 @@ class BackwardDriver(Speculation):
         if s.trainable in self.seen:
             self._next_pass(s)
         self.seen.add(s.trainable)
+        # what step() compares to learn whether gradients change after their hooks, taken or not
+        g = s.param.grad  # held weakly: a gradient released once applied must be freed
+        self.versions[s.trainable] = (None, None) if g is None else (weakref.ref(g), g._version)
         if not self._taking():
             return
         landed = None
@@ -313,10 +323,8 @@ class BackwardDriver(Speculation):
             self.stopped = True
             return False
         self.sumsq += sumsq
-        if self.speculative:  # what a rollback and the commit check need
+        if self.speculative:  # what a rollback and the commit check need (with the hook's versions)
             self.sums[s.trainable] = sumsq
-            g = s.param.grad  # held weakly: a gradient released once applied must be freed
-            self.versions[s.trainable] = (None, None) if g is None else (weakref.ref(g), g._version)
             self.lives[s.trainable] = (s.life, s.step, s.master, set(s.pending_pieces))
         self.grads[s.trainable] = grad
         if self.engine.prepare(s, grad):
@@ -412,6 +420,9 @@ class BackwardDriver(Speculation):
         store = engine.store
         if scaling.scaled:
             self.saw_scaler = True
+        changed = self._changed_after_hooks(active)
+        if changed:
+            self.saw_change = True
         if self.speculative:
             late = [s.index for s in store.slots if s.trainable is None and s.param.requires_grad
                     and s.param.grad is not None]
@@ -425,6 +436,7 @@ class BackwardDriver(Speculation):
                     "optimizer after unfreezing them, or use step_in_backward=False")
             return self._finish_speculative(active, scaling)
         bad = list(self.nonfinite)
+        applied = [t for t in changed if t in self.prepared]  # used during backward, as it was then
         try:
             if scaling.scaled:
                 raise ValueError("step_in_backward=True does not work with a GradScaler when updates cannot be "
@@ -464,6 +476,15 @@ class BackwardDriver(Speculation):
             self.close_cycle()
         self.plan_next()
         result = StepResult(stepped, fresh)
+        if applied:
+            result.error = RuntimeError(
+                f"step_in_backward=True: the gradients of parameter(s) "
+                f"{[store.by_trainable(t).index for t in applied][:8]} changed after backward handed them over "
+                "(torch.nn.utils.clip_grad_norm_, scaler.unscale_, an in-place edit of param.grad) while their "
+                "updates ran during backward with no copy to undo them: this step used the gradients as backward "
+                "left them for the sub-groups updated then. From the next step on the updates during backward keep "
+                "copies and roll back when the gradients change (exact, at the cost of a second update). To clip, "
+                "pass max_grad_norm= to the optimizer (it clips inside the update), or use step_in_backward=False")
         if bad:
             engine.counters.skipped_steps += 1
             engine.telemetry.count("skipped_steps")
@@ -472,6 +493,23 @@ class BackwardDriver(Speculation):
                 "whose gradients were handed over before it are updated, the others are untouched (this mode "
                 "cannot skip a whole step; use step_in_backward=False for on_nonfinite='skip')")
         return result
+
+    def _changed_after_hooks(self, active: list) -> list[int]:
+        """Trainable indices whose ``param.grad`` is not the tensor its hook saw, or was changed
+        in place since (torch's version counter): what step() would read is not what backward
+        handed over."""
+        changed = []
+        for s, _ in active:
+            entry = self.versions.get(s.trainable)
+            if entry is None:
+                continue  # no hook took it (set by hand): step() reads it as it is
+            ref, version = entry
+            grad = None if ref is None else ref()
+            if s.param.grad is None:
+                continue  # released once applied (streamed weights), or dropped: nothing step() reads
+            if s.param.grad is not grad or grad._version != version:
+                changed.append(s.trainable)
+        return changed
 
     def _finish_speculative(self, active: list, scaling: Scaling) -> "StepResult | None":
         """step() after speculative updates: they stand (the rest is updated here) or are rolled

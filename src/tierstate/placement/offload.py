@@ -89,7 +89,11 @@ class Offload:
             as it is produced (default: on for CUDA parameters, off for CPU ones, whose
             gradients already are in host RAM).
         keep_device_grads: keep ``param.grad`` on the device after it was streamed to the
-            host (default False: its memory is released once copied).
+            host (default False: its memory is released once copied, and ``param.grad`` is
+            None after backward, so code that reads or changes gradients between backward
+            and ``step()`` finds none: ``torch.nn.utils.clip_grad_norm_`` then clips nothing
+            and returns 0. Clip with the optimizer's ``max_grad_norm=``, which clips the
+            streamed gradients, or set this to True to keep ``param.grad``).
         host_allocator: ``"retain"``: keep host memory that torch frees in the process heap
             for reuse (:func:`tierstate.host_allocator.retain_freed_memory`, process-wide),
             so forward and backward on CPU parameters stop page-faulting (GPT-2 124M fp32 on
