@@ -230,7 +230,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             engine = self._engine
             engine.store.check_specs(self.param_groups)  # compressed state: before anything changes
             engine.policy = self._policy()  # the attributes may be changed between steps, as torch's
-            result = engine.step(scaling_of(self, grad_scaler, host_copies=engine.parts.grads.stream is not None))
+            # gradient-stream copies of a param.grad changed after backward (clip_grad_norm_,
+            # scaler.unscale_) are made again: they then hold what param.grad holds
+            refreshed = engine.parts.grads.refresh()
+            host_copies = engine.parts.grads.stream is not None and not refreshed
+            result = engine.step(scaling_of(self, grad_scaler, host_copies=host_copies))
             if result.rebuilt:
                 self._publish_all()
             for s in result.stepped:

@@ -12,12 +12,23 @@ streaming logic (accumulation, release, waiting) is exercised on any machine.
 
 Accumulation over micro-batches: the first gradient of a parameter after ``reset`` is
 copied into its host buffer; later ones are added to it (on CUDA through a pinned scratch
-buffer, added on the host once its copy is done). :meth:`wait` settles everything in
+buffer, added on the host once its copy is done). With ``keep_device_grads`` torch keeps
+accumulating into ``param.grad`` itself, so each copy replaces the host buffer instead
+(adding would count the first micro-batch twice). :meth:`wait` settles everything in
 flight, so the step never reads a partial sum.
+
+[Note: gradients changed after their copy]
+Code between backward and ``step()`` may change ``param.grad`` (``clip_grad_norm_``,
+``scaler.unscale_``, an assignment): where the device gradient is kept, the host copy made
+during backward is then stale. Each copy records the gradient tensor and its version
+(torch's in-place counter); :meth:`refresh` copies again every gradient that is not the one
+copied or changed since, before the step reads them. Released gradients (the default) leave
+nothing to change: ``param.grad`` is None until the user assigns one, which is then taken.
 """
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -51,6 +62,7 @@ class GradStream:
         self._inflight: list[tuple[object, list[tuple[int, Tensor | None]]]] = []
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.bytes_moved = 0
+        self._copied: dict[int, tuple] = {}  # i -> (weakref to the param.grad copied, its version)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     @property
@@ -80,11 +92,12 @@ class GradStream:
             return
         t0 = time.perf_counter()
         flat = grad.detach().reshape(-1)
-        if self.valid[i]:
+        if self.valid[i] and not self.keep_device_grads:
             self.host[i].add_(flat)
-        else:
+        else:  # the first gradient, or a kept param.grad that already holds the sum
             self.host[i].copy_(flat)
             self.valid[i] = True
+        self._copied[i] = (weakref.ref(grad), grad._version)
         self.bytes_moved += flat.numel() * flat.element_size()
         if not self.keep_device_grads:
             param.grad = None
@@ -102,7 +115,8 @@ class GradStream:
             self._stream.wait_event(ready)
             for i, grad in self._open.items():
                 flat = grad.detach().reshape(-1)
-                if self.valid[i]:
+                self._copied[i] = (weakref.ref(grad), grad._version)
+                if self.valid[i] and not self.keep_device_grads:
                     scratch = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
                     scratch.copy_(flat, non_blocking=True)
                     copies.append((i, scratch))
@@ -145,6 +159,30 @@ class GradStream:
         return self._inflight[-1][0] if self._inflight else None
 
     # -- step side -----------------------------------------------------------------------------
+    def refresh(self) -> int:
+        """Copy again each ``param.grad`` changed since its copy, or assigned without one (see
+        [Note: gradients changed after their copy]); returns how many were copied."""
+        changed = []
+        for i, p in enumerate(self.params):
+            g = p.grad
+            if g is None:
+                continue
+            entry = self._copied.get(i)
+            if self.valid[i] and entry is not None and entry[0]() is g and g._version == entry[1]:
+                continue
+            changed.append(i)
+        if not changed:
+            return 0
+        self.wait()  # the copies in flight land first: these replace them
+        for i in changed:
+            g = dense(self.params[i].grad)
+            flat = g.detach().reshape(-1)
+            self.host[i].copy_(flat)
+            self.valid[i] = True
+            self._copied[i] = (weakref.ref(g), g._version)
+            self.bytes_moved += flat.numel() * flat.element_size()
+        return len(changed)
+
     def wait(self) -> None:
         """Settle every copy in flight: afterwards the host buffers hold the final sums."""
         if self.is_cuda:
@@ -154,6 +192,7 @@ class GradStream:
     def reset(self, set_to_none: bool) -> None:
         """zero_grad: forget the host gradients (or zero them, like ``set_to_none=False``)."""
         self.wait()
+        self._copied.clear()
         if set_to_none:
             self.valid = [False] * len(self.params)
         else:

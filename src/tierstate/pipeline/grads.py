@@ -157,6 +157,15 @@ class Gradients:
             with self.telemetry.phase("grad_wait"):
                 self.stream.wait()
 
+    def refresh(self) -> bool:
+        """Before a step: host copies of gradients changed (or assigned) after backward copied
+        them are made again (:meth:`GradStream.refresh`); True if any was, so the host copies
+        now hold what ``param.grad`` holds, unscaled by ``scaler.unscale_`` if it ran."""
+        if self.stream is None:
+            return False
+        with self.telemetry.phase("grad_transfer"):
+            return self.stream.refresh() > 0
+
     def host_grad(self, s: Slot) -> Tensor | None:
         """The flat host gradient of ``s`` (streamed, or copied from ``param.grad``), or None."""
         if self.streamed(s):

@@ -93,7 +93,9 @@ class Offload:
             None after backward, so code that reads or changes gradients between backward
             and ``step()`` finds none: ``torch.nn.utils.clip_grad_norm_`` then clips nothing
             and returns 0. Clip with the optimizer's ``max_grad_norm=``, which clips the
-            streamed gradients, or set this to True to keep ``param.grad``).
+            streamed gradients, or set this to True to keep ``param.grad``: a gradient
+            changed after its copy, or assigned, is then copied again before the step, so
+            ``clip_grad_norm_`` and ``scaler.unscale_`` work as with torch's optimizers).
         host_allocator: ``"retain"``: keep host memory that torch frees in the process heap
             for reuse (:func:`tierstate.host_allocator.retain_freed_memory`, process-wide),
             so forward and backward on CPU parameters stop page-faulting (GPT-2 124M fp32 on
