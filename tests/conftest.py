@@ -42,3 +42,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if why is not None and not loaded:
         pytest.exit(f"the native module tierstate._native did not load although {why}: {error}. "
                     "Rebuild it (pip install .) rather than letting its tests skip.", returncode=3)
+
+
+@pytest.fixture
+def tiny_llama():
+    """A factory of small random-init transformers Llamas (``tiny_llama(layers=2)``): hidden 64,
+    MLP 172, 2 heads, vocabulary 128, untied head; skips where transformers is missing."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    def make(layers: int = 2):
+        cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
+                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
+                                       max_position_embeddings=64, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(cfg)
+
+    return make

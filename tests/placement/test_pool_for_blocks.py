@@ -7,7 +7,6 @@ block's 48: 1.30x the floor instead of 1.03x in benchmarks/capacity.py --size 7b
 from __future__ import annotations
 
 import pytest
-import torch
 
 import tierstate as ts
 from tierstate.placement import TierKind
@@ -65,19 +64,11 @@ def test_a_smaller_pool_is_chosen_explicitly_when_the_default_does_not_fit():
     assert offload_from_plan(plan).buffer_count == plan.request.buffer_count
 
 
-def _llama(layers=2):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
-                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
-
-def test_the_planners_pool_bounds_the_optimizers_for_a_streamed_llama(tmp_path):
+def test_the_planners_pool_bounds_the_optimizers_for_a_streamed_llama(tmp_path, tiny_llama):
     """The optimizer counts the records each block's parameters really span; the planner takes
     the largest block over the sub-group size plus one: never less, at most two buffers more."""
-    model = _llama(layers=3)
+    model = tiny_llama(layers=3)
     ws = ts.offload_weights(model, "nvme", nvme_dir=tmp_path / "w")
     sub = 4096
     opt = ts.AdamW(model.parameters(), lr=1e-3, step_in_backward=True,
@@ -100,13 +91,13 @@ def test_the_planners_pool_bounds_the_optimizers_for_a_streamed_llama(tmp_path):
         ws.close()
 
 
-def test_auto_prices_the_blocks_of_the_weights_that_stream(tmp_path):
+def test_auto_prices_the_blocks_of_the_weights_that_stream(tmp_path, tiny_llama):
     """offload="auto" asks the planner with the streamed blocks of the optimizer's parameters
     (tierstate.weights.streamed_blocks): the request's pool is the one the optimizer holds."""
     from tierstate.placement.auto import request_for
     from tierstate.weights import streamed_blocks
 
-    model = _llama(layers=3)
+    model = tiny_llama(layers=3)
     ws = ts.offload_weights(model, "nvme", nvme_dir=tmp_path / "w")
     try:
         params = list(model.parameters())

@@ -184,18 +184,13 @@ def test_a_checkpoint_that_stored_the_master_of_bf16_parameters_loads(tmp_path):
 
 @pytest.mark.parametrize("master", ["bf16_kahan", "bf16_sr"])
 @pytest.mark.parametrize("in_backward", [False, True])
-def test_streamed_bf16_weights_are_their_own_master_bit_for_bit(master, in_backward, tmp_path):
+def test_streamed_bf16_weights_are_their_own_master_bit_for_bit(master, in_backward, tmp_path, tiny_llama):
     """Weights streamed per block (ts.offload_weights, NVMe) are updated in their block's host
     image: there the bf16 image is the master. 6 steps equal the same model with resident
     weights, every parameter and state part, the update after backward and during it."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=3,
-                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
     runs = []
     for streamed in (False, True):
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(cfg).bfloat16()
+        model = tiny_llama(layers=3).bfloat16()
         ws = ts.offload_weights(model, "nvme", nvme_dir=tmp_path / f"w{streamed}") if streamed else None
         opt = ts.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, step_in_backward=in_backward,
                        offload=q8_offload(tmp_path / f"s{streamed}", master, nvme=0.5))

@@ -63,18 +63,10 @@ def test_buffer_count_none_is_the_default_and_bad_values_name_the_fix():
             Offload(buffer_count=bad)
 
 
-def _llama(layers=2):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=layers,
-                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=128,
-                                   max_position_embeddings=64, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
-
 
 @pytest.mark.parametrize("in_backward", [True, False])
-def test_an_optimizer_over_streamed_blocks_sizes_its_pool_from_the_largest_block(tmp_path, in_backward):
-    model = _llama()
+def test_an_optimizer_over_streamed_blocks_sizes_its_pool_from_the_largest_block(tmp_path, in_backward, tiny_llama):
+    model = tiny_llama()
     ws = ts.offload_weights(model, "nvme", nvme_dir=tmp_path / "w")
     sub = 4096
     opt = ts.AdamW(model.parameters(), lr=1e-3, step_in_backward=in_backward,
