@@ -207,10 +207,14 @@ def full_state_dict(opt) -> dict:
     params = [p for g in opt.param_groups for p in g["params"]]
     ids = [i for g in sd["param_groups"] for i in g["params"]]
     slots = {i: store.slot_of(p) for i, p in zip(ids, params)}
+
+    def full(i, st: dict) -> dict:
+        # the parameter's own values only where its compensation completes them (bf16_kahan)
+        own = _own_values(store, slots[i]) if "master.comp" in st and "master" not in st else None
+        return to_full(st, slots[i].local.numel(), f"state of parameter {i}", own)
+
     out = copy.copy(sd)
-    out["state"] = {i: (to_full(st, slots[i].local.numel(), f"state of parameter {i}", _own_values(store, slots[i]))
-                        if is_compressed(st) else st)
-                    for i, st in sd["state"].items()}
+    out["state"] = {i: full(i, st) if is_compressed(st) else st for i, st in sd["state"].items()}
     return out
 
 

@@ -97,11 +97,11 @@ def streamed_blocks(params) -> list[list[Tensor]]:
     tensors = [t for item in params for t in (
         ([item["params"]] if isinstance(item.get("params"), Tensor) else list(item.get("params", ())))
         if isinstance(item, dict) else [item])]
-    blocks: dict[tuple[int, int], list[Tensor]] = {}
+    blocks: dict[tuple, list[Tensor]] = {}
     for p in tensors:
         handle = _registry.get(p) if isinstance(p, Tensor) else None
-        if handle is not None and p.requires_grad:
-            blocks.setdefault((id(handle._streamer), handle.block), []).append(p)
+        if handle is not None and p.requires_grad:  # a streamer hashes by identity, as modules do
+            blocks.setdefault((handle._streamer(), handle.block), []).append(p)
     return list(blocks.values())
 
 
