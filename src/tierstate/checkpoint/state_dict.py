@@ -109,6 +109,9 @@ def _check_parts(store, s, st: dict, saved_id, names: list) -> None:
     expected = [k for n in names for k in (store.quant.codes_key(n), f"{n}.scale")]
     if "master" in st and s.needs_master:
         expected += [k for k in store.dtypes if k.startswith("master")]
+    # any other master part given that this parameter keeps (the compensation of a bf16
+    # parameter that is its own master) is checked too, before anything is written
+    expected += [k for k in store.keys(s) if k.startswith("master") and k in st and k not in expected]
     for key in expected:
         value = st.get(key)
         if value is None:
