@@ -118,24 +118,33 @@ def test_cross_loading_converts_with_a_warning(tmp_path):
         o.close()
 
 
-def test_load_refuses_bad_parts_and_changes_nothing(tmp_path):
+@pytest.mark.parametrize("master", ["bf16_sr", "bf16_kahan"])
+def test_load_refuses_bad_parts_and_changes_nothing(master, tmp_path):
+    """Every part is checked before anything is written. bf16_kahan: the compensation of a bf16
+    parameter that is its own master too (before, a float one was cast to int16, and a short
+    one was refused after the parameters before it had been loaded)."""
     params = _model()
-    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path, "bf16_sr"))
+    opt = ts.AdamW(params, lr=1e-2, offload=_offload(tmp_path, master))
     _train(opt, params, 2)
     sd = copy.deepcopy(opt.state_dict())
     before = copy.deepcopy(opt.state_dict())
-    bad = copy.deepcopy(sd)
-    bad["state"][0]["exp_avg.codes"] = bad["state"][0]["exp_avg.codes"].to(torch.int16)
-    with pytest.raises(TypeError, match=r"'exp_avg.codes' of parameter 0 has dtype torch.int16"):
-        opt.load_state_dict(bad)
-    bad = copy.deepcopy(sd)
-    bad["state"][1]["exp_avg_sq.scale"] = bad["state"][1]["exp_avg_sq.scale"][:-1]
-    with pytest.raises(ValueError, match=r"'exp_avg_sq.scale' of parameter 1 has shape \(3,\); 4 item"):
-        opt.load_state_dict(bad)
+    # (parameter, key, the bad value, the exception, what it must say)
+    cases = [(0, "exp_avg.codes", lambda v: v.to(torch.int16), TypeError, r"has dtype torch.int16"),
+             (1, "exp_avg_sq.scale", lambda v: v[:-1], ValueError, r"has shape \(3,\); 4 item")]
+    if master == "bf16_kahan":
+        for st in sd["state"].values():  # a loadable state, different from the live one
+            st["master.comp"] = torch.zeros_like(st["master.comp"])
+        cases += [(2, "master.comp", lambda v: v.float(), TypeError, r"has dtype torch.float32"),
+                  (2, "master.comp", lambda v: v[:-1], ValueError, r"has shape")]
+    for i, key, spoil, exc, says in cases:
+        bad = copy.deepcopy(sd)
+        bad["state"][i][key] = spoil(bad["state"][i][key])
+        with pytest.raises(exc, match=rf"'{key}' of parameter {i} {says}"):
+            opt.load_state_dict(bad)
     after = opt.state_dict()
     for i in before["state"]:
         for k, v in before["state"][i].items():
-            assert torch.equal(v, after["state"][i][k])
+            assert torch.equal(v, after["state"][i][k]), (i, k)
     opt.close()
 
 
