@@ -104,3 +104,27 @@ def test_matches_the_same_trainer_run_with_torch_adamw(tmp_path, isa):
     torch_losses = [h["loss"] for h in torch_run.state.log_history if "loss" in h]
     assert len(losses) == STEPS
     assert_runs_match(losses, torch_losses, params_of(ours.model), params_of(torch_run.model), exact=isa == "reference")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("cls", [TierstateTrainer, Trainer], ids=["mixin", "callback"])
+def test_a_trainer_clip_that_would_find_no_gradient_is_warned_about(tmp_path, keep, cls):
+    """Trainer's max_grad_norm clips param.grad; the gradient stream (the default on CUDA, here
+    Offload(grad_streaming=True) on the CPU) releases it during backward, so Trainer's clip would
+    silently clip nothing: the mixin and the callback say so at the start, naming the fix. With
+    keep_device_grads=True param.grad is kept and the clip works: no warning."""
+    import warnings
+
+    opt = (ts.AdamW, {"lr": 1e-2, "offload": ts.Offload(grad_streaming=True, keep_device_grads=keep)})
+    trainer = cls(model=tiny_model("gpt2"), args=_args(tmp_path, max_steps=1, max_grad_norm=1.0),
+                  train_dataset=TokenStream(), optimizer_cls_and_kwargs=opt)
+    if cls is Trainer:
+        TierstateCallback.install(trainer)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [w for w in seen if "clips nothing" in str(w.message)]
+    assert bool(ours) == (not keep)
+    if ours:
+        assert "max_grad_norm=1.0" in str(ours[0].message) and "TrainingArguments.max_grad_norm" in str(ours[0].message)
+    assert trainer.optimizer.optimizer.releases_param_grads == (not keep)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,22 @@ METRIC_PREFIX = "tierstate/"
 # Trainer -> AcceleratedOptimizer -> ours); the bound stops a wrapper that refers to itself.
 _WRAPPED_ATTRS = ("optimizer", "_optimizer")
 _MAX_WRAPPING = 8
+
+
+def warn_if_clipping_finds_no_grads(optimizer: Any, clip_value: float | None, setting: str) -> bool:
+    """Warn (and return True) when a framework is set to clip ``param.grad`` (``setting`` =
+    ``clip_value``) but ``optimizer`` is a tierstate optimizer that releases ``param.grad`` after
+    streaming it to the host (:attr:`OffloadOptimizer.releases_param_grads`): the framework's
+    clipping would silently clip nothing."""
+    opt = find_offload_optimizer(optimizer)
+    if opt is None or not clip_value or not opt.releases_param_grads:
+        return False
+    warnings.warn(
+        f"{setting}={clip_value} with a tierstate optimizer that streams gradients to the host during backward "
+        "and releases param.grad: the framework's clip_grad_norm_ finds no gradient and clips nothing. Pass "
+        f"max_grad_norm={clip_value} to the tierstate optimizer (it clips over every tier) and set {setting}=0, "
+        "or keep param.grad with Offload(keep_device_grads=True)", UserWarning, stacklevel=3)
+    return True
 
 
 def find_offload_optimizer(optimizer: Any) -> OffloadOptimizer | None:

@@ -18,8 +18,9 @@ What the glue adds:
 Gradient clipping: Trainer clips with ``accelerator.clip_grad_norm_`` over ``param.grad``, which
 on an accelerator no longer holds the gradients tierstate has streamed to the host. Set
 ``TrainingArguments(max_grad_norm=0)`` and pass ``max_grad_norm=`` to the tierstate optimizer,
-which clips over every tier (its norm is logged as ``tierstate/grad_norm``). On a CPU-only run
-both work.
+which clips over every tier (its norm is logged as ``tierstate/grad_norm``). The mixin and the
+callback warn at the start when Trainer's ``max_grad_norm`` would clip nothing. On a CPU-only
+run both work.
 
 FSDP (``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``, FSDP2 ``fully_shard``):
 Trainer builds the optimizer over the full parameters and Accelerate then swaps them for the
@@ -47,7 +48,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer import SCHEDULER_NAME
 
 from .common import (STATE_DIRNAME, OptimizerMetrics, find_offload_optimizer, has_optimizer_dir,
-                     load_optimizer_dir, save_optimizer_dir)
+                     load_optimizer_dir, save_optimizer_dir, warn_if_clipping_finds_no_grads)
 
 __all__ = ["TierstateCallback", "TierstateTrainer", "TierstateTrainerMixin"]
 
@@ -73,6 +74,9 @@ class TierstateCallback(TrainerCallback):
         callback = cls()
         trainer.callback_handler.callbacks.insert(0, callback)
         return callback
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        warn_if_clipping_finds_no_grads(optimizer, args.max_grad_norm, "TrainingArguments.max_grad_norm")
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if logs is None or optimizer is None:
@@ -147,6 +151,11 @@ class TierstateTrainerMixin:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def create_optimizer(self, *args: Any, **kwargs: Any):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        warn_if_clipping_finds_no_grads(optimizer, self.args.max_grad_norm, "TrainingArguments.max_grad_norm")
+        return optimizer
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         opt = find_offload_optimizer(getattr(self, "optimizer", None))

@@ -125,6 +125,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return self._engine.device
 
     @property
+    def releases_param_grads(self) -> bool:
+        """Whether backward's gradients are copied to host buffers as they are produced and
+        ``param.grad`` is then released (the gradient stream without ``keep_device_grads``:
+        the default for CUDA parameters). Code between backward and ``step()`` then finds
+        ``param.grad`` None: ``torch.nn.utils.clip_grad_norm_`` clips nothing; clip with
+        ``max_grad_norm=``."""
+        grads = self._engine.parts.grads
+        return grads.stream is not None and not grads.keep_device_grads
+
+    @property
     def steps_taken(self) -> int:
         """``step()`` calls so far (kept by checkpoints; telemetry's step index)."""
         return self._counters.steps_taken
