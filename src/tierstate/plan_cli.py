@@ -41,10 +41,10 @@ from dataclasses import replace
 from . import optim
 from .placement.auto import HOST_FRACTION, existing_ancestor
 from .placement.cost_model import BUDGET_NAMES, Kind
+from .placement.defaults import DEFAULT_SUBGROUP_NUMEL
 from .placement.joint import JointPlan, plan_joint
 from .placement.layout import TIER_ORDER
 from .placement.model_spec import ModelSpec, parse_count, resolve_model
-from .placement.defaults import DEFAULT_SUBGROUP_NUMEL
 from .placement.plan_inputs import DTYPE_BYTES, Budgets, Hardware, Placement, PlanError, PlanRequest, gib
 from .placement.planner import Plan, choose, evaluate
 

@@ -58,7 +58,7 @@ def test_cuda_kept_streamed_gradients_accumulate_once_and_honour_clip_grad_norm(
     """keep_device_grads=True: torch accumulates into param.grad across micro-batches, and the
     side stream's copies must replace the host buffer, not add to it; clip_grad_norm_ by hand
     after backward changes param.grad after its copy, and the step must take the clipped
-    values (GradStream.refresh). Before both fixes the CPU twin of this test was 4.6e-2 and
+    values (Gradients.refresh). Before both fixes the CPU twin of this test was 4.6e-2 and
     8.6e-3 off torch (tests/optim/test_step_semantics.py)."""
     model = net(torch.float32)
     opt = ts.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, offload=ts.Offload(keep_device_grads=True))

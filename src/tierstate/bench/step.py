@@ -192,9 +192,8 @@ def _build(n: int, variants: list[str]) -> dict[str, Callable[[], None]]:
         maps, mode = COMPRESSED_VARIANTS[name]
         config = quant.QuantConfig(quant.DEFAULT_BLOCK_SIZE, mode, maps)
         state = config.init_state(torch.randn(n, generator=gen))
-        out = weight_bf16
-        if mode != "fp32":  # the bf16 weight is the master: updated in place, nothing written apart
-            state["master"], out = state["master"].clone(), None
+        # a bf16 master is the bf16 weight itself: updated in place, nothing written apart
+        out = weight_bf16 if mode == "fp32" else None
         steps[name] = (lambda st=state, c=config, o=out: kernels.adam_q8_update(
             st, grad_bf16, o, config=c, step=step_count[0] + 1, **adam_kwargs()))
 

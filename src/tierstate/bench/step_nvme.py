@@ -189,16 +189,17 @@ def _moment_offload(args: argparse.Namespace) -> dict:
 
 def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
     """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
-    optimizer's moments (and fp32 master for bf16 parameters), the NVMe tier's pool (a record:
-    both moments, and the master for bf16 parameters), and the interpreter's own."""
-    dtype, moment = _dtypes(args)
-    master = 4 if dtype != torch.float32 else 0
-    if moment == "q8" and args.master_dtype != "fp32":  # a bf16 master: 2 B, or the bf16 parameter itself
-        own = dtype == torch.bfloat16
-        master = (0 if own else 2) + (2 if args.master_dtype == "bf16_kahan" else 0)
-    per_moment = 1 + 4 / 256 if moment == "q8" else moment.itemsize  # q8: a code and a scale per block
-    record = args.subgroup_numel * (2 * per_moment + master)
-    return int(params * (4 * dtype.itemsize + 2 * per_moment + master) + args.buffer_count * record + _BASE_BYTES)
+    optimizer's state (moments, and a master where the parameters are not their own), the
+    NVMe tier's pool (records of the same state), and the interpreter's own."""
+    from ..placement.defaults import is_own_master, state_bytes_per_element
+    from ..placement.offload import dtype_name
+
+    dtype, _ = _dtypes(args)
+    master = args.master_dtype if args.moment_dtype == "q8" else "fp32"
+    state = sum(state_bytes_per_element(args.moment_dtype, master,
+                                        needs_master=not is_own_master(dtype_name(dtype), master)).values())
+    record = args.subgroup_numel * state
+    return int(params * (4 * dtype.itemsize + state) + args.buffer_count * record + _BASE_BYTES)
 
 
 def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:

@@ -88,7 +88,6 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -97,6 +96,7 @@ from torch import Tensor
 from .. import kernels
 from ..placement import SubGroup
 from ..tiers import Slot
+from . import grad_mark
 from .decision import Scaling
 from .loop import run_subgroups, update_planned
 from .speculation import Speculation
@@ -172,7 +172,7 @@ class BackwardDriver(Speculation):
         self.segments_left: dict[int, int] = {}
         self.passes = 0  # backward passes seen this cycle
         self.sums: dict[int, float] = {}  # trainable index -> its gradient's sum of squares (unscaled)
-        self.versions: dict[int, tuple] = {}  # trainable index -> (its param.grad, version) when taken
+        self.versions: dict[int, tuple] = {}  # trainable index -> its param.grad's mark at its hook (grad_mark)
         self.lives: dict[int, tuple] = {}  # trainable index -> (life, step, master, pending) before prepare
         self.saved: list[int] = []  # sub-groups whose copies hold their state from before this cycle
         self.speculative = self._speculates()
@@ -229,8 +229,7 @@ class BackwardDriver(Speculation):
             self._next_pass(s)
         self.seen.add(s.trainable)
         # what step() compares to learn whether gradients change after their hooks, taken or not
-        g = s.param.grad  # held weakly: a gradient released once applied must be freed
-        self.versions[s.trainable] = (None, None) if g is None else (weakref.ref(g), g._version)
+        self.versions[s.trainable] = grad_mark.mark(s.param.grad)
         if not self._taking():
             return
         landed = None
@@ -503,11 +502,9 @@ class BackwardDriver(Speculation):
             entry = self.versions.get(s.trainable)
             if entry is None:
                 continue  # no hook took it (set by hand): step() reads it as it is
-            ref, version = entry
-            grad = None if ref is None else ref()
             if s.param.grad is None:
                 continue  # released once applied (streamed weights), or dropped: nothing step() reads
-            if s.param.grad is not grad or grad._version != version:
+            if not grad_mark.unchanged(entry, s.param.grad):
                 changed.append(s.trainable)
         return changed
 

@@ -20,21 +20,22 @@ flight, so the step never reads a partial sum.
 [Note: gradients changed after their copy]
 Code between backward and ``step()`` may change ``param.grad`` (``clip_grad_norm_``,
 ``scaler.unscale_``, an assignment): where the device gradient is kept, the host copy made
-during backward is then stale. Each copy records the gradient tensor and its version
-(torch's in-place counter); :meth:`refresh` copies again every gradient that is not the one
-copied or changed since, before the step reads them. Released gradients (the default) leave
-nothing to change: ``param.grad`` is None until the user assigns one, which is then taken.
+during backward is then stale. Each copy records the gradient's mark (:mod:`.grad_mark`:
+the tensor and torch's in-place counter); before the step reads them, :meth:`changed` names
+every gradient that is not the one copied or was changed since and :meth:`copy_again` copies
+it again. Released gradients (the default) leave nothing to change: ``param.grad`` is None
+until the user assigns one, which is then taken.
 """
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from ..tiers import packed_arena
+from . import grad_mark
 
 
 def dense(grad: Tensor) -> Tensor:
@@ -62,7 +63,7 @@ class GradStream:
         self._inflight: list[tuple[object, list[tuple[int, Tensor | None]]]] = []
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.bytes_moved = 0
-        self._copied: dict[int, tuple] = {}  # i -> (weakref to the param.grad copied, its version)
+        self._copied: dict[int, grad_mark.GradMark] = {}  # i -> the mark of the param.grad copied
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     @property
@@ -97,7 +98,7 @@ class GradStream:
         else:  # the first gradient, or a kept param.grad that already holds the sum
             self.host[i].copy_(flat)
             self.valid[i] = True
-        self._copied[i] = (weakref.ref(grad), grad._version)
+        self._copied[i] = grad_mark.mark(grad)
         self.bytes_moved += flat.numel() * flat.element_size()
         if not self.keep_device_grads:
             param.grad = None
@@ -115,7 +116,7 @@ class GradStream:
             self._stream.wait_event(ready)
             for i, grad in self._open.items():
                 flat = grad.detach().reshape(-1)
-                self._copied[i] = (weakref.ref(grad), grad._version)
+                self._copied[i] = grad_mark.mark(grad)
                 if self.valid[i] and not self.keep_device_grads:
                     scratch = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
                     scratch.copy_(flat, non_blocking=True)
@@ -159,29 +160,29 @@ class GradStream:
         return self._inflight[-1][0] if self._inflight else None
 
     # -- step side -----------------------------------------------------------------------------
-    def refresh(self) -> int:
-        """Copy again each ``param.grad`` changed since its copy, or assigned without one (see
-        [Note: gradients changed after their copy]); returns how many were copied."""
-        changed = []
+    def changed(self) -> list[int]:
+        """The parameters whose ``param.grad`` changed since its copy, or was assigned without
+        one (see [Note: gradients changed after their copy])."""
+        out = []
         for i, p in enumerate(self.params):
             g = p.grad
             if g is None:
                 continue
-            entry = self._copied.get(i)
-            if self.valid[i] and entry is not None and entry[0]() is g and g._version == entry[1]:
-                continue
-            changed.append(i)
-        if not changed:
-            return 0
+            seen = self._copied.get(i)
+            if not (self.valid[i] and seen is not None and grad_mark.unchanged(seen, g)):
+                out.append(i)
+        return out
+
+    def copy_again(self, indices: list[int]) -> None:
+        """Replace the host copies of ``indices`` (:meth:`changed`) by their ``param.grad``."""
         self.wait()  # the copies in flight land first: these replace them
-        for i in changed:
+        for i in indices:
             g = dense(self.params[i].grad)
             flat = g.detach().reshape(-1)
             self.host[i].copy_(flat)
             self.valid[i] = True
-            self._copied[i] = (weakref.ref(g), g._version)
+            self._copied[i] = grad_mark.mark(g)
             self.bytes_moved += flat.numel() * flat.element_size()
-        return len(changed)
 
     def wait(self) -> None:
         """Settle every copy in flight: afterwards the host buffers hold the final sums."""

@@ -11,7 +11,6 @@ Three sources, one question (``grad_of``):
 """
 from __future__ import annotations
 
-import weakref
 from typing import Sequence
 
 import torch
@@ -22,6 +21,7 @@ from ..dist import is_dtensor, local_tensor
 from ..placement import Offload
 from ..tiers import Slot
 from ..weights import streamed as weights_of
+from . import grad_mark
 from .grad_stream import GradStream, dense
 
 
@@ -48,7 +48,7 @@ class HookNorms:
     """
 
     def __init__(self, params: dict[int, Tensor]) -> None:
-        self._sums: dict[int, tuple[weakref.ref, int, float]] = {}  # trainable -> (grad, version, sum)
+        self._sums: dict[int, tuple[grad_mark.GradMark, float]] = {}  # trainable -> (the grad's mark, sum)
         self._fired: dict[int, int] = {}
         self.accumulating = False
         # (a frozen parameter cannot be hooked; one unfrozen later is read by the step)
@@ -64,7 +64,7 @@ class HookNorms:
                     or grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not grad.is_contiguous():
                 self._sums.pop(t, None)
                 return
-            self._sums[t] = (weakref.ref(grad), grad._version, kernels.grad_sumsq(grad.detach().reshape(-1)))
+            self._sums[t] = (grad_mark.mark(grad), kernels.grad_sumsq(grad.detach().reshape(-1)))
         return on_grad
 
     def sumsq(self, t: int, param: Tensor, scale: float) -> float | None:
@@ -72,9 +72,9 @@ class HookNorms:
         entry = self._sums.get(t)
         if entry is None:
             return None
-        ref, version, total = entry
+        seen, total = entry
         grad = param.grad
-        if grad is None or ref() is not grad or grad._version != version:
+        if grad is None or not grad_mark.unchanged(seen, grad):
             return None
         return total * (scale * scale)  # as the kernel applies its scale (bit for bit)
 
@@ -159,12 +159,16 @@ class Gradients:
 
     def refresh(self) -> bool:
         """Before a step: host copies of gradients changed (or assigned) after backward copied
-        them are made again (:meth:`GradStream.refresh`); True if any was, so the host copies
+        them are made again (:meth:`GradStream.changed`); True if any was, so the host copies
         now hold what ``param.grad`` holds, unscaled by ``scaler.unscale_`` if it ran."""
         if self.stream is None:
             return False
-        with self.telemetry.phase("grad_transfer"):
-            return self.stream.refresh() > 0
+        changed = self.stream.changed()
+        if not changed:
+            return False
+        with self.telemetry.phase("grad_transfer"):  # only when there is something to copy
+            self.stream.copy_again(changed)
+        return True
 
     def host_grad(self, s: Slot) -> Tensor | None:
         """The flat host gradient of ``s`` (streamed, or copied from ``param.grad``), or None."""

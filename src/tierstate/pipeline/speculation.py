@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..placement import SubGroup
+from . import grad_mark
 from .decision import Scaling
 
 if TYPE_CHECKING:
@@ -100,9 +101,7 @@ class Speculation:
             t = s.trainable
             if t not in self.sums:
                 return None  # a gradient no hook took (set by hand, or a pass not taken)
-            ref, version = self.versions[t]
-            grad = None if ref is None else ref()
-            if s.param.grad is not grad or (grad is not None and grad._version != version):
+            if not grad_mark.unchanged(self.versions[t], s.param.grad):
                 return None  # changed after its hook (scaler.unscale_, clip_grad_norm_, ...)
             sums.append(self.sums[t] * (scaling.inv_scale * scaling.inv_scale))
         if len(sums) != len(self.grads):

@@ -254,15 +254,20 @@ class PlanRequest:
     def state_bytes_per_param(self) -> float:
         return sum(self.state_bytes().values())
 
+    @property
+    def master_bytes_per_param(self) -> float:
+        """The stored master's share of :attr:`state_bytes_per_param` (``master`` and its
+        compensation ``master.comp``)."""
+        return sum(b for key, b in self.state_bytes().items() if key.startswith("master"))
+
     def update_bytes_per_param(self) -> float:
         """Memory traffic of one CPU update of one element (what the kernel reads and writes):
         the gradient, the weight (its master, or the parameter itself where it is its own master,
         with a bf16 one's compensation) and the state read and written, and the rounded
         low-precision weight written beside a stored master."""
         pb = DTYPE_BYTES[self.param_dtype]
-        keys = self.state_bytes()
-        state = sum(b for key, b in keys.items() if not key.startswith("master"))
-        master = sum(b for key, b in keys.items() if key.startswith("master"))
+        master = self.master_bytes_per_param
+        state = self.state_bytes_per_param - master
         if self.needs_master:
             weight, out = master, (pb if self.param_dtype != "fp32" else 0)  # the rounded weight, same pass
         else:

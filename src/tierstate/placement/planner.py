@@ -117,8 +117,7 @@ def _explain_infeasible(req: PlanRequest, budgets: Budgets, allow_device_tier: b
     elif req.moment_dtype == "bf16":
         fixes.append("use 8-bit moments (--moment-dtype q8: 4 B/param of moments -> 2.03)")
     if req.moment_dtype == "q8" and req.master_dtype != "bf16_sr":
-        sr = replace(req, master_dtype="bf16_sr")
-        now, then = (sum(b for k, b in r.state_bytes().items() if k.startswith("master")) for r in (req, sr))
+        now, then = req.master_bytes_per_param, replace(req, master_dtype="bf16_sr").master_bytes_per_param
         if then < now:
             fixes.append(f"use a bf16 master with stochastic rounding (--master-dtype bf16_sr: {now:g} B/param "
                          f"-> {then:g})")
