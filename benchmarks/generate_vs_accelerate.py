@@ -29,7 +29,9 @@ the rest are read from disk for every generated token:
 ``tierstate_int8``     ``tierstate`` with ``compress="int8"``: the offloaded layers' matrices
                        stored group-wise int8 (group 64), about half the bytes read per token.
                        Not the same model: its tokens may differ (``same_tokens`` says), so it
-                       is reported beside the comparison, not as it. Not in the default modes
+                       is reported beside the comparison, not as it, with the disk floor of
+                       its own bytes. Not in the default modes
+``tierstate_int4``     the same with ``compress="int4"``: about 0.28x the bytes of bf16
 =====================  ===================================================================
 
 Each run is a process of its own (this file with ``--worker``); the modes alternate over
@@ -57,7 +59,8 @@ from pathlib import Path
 from tierstate.bench.e2e import modes_option  # the --modes check of bench e2e
 
 
-MODES = ("tierstate", "accelerate_cold", "accelerate_warm", "tierstate_int8")
+MODES = ("tierstate", "accelerate_cold", "accelerate_warm", "tierstate_int8", "tierstate_int4")
+COMPRESSED = {"tierstate_int8": "int8", "tierstate_int4": "int4"}
 
 
 def _config(args):
@@ -97,13 +100,13 @@ def worker(args) -> dict:
     read0 = _io_read_bytes()
     t0 = time.perf_counter()
     stamps = []
-    if args.worker in ("tierstate", "tierstate_int8"):
+    if args.worker == "tierstate" or args.worker in COMPRESSED:
         from tierstate.generate import OffloadedLM
 
         tiers = ["cpu"] * args.ram_layers + ["nvme"] * (L - args.ram_layers)
         lm = OffloadedLM.from_pretrained(folder, weights=tiers, kv="cpu", nvme_dir=Path(args.dir) / "ts-nvme",
                                          micro_batch=args.batch, dtype=dtype,
-                                         compress="int8" if args.worker == "tierstate_int8" else None)
+                                         compress=COMPRESSED.get(args.worker))
         out["load_seconds"] = time.perf_counter() - t0
         read1 = _io_read_bytes()
         t1 = time.perf_counter()
@@ -245,9 +248,15 @@ def main(argv=None) -> int:
             if other != "tierstate":
                 m[other]["tierstate_speedup"] = m["tierstate"]["tokens_per_s_median"] / m[other]["tokens_per_s_median"]
                 m[other]["same_tokens"] = m[other]["tokens_sha1"] == m["tierstate"]["tokens_sha1"]
-    if "tierstate_int8" in m and "accelerate_cold" in m:
-        m["tierstate_int8"]["speedup_over_accelerate_cold"] = (m["tierstate_int8"]["tokens_per_s_median"]
-                                                               / m["accelerate_cold"]["tokens_per_s_median"])
+    for mode in COMPRESSED:
+        if mode not in m:
+            continue
+        stored = statistics.median(r["stats"]["weight_read_bytes"] for r in runs if r["mode"] == mode)
+        steps = statistics.median(r["stats"]["new_tokens_per_sequence"] for r in runs if r["mode"] == mode)
+        m[mode]["disk_floor_tokens_per_s"] = args.batch * steps * disk["read_bytes_per_s"] / stored
+        if "accelerate_cold" in m:
+            m[mode]["speedup_over_accelerate_cold"] = (m[mode]["tokens_per_s_median"]
+                                                       / m["accelerate_cold"]["tokens_per_s_median"])
     summary["runs"] = runs
     text = json.dumps(summary, indent=2)
     if args.json:

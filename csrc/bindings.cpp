@@ -140,6 +140,16 @@ static void bind_kernels(nb::module_& m) {
       },
       "fp32 values of blockwise 8-bit codes (see tierstate.kernels.quant).");
 
+  km.def(
+      "dequantize_groups",
+      [as_dtype](ptr codes, ptr scale, ptr out, int64_t n, int64_t group, int bits, int out_dtype) {
+        const k::DType od = as_dtype(out_dtype);
+        nb::gil_scoped_release release;
+        k::dequantize_groups(reinterpret_cast<const uint8_t*>(codes), reinterpret_cast<const float*>(scale),
+                             reinterpret_cast<void*>(out), n, group, bits, od);
+      },
+      "Group-wise int8 / int4 weight codes times their fp32 scales (see tierstate.generate.compress).");
+
   km.def("available_isas", &k::available_isas, "ISA variants this CPU and build can run, widest first.");
   km.def("current_isa", &k::current_isa, "The ISA variant the kernels use now.");
   km.def("set_isa", &k::set_isa, nb::arg("name"),

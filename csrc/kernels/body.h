@@ -552,6 +552,45 @@ void dequantize_range(const QuantTask& t, int64_t begin, int64_t end) {
   });
 }
 
+// ---- group-wise int8 / int4 weights -----------------------------------------
+// value = float(code) * scale, rounded once into the output dtype: the bits of
+// compress.py's torch path (codes widened to fp32, multiplied in fp32, copied out).
+template <class W>
+inline W group_code(const GroupDequantTask& t, int64_t i) {
+  return t.int4 ? W::load_u4(t.codes, i) - W::set1(8.0f) : W::load_i8(reinterpret_cast<const int8_t*>(t.codes) + i);
+}
+
+template <class W, DType kOut>
+inline void group_span(const GroupDequantTask& t, int64_t i0, int64_t i1, float scale) {
+  const W s = W::set1(scale);
+  for (int64_t i = i0; i < i1; i += W::kWidth) {
+    const W y = group_code<W>(t, i) * s;
+    if constexpr (kOut == DType::kF32) W::store(static_cast<float*>(t.out) + i, y);
+    if constexpr (kOut == DType::kBF16) W::store_bf16(static_cast<uint16_t*>(t.out) + i, y);
+    if constexpr (kOut == DType::kF16) W::store_f16(static_cast<uint16_t*>(t.out) + i, y);
+  }
+}
+
+template <class V, class S, DType kOut>
+void dequantize_groups_typed(const GroupDequantTask& t, int64_t begin, int64_t end) {
+  for (int64_t g0 = begin; g0 < end; g0 += t.group) {
+    const int64_t g1 = std::min(end, g0 + t.group);
+    const int64_t mid = g0 + (g1 - g0) / V::kWidth * V::kWidth;  // even: g0 and kWidth are
+    const float scale = t.scale[g0 / t.group];
+    group_span<V, kOut>(t, g0, mid, scale);
+    group_span<S, kOut>(t, mid, g1, scale);
+  }
+}
+
+template <class V, class S>
+void dequantize_groups_range(const GroupDequantTask& t, int64_t begin, int64_t end) {
+  switch (t.out_dtype) {
+    case DType::kF32: return dequantize_groups_typed<V, S, DType::kF32>(t, begin, end);
+    case DType::kBF16: return dequantize_groups_typed<V, S, DType::kBF16>(t, begin, end);
+    default: return dequantize_groups_typed<V, S, DType::kF16>(t, begin, end);
+  }
+}
+
 // ---- vector body + scalar tail ----------------------------------------------
 template <class V>
 inline int64_t vector_end(int64_t begin, int64_t end) {
@@ -586,7 +625,8 @@ struct KernelSet {
   }
   static const KernelTable* table(const char* name) {
     static const KernelTable t{name, &adam, &lion, &sgd, &adagrad, &sumsq,
-                               &adam_q8_range<V, S>, &quantize_range<V, S>, &dequantize_range<V, S>};
+                               &adam_q8_range<V, S>, &quantize_range<V, S>, &dequantize_range<V, S>,
+                               &dequantize_groups_range<V, S>};
     return &t;
   }
 };

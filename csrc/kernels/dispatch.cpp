@@ -320,6 +320,27 @@ void dequantize_blockwise(const uint8_t* codes, const float* scale, float* out, 
   run_blocks(t, n, table().dequantize);
 }
 
+// Tasks of whole groups, ~64 Ki values each: a 37.7M-value layer makes ~575 tasks, so
+// the two threads share it evenly and a task's 64-192 KiB of codes and output is ~10 us.
+void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int64_t n, int64_t group,
+                       int bits, DType out_dtype) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (group < 2 || group % 2 != 0) throw std::invalid_argument("group must be an even number >= 2");
+  if (n % group != 0) throw std::invalid_argument("n must be a whole number of groups");
+  if (bits != 8 && bits != 4) throw std::invalid_argument("bits must be 8 or 4");
+  if (out_dtype != DType::kF32 && out_dtype != DType::kBF16 && out_dtype != DType::kF16)
+    throw std::invalid_argument("out_dtype must be float32, bfloat16 or float16");
+  if (n == 0) return;
+  if (codes == nullptr || scale == nullptr || out == nullptr)
+    throw std::invalid_argument("codes, scale and out must be non-null");
+  const GroupDequantTask t{codes, scale, out, out_dtype, group, bits == 4};
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 16) / group) * group;
+  const int64_t n_tasks = (n + chunk - 1) / chunk;
+  const auto kernel = table().dequantize_groups;
+  auto body = [&](int64_t i) { kernel(t, i * chunk, std::min(n, (i + 1) * chunk)); };
+  ThreadPool::instance().parallel_for(n_tasks, body);
+}
+
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
   for (const Variant& v : variants())

@@ -122,6 +122,16 @@ struct QuantTask {
   QuantMapRef map;
 };
 
+// Group-wise int8 / int4 weights (tierstate/generate/compress.py) widened to out_dtype.
+struct GroupDequantTask {
+  const uint8_t* codes;  // int8 codes, or int4 codes + 8 packed two per byte (even index low)
+  const float* scale;    // one per group
+  void* out;
+  DType out_dtype;
+  int64_t group;
+  bool int4;
+};
+
 // Each entry processes elements [begin, end) of its task: a vector loop over the
 // widest multiple of the vector width, then the same body over a 1-wide type.
 struct KernelTable {
@@ -135,6 +145,8 @@ struct KernelTable {
   void (*adam_q8)(const AdamQ8Task&, int64_t begin, int64_t end);
   void (*quantize)(const QuantTask&, int64_t begin, int64_t end);
   void (*dequantize)(const QuantTask&, int64_t begin, int64_t end);
+  // [begin, end) on group boundaries.
+  void (*dequantize_groups)(const GroupDequantTask&, int64_t begin, int64_t end);
 };
 
 const KernelTable* scalar_table();

@@ -134,6 +134,14 @@ void quantize_blockwise(const float* x, uint8_t* codes, float* scale, int64_t n,
 void dequantize_blockwise(const uint8_t* codes, const float* scale, float* out, int64_t n,
                           int64_t block_size, const QuantMapRef& map);
 
+// ---- compressed weights for generation ----
+// n values of a matrix quantized group-wise (tierstate/generate/compress.py): bits 8 reads
+// int8 codes, bits 4 reads codes + 8 two per byte (the even index in the low nibble); each
+// group of `group` values (even, n a multiple of it) has one fp32 scale. out (out_dtype:
+// fp32, bf16 or fp16) receives float(code) * scale rounded once to nearest even.
+void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int64_t n, int64_t group,
+                       int bits, DType out_dtype);
+
 // ---- ISA selection and threads ----
 // Variants, widest first: "avx512_bf16" (AVX-512 with native bf16 rounding),
 // "avx512", "avx2", "neon", "scalar".

@@ -3,6 +3,8 @@
 // the CPU and OS support all three.
 #include <immintrin.h>
 
+#include <cstring>
+
 #define TIERSTATE_KERNEL_ISA isa_avx2
 #include "kernels/vec_scalar.h"
 #include "kernels/body.h"
@@ -149,6 +151,18 @@ struct VecAvx2 {
   }
   static VecAvx2 load_i16(const int16_t* p) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static VecAvx2 load_i8(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // 8 nibbles from the 4 bytes at bytes + index / 2 (index even); see the AVX-512 variant.
+  static VecAvx2 load_u4(const uint8_t* bytes, int64_t index) {
+    int32_t word;
+    std::memcpy(&word, bytes + (index >> 1), sizeof(word));
+    const __m128i w = _mm_cvtepu8_epi16(_mm_cvtsi32_si128(word));
+    const __m128i split = _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16(0x000F)),
+                                       _mm_and_si128(_mm_slli_epi16(w, 4), _mm_set1_epi16(0x0F00)));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(split))};
   }
   static void store_i16_rne(int16_t* p, VecAvx2 x) {
     __m256 y = _mm256_and_ps(x.v, _mm256_cmp_ps(x.v, x.v, _CMP_ORD_Q));

@@ -163,6 +163,18 @@ struct VecAvx512 {
   static VecAvx512 load_i16(const int16_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))};
   }
+  static VecAvx512 load_i8(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // 16 nibbles from the 8 bytes at bytes + index / 2 (index even): each byte widened to a
+  // 16-bit lane holds its low nibble in the low byte and its high nibble in the high one,
+  // which is the element order once the 16 bytes widen to 32-bit lanes.
+  static VecAvx512 load_u4(const uint8_t* bytes, int64_t index) {
+    const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + (index >> 1))));
+    const __m128i split = _mm_or_si128(_mm_and_si128(w, _mm_set1_epi16(0x000F)),
+                                       _mm_and_si128(_mm_slli_epi16(w, 4), _mm_set1_epi16(0x0F00)));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(split))};
+  }
   static void store_i16_rne(int16_t* p, VecAvx512 x) {
     __m512 y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, x.v, _CMP_ORD_Q), x.v);
     y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-32768.0f)), _mm512_set1_ps(32767.0f));

@@ -2,6 +2,8 @@
 // conversion, vector sqrt and divide are all part of the base ISA.
 #include <arm_neon.h>
 
+#include <cstring>
+
 #define TIERSTATE_KERNEL_ISA isa_neon
 #include "kernels/vec_scalar.h"
 #include "kernels/body.h"
@@ -93,6 +95,18 @@ struct VecNeon {
     return {vld1q_f32(lanes)};
   }
   static VecNeon load_i16(const int16_t* p) { return {vcvtq_f32_s32(vmovl_s16(vld1_s16(p)))}; }
+  // 4 bytes, not vld1_s8's 8: the last vector of a buffer must not read past its end.
+  static VecNeon load_i8(const int8_t* p) {
+    int32_t word;
+    std::memcpy(&word, p, sizeof(word));
+    const int8x8_t b = vreinterpret_s8_s32(vdup_n_s32(word));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))))};
+  }
+  static VecNeon load_u4(const uint8_t* bytes, int64_t index) {
+    const uint8_t b0 = bytes[index >> 1], b1 = bytes[(index >> 1) + 1];
+    const uint32_t lanes[4] = {b0 & 0x0Fu, static_cast<uint32_t>(b0 >> 4), b1 & 0x0Fu, static_cast<uint32_t>(b1 >> 4)};
+    return {vcvtq_f32_u32(vld1q_u32(lanes))};
+  }
   static void store_i16_rne(int16_t* p, VecNeon x) {
     float lanes[4];
     vst1q_f32(lanes, x.v);

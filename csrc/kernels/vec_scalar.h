@@ -204,6 +204,11 @@ struct VecScalar {
   }
   static VecScalar comp_unit(VecScalar m, bool inverse) { return {comp_unit_one(m.v, inverse)}; }
   static VecScalar load_i16(const int16_t* p) { return {static_cast<float>(*p)}; }
+  static VecScalar load_i8(const int8_t* p) { return {static_cast<float>(*p)}; }
+  // Element `index` of nibbles packed two per byte, the even index in the low nibble.
+  static VecScalar load_u4(const uint8_t* bytes, int64_t index) {
+    return {static_cast<float>((bytes[index >> 1] >> ((index & 1) * 4)) & 0x0F)};
+  }
   static void store_i16_rne(int16_t* p, VecScalar x) { *p = comp_to_i16(x.v); }
   // torch.maximum: NaN if either is NaN.
   static VecScalar max_nan(VecScalar a, VecScalar b) {

@@ -69,6 +69,52 @@ def test_tokens_equal_the_quantized_model(tmp_path, mode, weights, kv):
         assert ratio < (0.28 if mode == "int8" else 0.15)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_groups_that_do_not_divide_the_chunk_quantize_and_dequantize(mode):
+    # group 96 (768 = 8 x 96) does not divide the 4 Mi-value chunk: a chunk used to end inside
+    # a group, and quantize_into / dequantize_into raised on the view (any matrix > 4 Mi values)
+    from tierstate.generate import compress as C
+    from tierstate.kernels import use_isa
+    n = 96 * (C._CHUNK // 96 + 5)
+    w = torch.randn(n).view(-1, 96)
+    vn, sn = C.stored_nbytes(n, mode, 96)
+    values, scales = torch.empty(vn, dtype=torch.uint8), torch.empty(sn // 4, dtype=torch.float32)
+    C.quantize_into(w, values, scales, mode, 96)
+    step = w.abs().amax(-1, keepdim=True) / C._QMAX[mode]
+    for isa in ("reference", "auto"):  # the torch path and the native kernel
+        out = torch.empty_like(w)
+        with use_isa(isa):
+            C.dequantize_into(values, scales, out, mode, 96)
+        assert ((w - out).abs() <= step / 2 + 1e-6).all(), isa
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("group", [64, 66, 6])
+def test_native_dequantization_is_the_torch_path_bit_for_bit_on_every_isa(mode, group):
+    """Every ISA variant of the native kernel writes what the torch path writes, for each
+    output dtype; group 66 has a scalar tail after its vectors (and int4's at an odd byte
+    offset), group 6 is all tail; scales span subnormal to overflowing products."""
+    from tierstate.generate import compress as C
+    from tierstate.kernels import available_isas, use_isa
+    g = torch.Generator().manual_seed(group)
+    n_groups = 1000 + 7
+    n = n_groups * group
+    values = torch.randint(0, 256, (C.stored_nbytes(n, mode, group)[0],), dtype=torch.uint8, generator=g)
+    # finite products (a NaN from 0 x inf may differ in its payload bits); fp16 overflows to inf
+    scales = torch.exp2(torch.randint(-140, 120, (n_groups,), generator=g).float()) * torch.rand(n_groups, generator=g)
+    isas = [i for i in available_isas() if i != "reference"]
+    assert isas, "no native kernel to compare"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want = torch.empty(n, dtype=dtype)
+        C._dequantize_torch(values, scales, want, mode, group)
+        for isa in isas:
+            got = torch.full((n,), float("nan"), dtype=dtype)
+            with use_isa(isa):
+                C.dequantize_into(values, scales, got, mode, group)
+            assert torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (isa, dtype)
+
+
 def test_bad_compress_arguments(tmp_path):
     model = _model()
     model.save_pretrained(tmp_path)

@@ -21,6 +21,11 @@ def quantizable(shape: tuple[int, ...], dtype: torch.dtype, group: int) -> bool:
     return dtype.is_floating_point and len(shape) == 2 and shape[-1] % group == 0
 
 
+def _chunk(group: int) -> int:
+    """Values per chunk: whole groups (a group of 6 or 100 must not straddle two chunks)."""
+    return max(_CHUNK // group, 1) * group
+
+
 def stored_nbytes(numel: int, mode: str, group: int) -> tuple[int, int]:
     """(bytes of the values, bytes of the scales)."""
     values = numel if mode == "int8" else (numel + 1) // 2
@@ -31,8 +36,9 @@ def quantize_into(src: Tensor, values: Tensor, scales: Tensor, mode: str, group:
     """``src`` (any float dtype) -> ``values`` (uint8 bytes) and ``scales`` (float32), chunk by chunk."""
     flat = src.reshape(-1)
     qmax = _QMAX[mode]
-    for start in range(0, flat.numel(), _CHUNK):
-        x = flat[start:start + _CHUNK].float().view(-1, group)
+    chunk = _chunk(group)
+    for start in range(0, flat.numel(), chunk):
+        x = flat[start:start + chunk].float().view(-1, group)
         s = x.abs().amax(dim=1) / qmax
         s = torch.where(s > 0, s, torch.ones_like(s))
         q = torch.round(x / s[:, None]).clamp_(-qmax - (mode == "int4"), qmax).to(torch.int8).view(-1)
@@ -45,17 +51,38 @@ def quantize_into(src: Tensor, values: Tensor, scales: Tensor, mode: str, group:
             values[start // 2:(start + q.numel()) // 2] = u[0::2] | (u[1::2] << 4)
 
 
-def dequantize_into(values: Tensor, scales: Tensor, out: Tensor, mode: str, group: int) -> None:
-    """The inverse of :func:`quantize_into` into ``out`` (the compute dtype), chunk by chunk.
+_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the native kernels' dtype codes
 
-    Each chunk is widened into one float32 buffer, scaled in place and rounded into ``out``:
-    no temporary per step of the arithmetic. A 37.7M-value layer (2 threads, Xeon, medians of
-    7 in three A/B runs): int8 11.3-12.2 ms against 19.4-55.4 ms with a temporary per step,
-    int4 21.4-22.6 ms against 45.3-50.6 ms; the same bits."""
+
+def dequantize_into(values: Tensor, scales: Tensor, out: Tensor, mode: str, group: int) -> None:
+    """The inverse of :func:`quantize_into` into ``out`` (the compute dtype): ``float(code) *
+    scale`` in float32, rounded once into ``out``.
+
+    The native kernel (``tierstate._native.kernels.dequantize_groups``, per ISA, on the
+    kernel thread pool) writes the same bits as the torch path below, which runs without the
+    native module or under ``set_isa("reference")``. A 51.4M-value layer, int8 into bf16, 2
+    threads, Xeon: see benchmarks/README.md ("dequantization of compressed weights")."""
+    from ..kernels.backend import native_kernels  # noqa: PLC0415 - the kernels load lazily
+
+    kernels = native_kernels()
+    code = _OUT_CODES.get(out.dtype)
+    if (kernels is not None and code is not None and out.is_contiguous() and values.is_contiguous()
+            and scales.is_contiguous() and scales.dtype == torch.float32 and values.dtype == torch.uint8):
+        kernels.dequantize_groups(values.data_ptr(), scales.data_ptr(), out.data_ptr(), out.numel(), group,
+                                  8 if mode == "int8" else 4, code)
+        return
+    _dequantize_torch(values, scales, out, mode, group)
+
+
+def _dequantize_torch(values: Tensor, scales: Tensor, out: Tensor, mode: str, group: int) -> None:
+    """:func:`dequantize_into` in torch, chunk by chunk: each chunk is widened into one float32
+    buffer, scaled in place and rounded into ``out`` (no temporary per step of the arithmetic:
+    a 37.7M-value layer took 11.3-12.2 ms against 19.4-55.4 ms with one, int8, Xeon)."""
     flat = out.reshape(-1)
-    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.float32)
-    for start in range(0, flat.numel(), _CHUNK):
-        n = min(_CHUNK, flat.numel() - start)
+    chunk = _chunk(group)
+    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float32)
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
         q = scratch[:n]
         if mode == "int8":
             q.copy_(values[start:start + n].view(torch.int8))
