@@ -3,7 +3,8 @@ model: weights in RAM, weights on NVMe, half and half, weights and KV cache on N
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/generate_plan_accuracy.py [--hidden 1024]
         [--intermediate 2816] [--layers 8] [--dtype bf16] [--batch 8] [--prompt-len 32]
-        [--new-tokens 16] [--micro-batch 4] [--repeats 3] [--dir DIR] [--json out.json]
+        [--new-tokens 16] [--micro-batch 4] [--repeats 3] [--compress int8|int4] [--dir DIR]
+        [--json out.json]
 
 The rates the planner uses are measured first in this process
 (:func:`tierstate.generate.policy.measure_hardware`: the matrix-product rate at the model's
@@ -11,7 +12,8 @@ shapes, the rate weights stream through a matrix-vector product, the O_DIRECT di
 layer call's fixed cost). All four models are loaded, then generate in turn, A B C D A B C D
 ..., so a slow phase of this shared machine lands on every placement; the median of
 ``--repeats`` runs is compared with :func:`tierstate.placement.generate_plan.timing` for the
-same choice. A benchmark, not a CI test: on a 2-core VM shared with other jobs a run can be
+same choice. ``--compress`` stores every placement's layers compressed (the planner then
+prices the stored bytes, the compute buffer and the dequantization). A benchmark, not a CI test: on a 2-core VM shared with other jobs a run can be
 2x slower than the next, which no tolerance absorbs. Pass: every placement within 25 %.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compress", choices=("int8", "int4"))
     p.add_argument("--dir")
     p.add_argument("--json")
     args = p.parse_args(argv)
@@ -90,9 +93,12 @@ def _run(args, base: Path, dtype) -> int:
                                          + ["nvme"] * (L - c.weight_cpu_layers),
                                          kv=["cpu"] * c.kv_cpu_layers + ["nvme"] * (L - c.kv_cpu_layers),
                                          nvme_dir=base / name.replace(" ", "").replace(",", "_"),
-                                         micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches)
+                                         micro_batch=c.micro_batch, num_micro_batches=c.num_micro_batches,
+                                         compress=args.compress)
         models[name] = lm
-        shape = shape_from_config(cfg, torch.empty(0, dtype=dtype).element_size(), [n for _, n in lm.weights.layouts])
+        stored = [n for _, n in lm.weights.stored] if args.compress else None
+        shape = shape_from_config(cfg, torch.empty(0, dtype=dtype).element_size(), [n for _, n in lm.weights.layouts],
+                                  stored)
         secs, _ = timing(shape, wl, hw, c)
         predicted[name] = args.batch * args.new_tokens / secs
         lm.generate(ids[:, :4], max_new_tokens=2, eos_token_id=[], pad_token_id=0)  # warm-up
@@ -110,7 +116,7 @@ def _run(args, base: Path, dtype) -> int:
         med = statistics.median(measured[name])
         rows.append({"placement": name, "predicted_tokens_per_s": predicted[name], "measured_tokens_per_s": med,
                      "runs": measured[name], "error": predicted[name] / med - 1})
-    out = {"hardware": vars(hw), "workload": vars(wl), "rows": rows,
+    out = {"hardware": vars(hw), "workload": vars(wl), "compress": args.compress, "rows": rows,
            "all_within_25_percent": all(abs(r["error"]) <= 0.25 for r in rows)}
     print(f"{'placement':24s} {'predicted':>10s} {'measured':>10s} {'error':>7s}")
     for r in rows:

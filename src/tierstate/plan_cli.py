@@ -158,6 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt (default 128)")
     gen.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     gen.add_argument("--num-micro-batches", type=int, help="fix the micro-batch count (default: searched)")
+    from .generate.cli import add_compress_arguments  # noqa: PLC0415
+
+    add_compress_arguments(gen)
 
 
 def state_keys_of(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:

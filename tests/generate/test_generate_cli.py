@@ -74,3 +74,37 @@ def test_plan_generate_prints_choice_and_rejections(capsys):
     code, out, err = _main(capsys, "plan", "llama-13b", "--generate", "--json", "--host-mem", "12GiB", "--disk", "100GiB")
     plan = json.loads(out)
     assert plan["ram_bytes"] <= 12 << 30 and len(plan["weight_tiers"]) == 40
+
+
+def test_plan_generate_with_compression_keeps_more_layers_in_ram(capsys):
+    args = ("plan", "llama-13b", "--generate", "--json", "--host-mem", "12GiB", "--disk", "100GiB")
+    counts = {}
+    for mode in (None, "int8", "int4"):
+        code, out, err = _main(capsys, *args, *(("--compress", mode) if mode else ()))
+        assert code == 0, err
+        plan = json.loads(out)
+        assert plan["ram_bytes"] <= 12 << 30
+        counts[mode] = plan["weight_tiers"].count("cpu")
+        assert (plan["breakdown"]["ram_parts"]["compute_buffer"] > 0) == (mode is not None)
+    assert counts[None] < counts["int8"] < counts["int4"], counts
+    code, out, err = _main(capsys, "plan", "llama-13b", "--generate", "--compress", "int4", "--host-mem", "12GiB",
+                           "--disk", "100GiB")
+    assert code == 0 and "stored as int4" in out, out + err
+    code, out, err = _main(capsys, *args, "--compress", "int4", "--group", "7")
+    assert code == 2 and "group=7" in err
+
+
+def test_generate_compressed_from_the_command_line(tmp_path):
+    model = tiny("llama")
+    folder = tmp_path / "m"
+    prompts = save_with_tokenizer(model, folder)
+    r = _run("generate", str(folder), "--prompt", prompts[0], "--max-new-tokens", "4", "--weights", "nvme",
+             "--nvme-dir", str(tmp_path / "nv"), "--compress", "int8", "--group", "16", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["stats"]["tokens"] == 4
+    from tierstate.generate import OffloadedLM
+    with OffloadedLM.from_pretrained(folder, weights="nvme", kv="cpu", nvme_dir=tmp_path / "nv2") as full:
+        full.generate(prompts[:1], max_new_tokens=4)
+        # int8 matrices at group 16: 1 + 4/16 bytes per fp32 value's 4
+        assert got["stats"]["weight_read_bytes"] < 0.4 * full.stats()["weight_read_bytes"]

@@ -58,6 +58,56 @@ def test_memory_model_equals_what_offloadedlm_allocates(tmp_path):
             kv.close()
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_memory_model_of_compressed_layers_equals_what_offloadedlm_allocates(tmp_path, mode):
+    """Stored (compressed) layers in RAM and in the NVMe pool, plus the compute buffer the
+    layers are dequantized into: what the planner prices is what the store holds."""
+    from tierstate.generate.weight_store import layer_sizes
+    model = tiny("llama", layers=4)
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    ids, _ = padded_batch()
+    wl = GenerateWorkload(batch=5, prompt_len=ids.shape[1], new_tokens=4)
+    with OffloadedLM.from_pretrained(folder, weights=["cpu", "cpu", "nvme", "nvme"], kv="cpu",
+                                     nvme_dir=tmp_path / "nv", compress=mode, group=16) as lm:
+        full, stored = layer_sizes(lm.adapter.layers, lm.dtype, mode, 16)
+        assert full == [n for _, n in lm.weights.layouts] and stored == [n for _, n in lm.weights.stored]
+        assert all(s < f for s, f in zip(stored, full))
+        shape = shape_from_config(model.config, 4, full, stored)
+        ram, disk, parts = memory(shape, wl, HW, Choice(2, 4, 5, 1))
+        assert parts["weights_in_ram"] == lm.weights.host_nbytes
+        assert parts["weight_pool"] + parts["compute_buffer"] == lm.weights.pool_nbytes
+        assert disk == lm.weights.nvme_nbytes
+
+
+def test_compressed_layers_are_priced_by_their_stored_bytes():
+    """A RAM budget holds more compressed layers than bf16 ones, and the same placement runs
+    faster for the fewer bytes read, but less than in their ratio: the RAM-resident layers are
+    dequantized every step too."""
+    cfg = _llama13b()
+    full = shape_from_config(cfg, 2)
+    ratio = {"int8": 1 / 2 + 4 / 64 / 2, "int4": 1 / 4 + 4 / 64 / 2}  # of bf16, at group 64, matrices only
+    wl = GenerateWorkload(batch=8, prompt_len=32, new_tokens=8)
+    budget = GenerateBudget(ram=12 << 30, disk=64 << 30)
+    base = plan_generate(full, wl, HW, budget)
+    for mode, r in ratio.items():
+        stored = [int(b * r) for b in full.layer_bytes]
+        shape = shape_from_config(cfg, 2, list(full.layer_bytes), stored)
+        plan = plan_generate(shape, wl, HW, budget)
+        assert plan.weight_tiers.count("cpu") > 1.5 * base.weight_tiers.count("cpu"), mode
+        assert plan.ram_bytes <= budget.ram
+        assert plan.breakdown["ram_parts"]["compute_buffer"] == max(full.layer_bytes)
+        # the same placement as the uncompressed plan: faster by the bytes read, not more
+        k = base.weight_tiers.count("cpu")
+        from tierstate.placement.generate_plan import timing
+        c = Choice(k, base.kv_tiers.count("cpu"), base.micro_batch, base.num_micro_batches)
+        t_full, _ = timing(full, wl, HW, c)
+        t_comp, _ = timing(shape, wl, HW, c)
+        assert 1.2 < t_full / t_comp < 1 / r, mode
+    with pytest.raises(ValueError, match="stored_layer_bytes: 3 entries for 40 layers"):
+        shape_from_config(cfg, 2, None, [1, 2, 3])
+
+
 def test_budgets_respected_and_tighter_ram_moves_weights_to_nvme():
     shape = shape_from_config(_llama13b(), 2)
     wl = GenerateWorkload(batch=8, prompt_len=32, new_tokens=8)

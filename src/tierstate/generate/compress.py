@@ -17,6 +17,14 @@ _CHUNK = 1 << 22  # values dequantized at a time: 16 MiB of float32 temporaries 
 _QMAX = {"int8": 127, "int4": 7}
 
 
+def check_options(compress: str | None, group: int) -> None:
+    """ValueError naming the argument when ``compress`` / ``group`` are not a format."""
+    if compress is not None and compress not in MODES:
+        raise ValueError(f"compress={compress!r}: expected None, 'int8' or 'int4'")
+    if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
+        raise ValueError(f"group={group!r}: expected an even int >= 2 (values per quantization scale, e.g. 64)")
+
+
 def quantizable(shape: tuple[int, ...], dtype: torch.dtype, group: int) -> bool:
     return dtype.is_floating_point and len(shape) == 2 and shape[-1] % group == 0
 

@@ -119,7 +119,8 @@ class OffloadedLM:
             compress: ``"int8"`` or ``"int4"``: store the layers' matrices group-wise quantized
                 (``group`` values per float32 scale) in their tiers, dequantized to ``dtype``
                 when a layer is fetched (:mod:`tierstate.generate.compress`); None: as loaded.
-                The planner prices the uncompressed sizes (an upper bound).
+                The planner and ``Offload`` fractions count the stored (compressed) bytes; the
+                planner adds the compute buffer and the dequantization time.
         """
         from transformers import AutoConfig, PreTrainedModel  # noqa: PLC0415
 
@@ -169,14 +170,14 @@ class OffloadedLM:
         if dtype is None:
             first = next(n for n, _ in iter_aliases(model) if n in source and source.spec(n)[0].is_floating_point)
             dtype = source.spec(first)[0]
-        from .weight_store import layer_layout  # noqa: PLC0415
+        from .weight_store import layer_sizes  # noqa: PLC0415
 
-        layer_nbytes = [layer_layout(m, dtype)[1] for m in adapter.layers]
+        layer_nbytes, stored_nbytes = layer_sizes(adapter.layers, dtype, compress, group)
         plan = None
         if weights == "auto" or kv == "auto":
             from .policy import plan_for_model  # noqa: PLC0415
 
-            plan = plan_for_model(config, dtype, layer_nbytes, budget=budget, nvme_dir=nvme_dir,
+            plan = plan_for_model(config, dtype, layer_nbytes, stored_nbytes, budget=budget, nvme_dir=nvme_dir,
                                   micro_batch=micro_batch, num_micro_batches=None if micro_batch is None
                                   else num_micro_batches, workload=workload, hardware=hardware)
             if weights == "auto":
@@ -185,7 +186,7 @@ class OffloadedLM:
                 kv = plan.kv_tiers
             if micro_batch is None:
                 micro_batch, num_micro_batches = plan.micro_batch, plan.num_micro_batches
-        w_tiers = _tiers(weights, layer_nbytes, "weights")
+        w_tiers = _tiers(weights, stored_nbytes or layer_nbytes, "weights")
         kv_tiers = _tiers(kv, [1] * len(layer_nbytes), "kv")
         if nvme_dir is None and isinstance(weights, Offload) and weights.nvme_dir is not None:
             nvme_dir = weights.nvme_dirs[0]

@@ -89,11 +89,28 @@ def measure_hardware(config, dtype: torch.dtype, nvme_dir=None, *, disk_bytes: i
             adapter.run_layer(0, hid, None, pos, pe, LayerCache(kv, kv.clone(), 8))
         call_s = _median_time(call, 20)
         flops, ram_bw = _real_layer_rates(config, shape, dtype, call_s, flops, ram_bw)
+        dequant_bw = _dequant_rate(shape, dtype, reps)
     folder = Path(nvme_dir) if nvme_dir is not None else default_nvme_root()
     disk = measure_disk(folder, disk_bytes, reps=2)
     return GenerateHardware(f"measured now ({dtype}, disk under {folder})", flops=flops, ram_bandwidth=ram_bw,
                             disk_read=disk["read_bytes_per_s"], disk_write=disk["write_bytes_per_s"],
-                            call_seconds=call_s, base_rss=rss_bytes())
+                            call_seconds=call_s, base_rss=rss_bytes(), dequant_bandwidth=dequant_bw)
+
+
+def _dequant_rate(shape, dtype: torch.dtype, reps: int) -> float:
+    """B/s of int8 codes and scales read plus ``dtype`` written by
+    :func:`tierstate.generate.compress.dequantize_into` for one layer's worth of values (at
+    most 64 Mi), group 64; int4 moved the same bytes per second within 5 % (51.4M values,
+    Xeon)."""
+    from . import compress as cq  # noqa: PLC0415
+
+    n = max(64, min(shape.layer_params[0], 64 << 20)) // 64 * 64
+    vn, sn = cq.stored_nbytes(n, "int8", 64)
+    values = torch.randint(0, 256, (vn,), dtype=torch.uint8)
+    scales = torch.rand(sn // 4) * 1e-3
+    out = torch.empty(n, dtype=dtype)
+    secs = _median_time(lambda: cq.dequantize_into(values, scales, out, "int8", 64), reps)
+    return (vn + sn + n * out.element_size()) / max(secs, 1e-9)
 
 
 _PROBE_MICRO_BATCH, _PROBE_PROMPT, _PROBE_CONTEXT = 4, 32, 64
@@ -171,10 +188,12 @@ def saved_hardware() -> GenerateHardware:
                                        base_rss=rss_bytes())
 
 
-def plan_for_model(config, dtype: torch.dtype, layer_nbytes, *, budget=None, nvme_dir=None, micro_batch=None,
-                   num_micro_batches=None, workload: GenerateWorkload | None = None,
+def plan_for_model(config, dtype: torch.dtype, layer_nbytes, stored_nbytes=None, *, budget=None, nvme_dir=None,
+                   micro_batch=None, num_micro_batches=None, workload: GenerateWorkload | None = None,
                    hardware: GenerateHardware | None = None) -> GeneratePlan:
-    shape = shape_from_config(config, torch.empty(0, dtype=dtype).element_size(), layer_nbytes)
+    """The plan for a model whose layers' images are ``layer_nbytes`` (and, compressed,
+    ``stored_nbytes``: :func:`tierstate.generate.weight_store.layer_sizes`)."""
+    shape = shape_from_config(config, torch.empty(0, dtype=dtype).element_size(), layer_nbytes, stored_nbytes)
     return plan_generate(shape, workload or DEFAULT_WORKLOAD, hardware or saved_hardware(),
                          budget if budget is not None else default_budget(nvme_dir),
                          micro_batch=micro_batch, num_micro_batches=num_micro_batches)

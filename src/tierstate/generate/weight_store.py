@@ -82,6 +82,18 @@ def stored_layout(slots: list[Slot], mode: str, group: int) -> tuple[list[Stored
     return out, align_up(max(cursor, 1), PARAM_ALIGN)
 
 
+def layer_sizes(layers: Sequence[torch.nn.Module], dtype: torch.dtype, compress: str | None = None,
+                group: int = 64) -> tuple[list[int], list[int] | None]:
+    """Each layer's image in the compute dtype, and as stored when ``compress`` is given (else
+    None): the sizes the planner prices and the store allocates."""
+    cq.check_options(compress, group)
+    layouts = [layer_layout(m, dtype) for m in layers]
+    full = [n for _, n in layouts]
+    if compress is None:
+        return full, None
+    return full, [stored_layout(slots, compress, group)[1] for slots, _ in layouts]
+
+
 class WeightStore:
     """The layers' weights on their tiers; ``acquire(l)`` gives layer ``l``'s image."""
 
@@ -89,10 +101,7 @@ class WeightStore:
                  nvme_dir: Path | None, prefetch: int = 1, compress: str | None = None, group: int = 64) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
-        if compress is not None and compress not in cq.MODES:
-            raise ValueError(f"compress={compress!r}: expected None, 'int8' or 'int4'")
-        if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
-            raise ValueError(f"group={group!r}: expected an even int >= 2 (values per quantization scale, e.g. 64)")
+        cq.check_options(compress, group)
         self.layers = list(layers)
         self.tiers = list(tiers)
         self.layouts = [layer_layout(m, dtype) for m in self.layers]

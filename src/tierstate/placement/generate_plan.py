@@ -26,10 +26,18 @@ sequence row block, bound by memory bandwidth), which is why fewer, larger micro
 when RAM, not the disk, is the limit. The head (``vocab x hidden``) runs once per
 micro-batch per step the same way. Tokens/s = sequences x new tokens / the rounds' time.
 
+A layer stored compressed (``compress="int8"``/``"int4"``) reads its stored bytes from disk
+and is dequantized once per step into the compute buffer before its micro-batches run: its
+``compute_l`` gains ``(stored_bytes_l + weight_bytes_l) / dequant_bw`` (the codes read and the
+compute dtype written, at the measured rate of the native kernel; ``ram_bw`` when none was
+measured. It moved 17 GB/s of that traffic for a 51.4M-value layer on a 2-vCPU Xeon),
+and its ``io_l`` reads ``stored_bytes_l`` instead of ``weight_bytes_l``.
+
 [Note: the memory model]
 RAM = ``base`` (the process before any weight: Python, torch, transformers; measured)
-+ resident tensors (embeddings, final norm, head) + layers kept in RAM + the NVMe weight pool
-(``prefetch + 1`` buffers of the largest record) + KV records in RAM + the NVMe KV pool
++ resident tensors (embeddings, final norm, head) + layers kept in RAM (their stored bytes)
++ the NVMe weight pool (``prefetch + 1`` buffers of the largest stored record) + with
+compression, the compute buffer (the largest layer in the compute dtype) + KV records in RAM + the NVMe KV pool
 (:func:`kv_pool_records` buffers of the largest record) + activations (the hidden states of the whole round, and one
 micro-batch's largest temporaries at prefill: ``q x (6 hidden + 4 intermediate)`` elements
 and a float32 norm, plus the round's float32 logits) + a runtime constant (first-use imports,
@@ -70,14 +78,29 @@ class GenerateShape:
     layer_bytes: tuple[int, ...]  # each layer's image (its parameters, 64-byte aligned)
     resident_bytes: int  # embeddings, final norm, head (a tied head once)
     dtype_bytes: int
+    # each layer as stored in its tier when compressed (codes, scales, the vectors as they
+    # are); None: as layer_bytes (not compressed)
+    stored_layer_bytes: tuple[int, ...] | None = None
 
     @property
     def layer_params(self) -> tuple[int, ...]:
         return tuple(b // self.dtype_bytes for b in self.layer_bytes)
 
+    @property
+    def compressed(self) -> bool:
+        return self.stored_layer_bytes is not None
 
-def shape_from_config(config, dtype_bytes: int, layer_bytes: Sequence[int] | None = None) -> GenerateShape:
-    """A :class:`GenerateShape` from a transformers GPT-2 or Llama config (arithmetic only)."""
+    @property
+    def stored_bytes(self) -> tuple[int, ...]:
+        """Each layer's bytes in RAM or on disk (the compressed size when compressed)."""
+        return self.stored_layer_bytes if self.stored_layer_bytes is not None else self.layer_bytes
+
+
+def shape_from_config(config, dtype_bytes: int, layer_bytes: Sequence[int] | None = None,
+                      stored_layer_bytes: Sequence[int] | None = None) -> GenerateShape:
+    """A :class:`GenerateShape` from a transformers GPT-2 or Llama config (arithmetic only);
+    ``stored_layer_bytes``: each layer's compressed size
+    (:func:`tierstate.generate.policy.layer_sizes` computes both lists from the model)."""
     mt = getattr(config, "model_type", None)
     if mt == "gpt2":
         h, L, nh = config.n_embd, config.n_layer, config.n_head
@@ -100,8 +123,11 @@ def shape_from_config(config, dtype_bytes: int, layer_bytes: Sequence[int] | Non
         raise ValueError(f"model_type={mt!r}: the generation planner knows gpt2 and llama")
     if layer_bytes is None:
         layer_bytes = [per_layer * dtype_bytes] * L
+    if stored_layer_bytes is not None and len(stored_layer_bytes) != len(layer_bytes):
+        raise ValueError(f"stored_layer_bytes: {len(stored_layer_bytes)} entries for {len(layer_bytes)} layers")
+    stored = None if stored_layer_bytes is None else tuple(int(b) for b in stored_layer_bytes)
     return GenerateShape(mt, L, h, inter, vocab, nh, kvh, hd, tuple(int(b) for b in layer_bytes), int(resident),
-                         dtype_bytes)
+                         dtype_bytes, stored)
 
 
 @dataclass(frozen=True)
@@ -122,6 +148,9 @@ class GenerateHardware:
     disk_write: float
     call_seconds: float  # one layer call's fixed cost
     base_rss: int  # bytes of the process before any weight
+    # B/s of codes read plus compute dtype written when compressed layers are dequantized
+    # (measured by tierstate.generate.policy.measure_hardware); 0: ram_bandwidth
+    dequant_bandwidth: float = 0.0
 
     @classmethod
     def from_rates(cls, hardware, *, call_seconds: float = 3e-4, base_rss: int = 700 << 20) -> "GenerateHardware":
@@ -220,9 +249,10 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
     rows = min(c.micro_batch * c.num_micro_batches, wl.batch)
     sizes = _cut(rows, c.micro_batch)
     max_len = wl.prompt_len + wl.new_tokens
-    host_w = sum(shape.layer_bytes[:k])
-    nvme_records = [_up(b) for b in shape.layer_bytes[k:]]
+    host_w = sum(shape.stored_bytes[:k])
+    nvme_records = [_up(b) for b in shape.stored_bytes[k:]]
     w_pool = min(prefetch + 1, len(nvme_records)) * max(nvme_records, default=0)
+    compute_buffer = max(shape.layer_bytes, default=0) if shape.compressed else 0
     kv_rec = [2 * _up(max_len * kv_row_bytes(shape, mb)) for mb in sizes]
     kv_host = m * sum(kv_rec)
     kv_pool = kv_pool_records(len(sizes), (L - m) * len(sizes)) * max(kv_rec) if m < L else 0
@@ -233,16 +263,16 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
             + c.micro_batch * wl.prompt_len * ((6 * shape.hidden + 4 * shape.intermediate) * e + 4 * shape.hidden)
             + 2 * rows * shape.vocab * 4)
     parts = {"base": hw.base_rss, "resident": shape.resident_bytes, "weights_in_ram": host_w, "weight_pool": w_pool,
-             "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts, "runtime": RUNTIME_OVERHEAD}
+             "compute_buffer": compute_buffer, "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts, "runtime": RUNTIME_OVERHEAD}
     disk = sum(nvme_records) + (L - m) * sum(kv_rec)
     return sum(parts.values()), disk, parts
 
 
-def _layer_classes(shape: GenerateShape, k: int, m: int) -> dict[tuple[int, int, bool, bool], int]:
-    """Layers that cost the same: (bytes, params, weights on NVMe, KV on NVMe) -> how many."""
-    out: dict[tuple[int, int, bool, bool], int] = {}
-    for layer, (wb, params) in enumerate(zip(shape.layer_bytes, shape.layer_params)):
-        key = (wb, params, layer >= k, layer >= m)
+def _layer_classes(shape: GenerateShape, k: int, m: int) -> dict[tuple[int, int, int, bool, bool], int]:
+    """Layers that cost the same: (bytes, stored bytes, params, weights on NVMe, KV on NVMe) -> how many."""
+    out: dict[tuple[int, int, int, bool, bool], int] = {}
+    for layer, (wb, sb, params) in enumerate(zip(shape.layer_bytes, shape.stored_bytes, shape.layer_params)):
+        key = (wb, sb, params, layer >= k, layer >= m)
         out[key] = out.get(key, 0) + 1
     return out
 
@@ -254,8 +284,10 @@ def _step(shape: GenerateShape, hw: GenerateHardware, classes, sizes: list[int],
     for mb in sizes:
         counts[mb] = counts.get(mb, 0) + 1
     total = 0.0
-    for (wb, params, w_nvme, kv_nvme), count in classes.items():
+    for (wb, sb, params, w_nvme, kv_nvme), count in classes.items():
         comp = calls = ram = kv_io = 0.0
+        if shape.compressed:  # dequantized once per step, before the micro-batches
+            comp += (sb + wb) / (hw.dequant_bandwidth or hw.ram_bandwidth)
         for mb, n in counts.items():
             row = kv_row_bytes(shape, mb)
             comp += n * (max(2 * mb * q * params / hw.flops, wb / hw.ram_bandwidth)
@@ -266,7 +298,7 @@ def _step(shape: GenerateShape, hw: GenerateHardware, classes, sizes: list[int],
                 past = T - q
                 kv_io += n * (2 * _up(past * row) / hw.disk_read if past else 0.0)
                 kv_io += n * 2 * (_up(T * row) - (past * row) // RECORD_ALIGN * RECORD_ALIGN) / hw.disk_write
-        w_io = wb / hw.disk_read if w_nvme else 0.0
+        w_io = sb / hw.disk_read if w_nvme else 0.0
         cpu_side, io = comp + calls + ram, w_io + kv_io
         t = max(cpu_side, io) * count
         total += t
