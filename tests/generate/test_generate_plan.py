@@ -159,6 +159,23 @@ def test_auto_follows_the_plan(tmp_path):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_auto_prices_the_read_ahead_it_is_given(tmp_path, prefetch):
+    # the planner priced the default read-ahead's pool whatever prefetch= said
+    model = tiny("gpt2", layers=8)
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    shape = shape_from_config(model.config, 4)
+    ids, _ = padded_batch()
+    wl = GenerateWorkload(5, ids.shape[1], 4)
+    budget = GenerateBudget(ram=memory(shape, wl, HW, Choice(2, 8, 5, 1), prefetch)[0], disk=1 << 30)
+    with OffloadedLM.from_pretrained(folder, weights="auto", kv="cpu", nvme_dir=tmp_path / "nv", budget=budget,
+                                     hardware=HW, workload=wl, prefetch=prefetch) as lm:
+        assert "nvme" in lm.weight_tiers
+        assert lm.plan.breakdown["ram_parts"]["weight_pool"] == lm.weights.pool_nbytes
+        assert lm.weights.pool_nbytes == (prefetch + 1) * max(lm.weights.nvme.record_nbytes.values())
+
+
 def test_rates_are_lowered_to_what_a_real_layer_achieves():
     """measure_hardware's compute rates come down to those of one real layer of the model (a
     prefill and decode steps over copies of it): never above the synthetic probe's, and what the

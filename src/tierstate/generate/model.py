@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..placement.generate_plan import DEFAULT_PREFETCH
 from ..placement.offload import Offload
 from ..weights.homes import split_by_fraction
 from .adapters import build_meta
@@ -83,7 +84,8 @@ class OffloadedLM:
     # -- building ------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model, *, weights="auto", kv="cpu", nvme_dir=None, micro_batch: int | None = None,
-                        num_micro_batches: int = 1, dtype: torch.dtype | None = None, prefetch: int = 1,
+                        num_micro_batches: int = 1, dtype: torch.dtype | None = None,
+                        prefetch: int = DEFAULT_PREFETCH,
                         attn_implementation: str | None = None, tokenizer=None, budget=None, workload=None,
                         hardware=None, compress: str | None = None, group: int = 64) -> "OffloadedLM":
         """Load a causal LM's weights into their tiers, a tensor at a time.
@@ -106,7 +108,8 @@ class OffloadedLM:
             micro_batch: sequences per micro-batch (default: the batch / ``num_micro_batches``).
             num_micro_batches: micro-batches sharing each layer's weights per read.
             dtype: compute and storage dtype of floating weights (default: the checkpoint's).
-            prefetch: NVMe layers read ahead of the one running (>= 1).
+            prefetch: NVMe layers read ahead of the one running (>= 1; default 2: with one,
+                the disk idles between reads, see ``DEFAULT_PREFETCH``).
             attn_implementation: transformers' attention ("sdpa" by default, "eager").
             tokenizer: a tokenizer for string prompts (default: the folder's, when it has one).
             budget: for ``"auto"``: a ``tierstate.placement.generate_plan.GenerateBudget``
@@ -179,7 +182,7 @@ class OffloadedLM:
 
             plan = plan_for_model(config, dtype, layer_nbytes, stored_nbytes, budget=budget, nvme_dir=nvme_dir,
                                   micro_batch=micro_batch, num_micro_batches=None if micro_batch is None
-                                  else num_micro_batches, workload=workload, hardware=hardware)
+                                  else num_micro_batches, workload=workload, hardware=hardware, prefetch=prefetch)
             if weights == "auto":
                 weights = plan.weight_tiers
             if kv == "auto":

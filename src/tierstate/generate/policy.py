@@ -14,8 +14,8 @@ import torch
 
 from ..placement.auto import HOST_FRACTION, existing_ancestor
 from ..placement.defaults import default_nvme_root
-from ..placement.generate_plan import (GenerateBudget, GenerateHardware, GeneratePlan, GenerateWorkload,
-                                       plan_generate, shape_from_config)
+from ..placement.generate_plan import (DEFAULT_PREFETCH, GenerateBudget, GenerateHardware, GeneratePlan,
+                                       GenerateWorkload, plan_generate, shape_from_config)
 
 DEFAULT_WORKLOAD = GenerateWorkload(batch=8, prompt_len=128, new_tokens=32)
 
@@ -190,10 +190,10 @@ def saved_hardware() -> GenerateHardware:
 
 def plan_for_model(config, dtype: torch.dtype, layer_nbytes, stored_nbytes=None, *, budget=None, nvme_dir=None,
                    micro_batch=None, num_micro_batches=None, workload: GenerateWorkload | None = None,
-                   hardware: GenerateHardware | None = None) -> GeneratePlan:
+                   hardware: GenerateHardware | None = None, prefetch: int = DEFAULT_PREFETCH) -> GeneratePlan:
     """The plan for a model whose layers' images are ``layer_nbytes`` (and, compressed,
     ``stored_nbytes``: :func:`tierstate.generate.weight_store.layer_sizes`)."""
     shape = shape_from_config(config, torch.empty(0, dtype=dtype).element_size(), layer_nbytes, stored_nbytes)
     return plan_generate(shape, workload or DEFAULT_WORKLOAD, hardware or saved_hardware(),
                          budget if budget is not None else default_budget(nvme_dir),
-                         micro_batch=micro_batch, num_micro_batches=num_micro_batches)
+                         micro_batch=micro_batch, num_micro_batches=num_micro_batches, prefetch=prefetch)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from .. import io as tio
 from ..placement.defaults import default_nvme_root
+from ..placement.generate_plan import DEFAULT_PREFETCH
 from ..weights.blocks import PARAM_ALIGN, align_up
 from ..weights.homes import RECORD_ALIGN, HostHome, NvmeHome
 from . import compress as cq
@@ -98,7 +99,7 @@ class WeightStore:
     """The layers' weights on their tiers; ``acquire(l)`` gives layer ``l``'s image."""
 
     def __init__(self, layers: Sequence[torch.nn.Module], tiers: Sequence[str], dtype: torch.dtype, *,
-                 nvme_dir: Path | None, prefetch: int = 1, compress: str | None = None, group: int = 64) -> None:
+                 nvme_dir: Path | None, prefetch: int = DEFAULT_PREFETCH, compress: str | None = None, group: int = 64) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
         cq.check_options(compress, group)
