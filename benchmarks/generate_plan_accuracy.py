@@ -13,8 +13,9 @@ layer call's fixed cost). All four models are loaded, then generate in turn, A B
 ..., so a slow phase of this shared machine lands on every placement; the median of
 ``--repeats`` runs is compared with :func:`tierstate.placement.generate_plan.timing` for the
 same choice. ``--compress`` stores every placement's layers compressed (the planner then
-prices the stored bytes, the compute buffer and the dequantization). A benchmark, not a CI test: on a 2-core VM shared with other jobs a run can be
-2x slower than the next, which no tolerance absorbs. Pass: every placement within 25 %.
+prices the stored bytes, the compute buffer and the dequantization). A benchmark, not a CI
+test: on a 2-core VM shared with other jobs a run can be 2x slower than the next, which no
+tolerance absorbs. Pass: every placement within 25 %.
 """
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -44,12 +44,6 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     import torch
-    from transformers import LlamaConfig
-
-    from tierstate.generate import OffloadedLM
-    from tierstate.generate.policy import measure_hardware
-    from tierstate.generate.synthetic import write_random_checkpoint
-    from tierstate.placement.generate_plan import Choice, GenerateWorkload, shape_from_config, timing
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     own = args.dir is None

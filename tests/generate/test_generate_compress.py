@@ -115,6 +115,17 @@ def test_native_dequantization_is_the_torch_path_bit_for_bit_on_every_isa(mode, 
                                want.view(torch.int16 if dtype != torch.float32 else torch.int32)), (isa, dtype)
 
 
+def test_dequantize_refuses_short_codes_or_scales():
+    from tierstate.generate import compress as C
+    out = torch.empty(128)
+    for values, scales in ((torch.zeros(127, dtype=torch.uint8), torch.ones(2)),
+                           (torch.zeros(128, dtype=torch.uint8), torch.ones(1))):
+        with pytest.raises(ValueError, match="need 128 code bytes and 2 scales"):
+            C.dequantize_into(values, scales, out, "int8", 64)
+    with pytest.raises(ValueError, match="in groups of 48"):
+        C.dequantize_into(torch.zeros(128, dtype=torch.uint8), torch.ones(3), out, "int8", 48)
+
+
 def test_bad_compress_arguments(tmp_path):
     model = _model()
     model.save_pretrained(tmp_path)

@@ -99,7 +99,8 @@ class WeightStore:
     """The layers' weights on their tiers; ``acquire(l)`` gives layer ``l``'s image."""
 
     def __init__(self, layers: Sequence[torch.nn.Module], tiers: Sequence[str], dtype: torch.dtype, *,
-                 nvme_dir: Path | None, prefetch: int = DEFAULT_PREFETCH, compress: str | None = None, group: int = 64) -> None:
+                 nvme_dir: Path | None, prefetch: int = DEFAULT_PREFETCH, compress: str | None = None,
+                 group: int = 64) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
         cq.check_options(compress, group)

@@ -17,31 +17,32 @@ per sequence: the prompt at prefill, 1 after), layer ``l`` costs
     io_l      = weight_bytes_l / disk_read                 if the layer's weights are on NVMe
               + sum_j (kv_read_bytes_j / disk_read + kv_write_bytes_j / disk_write)  if its KV is
 
-and the step takes ``sum_l max(compute_l, io_l)``: the next layer's weights and the next
-record of KV are read while this one computes (one ahead), so a layer waits for the slower of
-the two (``prefetch`` layers are read ahead, :data:`DEFAULT_PREFETCH`). ``call`` is the fixed cost of one layer call (Python, transformers' module
-dispatch): ~0.1-0.5 ms, measured, and what makes many tiny micro-batches slow. The weights
-are read from RAM once per micro-batch (a decode step is a matrix-vector product per
-sequence row block, bound by memory bandwidth), which is why fewer, larger micro-batches win
-when RAM, not the disk, is the limit. The head (``vocab x hidden``) runs once per
-micro-batch per step the same way. Tokens/s = sequences x new tokens / the rounds' time.
+and the step takes ``sum_l max(compute_l, io_l)``: the next layers' weights (``prefetch`` of
+them, :data:`DEFAULT_PREFETCH`) and the next layer's KV records are read while this one
+computes, so a layer waits for the slower of the two. ``call`` is the fixed cost of one layer
+call (Python, transformers' module dispatch): ~0.1-0.5 ms, measured, and what makes many
+tiny micro-batches slow. The weights are read from RAM once per micro-batch (a decode step is
+a matrix-vector product per sequence row block, bound by memory bandwidth), which is why
+fewer, larger micro-batches win when RAM, not the disk, is the limit. The head
+(``vocab x hidden``) runs once per micro-batch per step the same way. Tokens/s = sequences x new tokens / the rounds' time.
 
 A layer stored compressed (``compress="int8"``/``"int4"``) reads its stored bytes from disk
 and is dequantized once per step into the compute buffer before its micro-batches run: its
 ``compute_l`` gains ``(stored_bytes_l + weight_bytes_l) / dequant_bw`` (the codes read and the
 compute dtype written, at the measured rate of the native kernel; ``ram_bw`` when none was
-measured. It moved 17 GB/s of that traffic for a 51.4M-value layer on a 2-vCPU Xeon),
+measured. On a 2-vCPU Xeon it moved 17 GB/s of that traffic for a 51.4M-value layer, and
+36-42 GB/s for a 12.8M-value one, which the CPU's 480 MB L3 held),
 and its ``io_l`` reads ``stored_bytes_l`` instead of ``weight_bytes_l``.
 
 [Note: the memory model]
 RAM = ``base`` (the process before any weight: Python, torch, transformers; measured)
 + resident tensors (embeddings, final norm, head) + layers kept in RAM (their stored bytes)
 + the NVMe weight pool (``prefetch + 1`` buffers of the largest stored record) + with
-compression, the compute buffer (the largest layer in the compute dtype) + KV records in RAM + the NVMe KV pool
-(:func:`kv_pool_records` buffers of the largest record) + activations (the hidden states of the whole round, and one
-micro-batch's largest temporaries at prefill: ``q x (6 hidden + 4 intermediate)`` elements
-and a float32 norm, plus the round's float32 logits) + a runtime constant (first-use imports,
-thread pools; measured). Disk = the NVMe weight records + the NVMe KV records.
+compression, the compute buffer (the largest layer in the compute dtype) + KV records in RAM
++ the NVMe KV pool (:func:`kv_pool_records` buffers of the largest record) + activations (the
+hidden states of the whole round, and one micro-batch's largest temporaries at prefill:
+``q x (6 hidden + 4 intermediate)`` elements and a float32 norm, plus the round's float32
+logits) + a runtime constant (first-use imports, thread pools; measured). Disk = the NVMe weight records + the NVMe KV records.
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def shape_from_config(config, dtype_bytes: int, layer_bytes: Sequence[int] | Non
                       stored_layer_bytes: Sequence[int] | None = None) -> GenerateShape:
     """A :class:`GenerateShape` from a transformers GPT-2 or Llama config (arithmetic only);
     ``stored_layer_bytes``: each layer's compressed size
-    (:func:`tierstate.generate.policy.layer_sizes` computes both lists from the model)."""
+    (:func:`tierstate.generate.weight_store.layer_sizes` computes both lists from the model)."""
     mt = getattr(config, "model_type", None)
     if mt == "gpt2":
         h, L, nh = config.n_embd, config.n_layer, config.n_head
@@ -269,7 +270,8 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
             + c.micro_batch * wl.prompt_len * ((6 * shape.hidden + 4 * shape.intermediate) * e + 4 * shape.hidden)
             + 2 * rows * shape.vocab * 4)
     parts = {"base": hw.base_rss, "resident": shape.resident_bytes, "weights_in_ram": host_w, "weight_pool": w_pool,
-             "compute_buffer": compute_buffer, "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts, "runtime": RUNTIME_OVERHEAD}
+             "compute_buffer": compute_buffer, "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts,
+             "runtime": RUNTIME_OVERHEAD}
     disk = sum(nvme_records) + (L - m) * sum(kv_rec)
     return sum(parts.values()), disk, parts
 
