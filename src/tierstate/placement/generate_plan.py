@@ -24,7 +24,8 @@ call (Python, transformers' module dispatch): ~0.1-0.5 ms, measured, and what ma
 tiny micro-batches slow. The weights are read from RAM once per micro-batch (a decode step is
 a matrix-vector product per sequence row block, bound by memory bandwidth), which is why
 fewer, larger micro-batches win when RAM, not the disk, is the limit. The head
-(``vocab x hidden``) runs once per micro-batch per step the same way. Tokens/s = sequences x new tokens / the rounds' time.
+(``vocab x hidden``) runs once per micro-batch per step the same way. Tokens/s = sequences x
+new tokens / the rounds' time.
 
 A layer stored compressed (``compress="int8"``/``"int4"``) reads its stored bytes from disk
 and is dequantized once per step into the compute buffer before its micro-batches run: its
@@ -42,7 +43,8 @@ compression, the compute buffer (the largest layer in the compute dtype) + KV re
 + the NVMe KV pool (:func:`kv_pool_records` buffers of the largest record) + activations (the
 hidden states of the whole round, and one micro-batch's largest temporaries at prefill:
 ``q x (6 hidden + 4 intermediate)`` elements and a float32 norm, plus the round's float32
-logits) + a runtime constant (first-use imports, thread pools; measured). Disk = the NVMe weight records + the NVMe KV records.
+logits) + a runtime constant (first-use imports, thread pools; measured). Disk = the NVMe
+weight records + the NVMe KV records.
 """
 from __future__ import annotations
 
