@@ -7,7 +7,8 @@
 // AArch64, sqrt and division are correctly rounded, the encoder is integer arithmetic), so
 // every output must be bit-identical: codes, scales, dequantized values, the master (fp32,
 // bf16 + int16 compensation, bf16 stochastically rounded) and weight_out, over sizes with
-// partial blocks and scalar tails, at 1 and 2 threads.
+// partial blocks and scalar tails, at 1 and 2 threads; and the group-wise int8 / int4
+// weights of generation (dequantize_groups) into every output dtype.
 //
 // maps.bin: for the dynamic signed, dynamic unsigned, fp8 signed and fp8 unsigned maps:
 // int32 lut_size, lut_shift, lut_base, is_signed, n_thresholds, fp8_mantissa_bits; float top;
@@ -175,6 +176,29 @@ int main(int argc, char** argv) {
             checks += 8;
           }
         }
+      }
+    }
+  }
+  // group-wise int8 / int4 weights (generation), every output dtype; group 66 has a scalar
+  // tail after its vectors (int4's at an odd byte), group 6 is all tail
+  for (int bits : {8, 4}) {
+    for (int64_t group : {64, 66, 6}) {
+      const int64_t n = group * 1007;
+      std::vector<uint8_t> codes(bits == 8 ? n : n / 2);
+      g_state = 7 + group + bits;
+      for (uint8_t& c : codes) c = static_cast<uint8_t>(static_cast<int64_t>(next_float() * 1e6f));  // modulo 256
+      std::vector<float> scales(n / group);
+      for (float& x : scales) x = std::fabs(next_float());
+      for (k::DType dt : {k::DType::kF32, k::DType::kBF16, k::DType::kF16}) {
+        const size_t bytes = static_cast<size_t>(n) * (dt == k::DType::kF32 ? 4 : 2);
+        std::vector<uint8_t> o1(bytes), o2(bytes);
+        k::set_isa("neon");
+        k::dequantize_groups(codes.data(), scales.data(), o1.data(), n, group, bits, dt);
+        k::set_isa("scalar");
+        k::dequantize_groups(codes.data(), scales.data(), o2.data(), n, group, bits, dt);
+        same(o1, o2, "dequantize_groups bits=" + std::to_string(bits) + " group=" + std::to_string(group) +
+                         " dtype=" + std::to_string(static_cast<int>(dt)));
+        ++checks;
       }
     }
   }
