@@ -6,6 +6,7 @@ RAM the planner predicted for its choice (the check: within 10 %).
     python benchmarks/generate_capacity.py --size 13b --dir /mnt/nvme/gen13b --ram-budget 8GiB \\
         [--batch 8] [--prompt-len 32] [--new-tokens 8] [--keep] [--json out.json]
     python benchmarks/generate_capacity.py --size small --dir /tmp/gencap      # the same path, in seconds
+    python benchmarks/generate_capacity.py --size small --dir /tmp/gencap --compress int8   # layers stored int8
 
 Disk: the checkpoint (24.2 GiB at 13B bf16) plus the NVMe records of the layers the planner
 streams (up to the same again) plus the KV records; the script checks the free space first.
@@ -72,7 +73,7 @@ def worker(args) -> dict:
         hardware = measure_hardware(AutoConfig.from_pretrained(folder), torch.bfloat16, Path(args.dir) / "nvme")
     t0 = time.perf_counter()
     lm = OffloadedLM.from_pretrained(folder, weights="auto", kv="auto", nvme_dir=Path(args.dir) / "nvme",
-                                     budget=budget, workload=wl, hardware=hardware)
+                                     budget=budget, workload=wl, hardware=hardware, compress=args.compress)
     load_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, lm.config.vocab_size, (args.batch, args.prompt_len), generator=g)
@@ -104,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--compress", choices=("int8", "int4"), help="store the layers compressed (group 64)")
     p.add_argument("--measure", action="store_true", help="measure the rates now (else the saved probe profile)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint for the next run")
     p.add_argument("--json", help="write the result here")
