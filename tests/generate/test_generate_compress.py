@@ -126,6 +126,22 @@ def test_dequantize_refuses_short_codes_or_scales():
         C.dequantize_into(torch.zeros(128, dtype=torch.uint8), torch.ones(3), out, "int8", 48)
 
 
+@pytest.mark.parametrize("mode", [None, "int8"])
+def test_each_dequantized_layer_takes_the_cores_from_torchs_spinning_workers(tmp_path, monkeypatch, mode):
+    """Once per compressed layer fetched (the dequantization runs right after the previous
+    layer's torch work); never for uncompressed layers, which torch alone computes."""
+    from tierstate.generate import weight_store
+    calls = []
+    real = weight_store.hand_over_cores
+    monkeypatch.setattr(weight_store, "hand_over_cores", lambda: calls.append(1) or real())
+    model = _model()
+    model.save_pretrained(tmp_path / "m")
+    ids, mask = padded_batch()
+    with OffloadedLM.from_pretrained(tmp_path / "m", weights="cpu", kv="cpu", compress=mode) as lm:
+        lm.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=[])
+    assert len(calls) == (3 * 3 if mode else 0)  # 3 layers x 3 steps
+
+
 def test_bad_compress_arguments(tmp_path):
     model = _model()
     model.save_pretrained(tmp_path)

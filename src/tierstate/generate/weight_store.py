@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import io as tio
+from ..kernels.omp_handover import hand_over_cores
 from ..placement.defaults import default_nvme_root
 from ..placement.generate_plan import DEFAULT_PREFETCH
 from ..weights.blocks import PARAM_ALIGN, align_up
@@ -184,6 +185,9 @@ class WeightStore:
         image = self._stored_image(i)
         if not self.compress:
             return image
+        # the layer before ran on torch's OpenMP workers, which still spin: give their cores to
+        # the dequantization (kernels/omp_handover.py; once per layer, not per matrix)
+        hand_over_cores()
         out = self._compute
         for st in self.stored[i][0]:
             s = st.slot

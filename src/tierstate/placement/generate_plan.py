@@ -57,7 +57,7 @@ from .plan_inputs import PlanError, gib
 RECORD_ALIGN = 4096  # the O_DIRECT record alignment of tierstate.weights.homes
 # NVMe layers read ahead of the one running. Two, not one: with a single read in flight the
 # disk idles from each read's end until the next is queued. 16-layer Llama (hidden 2048), 14
-# layers on NVMe, 4 prompts, 24 new tokens, 2-vCPU Xeon, two runs each: bf16 4.22/4.13 ->
+# layers on NVMe, 4 prompts, 24 new tokens, 2-vCPU Xeon, OMP_WAIT_POLICY=PASSIVE, two runs each: bf16 4.22/4.13 ->
 # 4.76/4.67 tokens/s, int8 layers 6.50/6.44 -> 8.73/8.86, int4 11.77/12.09 -> 14.73/14.87;
 # three ahead: int4 15.84/14.43. The cost is one more buffer of the largest stored layer.
 DEFAULT_PREFETCH = 2
