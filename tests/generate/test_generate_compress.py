@@ -126,20 +126,24 @@ def test_dequantize_refuses_short_codes_or_scales():
         C.dequantize_into(torch.zeros(128, dtype=torch.uint8), torch.ones(3), out, "int8", 48)
 
 
-@pytest.mark.parametrize("mode", [None, "int8"])
-def test_each_dequantized_layer_takes_the_cores_from_torchs_spinning_workers(tmp_path, monkeypatch, mode):
-    """Once per compressed layer fetched (the dequantization runs right after the previous
-    layer's torch work); never for uncompressed layers, which torch alone computes."""
+@pytest.mark.parametrize("weights,mode,calls", [("cpu", None, 0), ("cpu", "int8", 9), ("nvme", None, 9),
+                                                ("nvme", "int4", 9)])
+def test_native_work_of_a_layer_takes_the_cores_from_torchs_spinning_workers(tmp_path, monkeypatch, weights, mode,
+                                                                             calls):
+    """Once per layer fetched with native work to do (the CRC-32C of an NVMe record, a
+    dequantization), right after the previous layer's torch work; never for uncompressed
+    layers in RAM, which torch alone computes. 3 layers x 3 steps."""
     from tierstate.generate import weight_store
-    calls = []
+    seen = []
     real = weight_store.hand_over_cores
-    monkeypatch.setattr(weight_store, "hand_over_cores", lambda: calls.append(1) or real())
+    monkeypatch.setattr(weight_store, "hand_over_cores", lambda: seen.append(1) or real())
     model = _model()
     model.save_pretrained(tmp_path / "m")
     ids, mask = padded_batch()
-    with OffloadedLM.from_pretrained(tmp_path / "m", weights="cpu", kv="cpu", compress=mode) as lm:
+    with OffloadedLM.from_pretrained(tmp_path / "m", weights=weights, kv="cpu", compress=mode,
+                                     nvme_dir=tmp_path / "nv") as lm:
         lm.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=0, eos_token_id=[])
-    assert len(calls) == (3 * 3 if mode else 0)  # 3 layers x 3 steps
+    assert len(seen) == calls
 
 
 def test_bad_compress_arguments(tmp_path):

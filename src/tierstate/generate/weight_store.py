@@ -182,12 +182,14 @@ class WeightStore:
     def acquire(self, i: int) -> Tensor:
         """Layer ``i``'s image in the compute layout (read now if no read-ahead brought it;
         dequantized into the compute buffer when the weights are stored compressed)."""
+        if self.compress or self.tiers[i] == "nvme":
+            # the layer before ran on torch's OpenMP workers, which still spin: give their cores
+            # to the native work of this one, the CRC-32C of its record and its dequantization
+            # (kernels/omp_handover.py; once per layer)
+            hand_over_cores()
         image = self._stored_image(i)
         if not self.compress:
             return image
-        # the layer before ran on torch's OpenMP workers, which still spin: give their cores to
-        # the dequantization (kernels/omp_handover.py; once per layer, not per matrix)
-        hand_over_cores()
         out = self._compute
         for st in self.stored[i][0]:
             s = st.slot
