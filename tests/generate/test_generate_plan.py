@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tierstate.generate import OffloadedLM
-from tierstate.placement.generate_plan import (Choice, GenerateBudget, GenerateHardware, GenerateWorkload, PlanError,
-                                               memory, plan_generate, shape_from_config)
+from tierstate.placement.generate_plan import (DEFAULT_PREFETCH, Choice, GenerateBudget, GenerateHardware,
+                                               GenerateWorkload, PlanError, memory, plan_generate, shape_from_config)
 
 from _tiny import padded_batch, tiny
 
@@ -140,15 +140,21 @@ def test_nothing_fits_names_the_need():
         plan_generate(shape, GenerateWorkload(0, 16, 4), HW)
 
 
-def test_auto_follows_the_plan(tmp_path):
+def _budget_for_two_layers_in_ram(tmp_path, prefetch=DEFAULT_PREFETCH):
+    """An 8-layer GPT-2 saved under tmp_path, a workload, and the RAM of two layers in RAM plus
+    the NVMe pool of ``prefetch``: the planner must stream the other six."""
     model = tiny("gpt2", layers=8)
     folder = tmp_path / "m"
     model.save_pretrained(folder)
     shape = shape_from_config(model.config, 4)
     ids, mask = padded_batch()
     wl = GenerateWorkload(5, ids.shape[1], 4)
-    # RAM for two layers and the NVMe pool (two more): half the weights go to NVMe
-    budget = GenerateBudget(ram=memory(shape, wl, HW, Choice(2, 8, 5, 1))[0], disk=1 << 30)
+    budget = GenerateBudget(ram=memory(shape, wl, HW, Choice(2, 8, 5, 1), prefetch)[0], disk=1 << 30)
+    return model, folder, ids, mask, wl, budget
+
+
+def test_auto_follows_the_plan(tmp_path):
+    model, folder, ids, mask, wl, budget = _budget_for_two_layers_in_ram(tmp_path)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, eos_token_id=None)
     with OffloadedLM.from_pretrained(folder, weights="auto", kv="auto", nvme_dir=tmp_path / "nv", budget=budget,
                                      hardware=HW, workload=wl) as lm:
@@ -162,13 +168,7 @@ def test_auto_follows_the_plan(tmp_path):
 @pytest.mark.parametrize("prefetch", [1, 3])
 def test_auto_prices_the_read_ahead_it_is_given(tmp_path, prefetch):
     # the planner priced the default read-ahead's pool whatever prefetch= said
-    model = tiny("gpt2", layers=8)
-    folder = tmp_path / "m"
-    model.save_pretrained(folder)
-    shape = shape_from_config(model.config, 4)
-    ids, _ = padded_batch()
-    wl = GenerateWorkload(5, ids.shape[1], 4)
-    budget = GenerateBudget(ram=memory(shape, wl, HW, Choice(2, 8, 5, 1), prefetch)[0], disk=1 << 30)
+    _, folder, _, _, wl, budget = _budget_for_two_layers_in_ram(tmp_path, prefetch)
     with OffloadedLM.from_pretrained(folder, weights="auto", kv="cpu", nvme_dir=tmp_path / "nv", budget=budget,
                                      hardware=HW, workload=wl, prefetch=prefetch) as lm:
         assert "nvme" in lm.weight_tiers
