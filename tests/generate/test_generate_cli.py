@@ -92,6 +92,8 @@ def test_plan_generate_with_compression_keeps_more_layers_in_ram(capsys):
     assert code == 0 and "stored as int4" in out, out + err
     code, out, err = _main(capsys, *args, "--compress", "int4", "--group", "7")
     assert code == 2 and "group=7" in err
+    code, out, err = _main(capsys, *args, "--group", "32")
+    assert code == 2 and "--group 32: give --compress" in err
 
 
 def test_generate_compressed_from_the_command_line(tmp_path):

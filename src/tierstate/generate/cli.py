@@ -65,7 +65,14 @@ def add_compress_arguments(parser) -> None:
     parser.add_argument("--compress", choices=["int8", "int4"],
                         help="store the layers' matrices group-wise int8 or int4 (about 0.53x / 0.28x of bf16); "
                              "the tokens may differ from the uncompressed model's")
-    parser.add_argument("--group", type=int, default=64, help="values per quantization scale (default 64)")
+    parser.add_argument("--group", type=int, help="values per quantization scale (default 64; with --compress)")
+
+
+def compress_options(args) -> tuple[str | None, int]:
+    """(compress, group) from ``--compress`` / ``--group``; ValueError for a --group without --compress."""
+    if args.group is not None and args.compress is None:
+        raise ValueError(f"--group {args.group}: give --compress int8 or int4 with it")
+    return args.compress, 64 if args.group is None else args.group
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,10 +120,11 @@ def main(args: argparse.Namespace) -> int:
         prompts = _prompts(args)
         weights, kv = _placement(args.weights, "weights"), _placement(args.kv, "kv")
         dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+        compress, group = compress_options(args)
         t0 = time.perf_counter()
         lm = OffloadedLM.from_pretrained(args.model, weights=weights, kv=kv, nvme_dir=args.nvme_dir,
                                          micro_batch=args.micro_batch, num_micro_batches=args.num_micro_batches,
-                                         dtype=dtype, compress=args.compress, group=args.group)
+                                         dtype=dtype, compress=compress, group=group)
     except (ValueError, TypeError) as exc:
         print(f"tierstate generate: {exc}", file=sys.stderr)
         return 2
@@ -174,14 +182,15 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
             raise ValueError("--generate needs MODEL: a folder with config.json or one of " + ", ".join(BUILTIN))
         config = model_config(args.model)
         dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[args.param_dtype or "bf16"]
-        if args.compress:
+        compress, group = compress_options(args)
+        if compress:
             import torch  # noqa: PLC0415
 
             from .adapters import build_meta  # noqa: PLC0415
             from .weight_store import layer_sizes  # noqa: PLC0415
 
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.param_dtype or "bf16"]
-            full, stored = layer_sizes(build_meta(config, None).layers, dtype, args.compress, args.group)
+            full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress, group)
             shape = shape_from_config(config, dtype_bytes, full, stored)
         else:
             shape = shape_from_config(config, dtype_bytes)
