@@ -153,6 +153,13 @@ def test_bad_compress_arguments(tmp_path):
         OffloadedLM.from_pretrained(tmp_path, weights="cpu", kv="cpu", compress="int2")
     with pytest.raises(ValueError, match="group=3"):
         OffloadedLM.from_pretrained(tmp_path, weights="cpu", kv="cpu", compress="int8", group=3)
+    # options that would do nothing are refused, not ignored
+    with pytest.raises(ValueError, match="group=32 applies to compressed layers"):
+        OffloadedLM.from_pretrained(tmp_path, weights="cpu", kv="cpu", group=32)
+    from tierstate.placement.generate_plan import GenerateBudget, GenerateWorkload
+    with pytest.raises(ValueError, match="budget, workload: the planner's inputs"):
+        OffloadedLM.from_pretrained(tmp_path, weights="cpu", kv="nvme", budget=GenerateBudget(ram=1 << 30),
+                                    workload=GenerateWorkload(1, 4, 4))
 
 
 def test_quality_measured():

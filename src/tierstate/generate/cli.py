@@ -68,11 +68,12 @@ def add_compress_arguments(parser) -> None:
     parser.add_argument("--group", type=int, help="values per quantization scale (default 64; with --compress)")
 
 
-def compress_options(args) -> tuple[str | None, int]:
-    """(compress, group) from ``--compress`` / ``--group``; ValueError for a --group without --compress."""
+def compress_options(args) -> tuple[str | None, int | None]:
+    """(compress, group) from ``--compress`` / ``--group`` (None: the default, 64); ValueError
+    for a --group without --compress."""
     if args.group is not None and args.compress is None:
         raise ValueError(f"--group {args.group}: give --compress int8 or int4 with it")
-    return args.compress, 64 if args.group is None else args.group
+    return args.compress, args.group
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +191,7 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
             from .weight_store import layer_sizes  # noqa: PLC0415
 
             dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.param_dtype or "bf16"]
-            full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress, group)
+            full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress, 64 if group is None else group)
             shape = shape_from_config(config, dtype_bytes, full, stored)
         else:
             shape = shape_from_config(config, dtype_bytes)

@@ -87,7 +87,7 @@ class OffloadedLM:
                         num_micro_batches: int = 1, dtype: torch.dtype | None = None,
                         prefetch: int = DEFAULT_PREFETCH,
                         attn_implementation: str | None = None, tokenizer=None, budget=None, workload=None,
-                        hardware=None, compress: str | None = None, group: int = 64) -> "OffloadedLM":
+                        hardware=None, compress: str | None = None, group: int | None = None) -> "OffloadedLM":
         """Load a causal LM's weights into their tiers, a tensor at a time.
 
         Args:
@@ -120,7 +120,8 @@ class OffloadedLM:
                 probe`` profile, else conservative rates; ``tierstate.generate.policy.
                 measure_hardware`` measures them in a few seconds).
             compress: ``"int8"`` or ``"int4"``: store the layers' matrices group-wise quantized
-                (``group`` values per float32 scale) in their tiers, dequantized to ``dtype``
+                (``group`` values per float32 scale, default 64; only with ``compress``) in
+                their tiers, dequantized to ``dtype``
                 when a layer is fetched (:mod:`tierstate.generate.compress`); None: as loaded.
                 The planner and ``Offload`` fractions count the stored (compressed) bytes; the
                 planner adds the compute buffer and the dequantization time.
@@ -130,6 +131,16 @@ class OffloadedLM:
         _positive("micro_batch", micro_batch)
         _positive("num_micro_batches", num_micro_batches, allow_none=False)
         _positive("prefetch", prefetch, allow_none=False)
+        if group is None:
+            group = 64
+        elif compress is None:
+            raise ValueError(f"group={group!r} applies to compressed layers: pass compress='int8' or 'int4' with it")
+        if weights != "auto" and kv != "auto":  # what only the planner reads, given without it
+            planner_inputs = (("budget", budget), ("workload", workload), ("hardware", hardware))
+            given = [n for n, v in planner_inputs if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)}: the planner's inputs, used only with weights='auto' or "
+                                 "kv='auto'; drop them or let the planner choose")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype={dtype!r}: expected a floating torch.dtype (torch.float32, torch.bfloat16) or None")
         if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
