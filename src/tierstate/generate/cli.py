@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from .compress import DEFAULT_GROUP
+
 # built-in shapes for `tierstate plan NAME --generate` (transformers config fields)
 BUILTIN = {
     "gpt2": ("gpt2", {}),
@@ -65,11 +67,11 @@ def add_compress_arguments(parser) -> None:
     parser.add_argument("--compress", choices=["int8", "int4"],
                         help="store the layers' matrices group-wise int8 or int4 (about 0.53x / 0.28x of bf16); "
                              "the tokens may differ from the uncompressed model's")
-    parser.add_argument("--group", type=int, help="values per quantization scale (default 64; with --compress)")
+    parser.add_argument("--group", type=int, help=f"values per quantization scale (default {DEFAULT_GROUP}; with --compress)")
 
 
 def compress_options(args) -> tuple[str | None, int | None]:
-    """(compress, group) from ``--compress`` / ``--group`` (None: the default, 64); ValueError
+    """(compress, group) from ``--compress`` / ``--group`` (None: ``DEFAULT_GROUP``); ValueError
     for a --group without --compress."""
     if args.group is not None and args.compress is None:
         raise ValueError(f"--group {args.group}: give --compress int8 or int4 with it")
@@ -190,8 +192,9 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
             from .adapters import build_meta  # noqa: PLC0415
             from .weight_store import layer_sizes  # noqa: PLC0415
 
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.param_dtype or "bf16"]
-            full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress, 64 if group is None else group)
+            dtype = getattr(torch, DTYPES[args.param_dtype or "bf16"])
+            full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress,
+                                       DEFAULT_GROUP if group is None else group)
             shape = shape_from_config(config, dtype_bytes, full, stored)
         else:
             shape = shape_from_config(config, dtype_bytes)

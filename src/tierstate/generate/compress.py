@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 MODES = ("int8", "int4")
+DEFAULT_GROUP = 64  # values per scale: 1 + 4/64 B per int8 value, 0.5 + 4/64 per int4 one
 _CHUNK = 1 << 22  # values dequantized at a time: 16 MiB of float32 temporaries at most
 _QMAX = {"int8": 127, "int4": 7}
 
@@ -121,7 +122,7 @@ def roundtrip(w: Tensor, mode: str, group: int) -> Tensor:
     return out
 
 
-def quantized_copy(model: torch.nn.Module, layers: torch.nn.ModuleList, mode: str, group: int = 64):
+def quantized_copy(model: torch.nn.Module, layers: torch.nn.ModuleList, mode: str, group: int = DEFAULT_GROUP):
     """A deep copy of ``model`` whose layers' matrices are what a ``compress=mode`` store gives back."""
     import copy  # noqa: PLC0415
 
@@ -136,7 +137,7 @@ def quantized_copy(model: torch.nn.Module, layers: torch.nn.ModuleList, mode: st
 
 
 def quality(model: torch.nn.Module, layers: torch.nn.ModuleList, input_ids: Tensor, mode: str,
-            group: int = 64) -> dict:
+            group: int = DEFAULT_GROUP) -> dict:
     """How far the compressed layers move the model, teacher-forced on ``input_ids``: the largest
     logit error relative to the logits' standard deviation, its mean, and the share of positions
     whose top-1 token is unchanged."""

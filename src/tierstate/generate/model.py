@@ -13,6 +13,7 @@ from ..placement.generate_plan import DEFAULT_PREFETCH
 from ..placement.offload import Offload
 from ..weights.homes import split_by_fraction
 from .adapters import build_meta
+from .compress import DEFAULT_GROUP
 from .kv_store import KVStore
 from .sampling import Sampler
 from .schedule import RoundStats, run_round
@@ -132,7 +133,7 @@ class OffloadedLM:
         _positive("num_micro_batches", num_micro_batches, allow_none=False)
         _positive("prefetch", prefetch, allow_none=False)
         if group is None:
-            group = 64
+            group = DEFAULT_GROUP
         elif compress is None:
             raise ValueError(f"group={group!r} applies to compressed layers: pass compress='int8' or 'int4' with it")
         if weights != "auto" and kv != "auto":  # what only the planner reads, given without it

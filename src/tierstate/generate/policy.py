@@ -100,16 +100,17 @@ def measure_hardware(config, dtype: torch.dtype, nvme_dir=None, *, disk_bytes: i
 def _dequant_rate(shape, dtype: torch.dtype, reps: int) -> float:
     """B/s of int8 codes and scales read plus ``dtype`` written by
     :func:`tierstate.generate.compress.dequantize_into` for one layer's worth of values (at
-    most 64 Mi), group 64; int4 moved the same bytes per second within 5 % (51.4M values,
+    most 64 Mi), at the default group; int4 moved the same bytes per second within 5 % (51.4M values,
     Xeon)."""
     from . import compress as cq  # noqa: PLC0415
 
-    n = max(64, min(shape.layer_params[0], 64 << 20)) // 64 * 64
-    vn, sn = cq.stored_nbytes(n, "int8", 64)
+    g = cq.DEFAULT_GROUP
+    n = max(g, min(shape.layer_params[0], 64 << 20)) // g * g
+    vn, sn = cq.stored_nbytes(n, "int8", g)
     values = torch.randint(0, 256, (vn,), dtype=torch.uint8)
     scales = torch.rand(sn // 4) * 1e-3
     out = torch.empty(n, dtype=dtype)
-    secs = _median_time(lambda: cq.dequantize_into(values, scales, out, "int8", 64), reps)
+    secs = _median_time(lambda: cq.dequantize_into(values, scales, out, "int8", g), reps)
     return (vn + sn + n * out.element_size()) / max(secs, 1e-9)
 
 

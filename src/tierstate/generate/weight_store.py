@@ -85,7 +85,7 @@ def stored_layout(slots: list[Slot], mode: str, group: int) -> tuple[list[Stored
 
 
 def layer_sizes(layers: Sequence[torch.nn.Module], dtype: torch.dtype, compress: str | None = None,
-                group: int = 64) -> tuple[list[int], list[int] | None]:
+                group: int = cq.DEFAULT_GROUP) -> tuple[list[int], list[int] | None]:
     """Each layer's image in the compute dtype, and as stored when ``compress`` is given (else
     None): the sizes the planner prices and the store allocates."""
     cq.check_options(compress, group)
@@ -101,7 +101,7 @@ class WeightStore:
 
     def __init__(self, layers: Sequence[torch.nn.Module], tiers: Sequence[str], dtype: torch.dtype, *,
                  nvme_dir: Path | None, prefetch: int = DEFAULT_PREFETCH, compress: str | None = None,
-                 group: int = 64) -> None:
+                 group: int = cq.DEFAULT_GROUP) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
         cq.check_options(compress, group)
