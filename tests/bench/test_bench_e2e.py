@@ -177,6 +177,29 @@ def test_fp32_precision_refuses_bf16_parameter_modes(capsys, tmp_path):
     assert "cpu_bf16" in err and "--precision bf16" in err
 
 
+@pytest.mark.parametrize("slowdown", [1.0, 56.0])  # a CPU with bf16 matrix units, and one without (AVX2 only)
+@pytest.mark.parametrize("modes, want", [
+    ("torch,cpu", {1.0: "bf16", 56.0: "fp32"}),
+    ("cpu_bf16_bwd,nvme_bf16_bwd", {1.0: "bf16", 56.0: "bf16"}),  # named bf16-parameter modes settle auto to bf16
+    (None, {1.0: "bf16", 56.0: "fp32"}),
+])
+def test_auto_precision_runs_the_modes_asked_for(monkeypatch, tmp_path, capsys, slowdown, modes, want):
+    # Regression: on a CPU without bf16 matrix units, `--modes cpu_bf16_bwd` (the README's command)
+    # with the default --precision auto exited 2, auto having settled on fp32, which rules them out.
+    from tierstate.placement import probe
+
+    monkeypatch.setattr(probe, "bf16_matmul_slowdown", lambda *a, **k: slowdown)
+    args = _parse(["--tiny", "--nvme-dir", str(tmp_path)] + (["--modes", modes] if modes else []))
+    assert e2e.prepare(args) is None
+    assert args.precision == want[slowdown]
+    if modes:
+        assert args.modes == modes.split(",")
+    else:
+        assert bool(set(args.modes) & set(e2e.BF16_PARAM_MODES)) == (want[slowdown] == "bf16")
+    out = capsys.readouterr().out
+    assert ("precision:" in out) == (slowdown > 4)  # the pick is explained where the CPU is slow at bf16
+
+
 def test_bf16_slowdown_probe_is_a_positive_ratio():
     from tierstate.placement.probe import bf16_matmul_slowdown
 

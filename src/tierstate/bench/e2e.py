@@ -356,7 +356,11 @@ def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
 
 
 def resolve_precision(args: argparse.Namespace) -> str | None:
-    """Settle ``args.precision`` ("auto" -> "bf16" or "fp32"); returns what to tell the user, if anything."""
+    """Settle ``args.precision`` ("auto" -> "bf16" or "fp32"); returns what to tell the user, if anything.
+
+    "auto" is bf16 where this CPU runs bf16 matmuls fast, else fp32, except that modes named in
+    ``--modes`` which train bf16 parameters settle it to bf16 anyway: the user asked for them by
+    name, and fp32 would rule them out (refusing them was the old behaviour)."""
     if args.precision != "auto":
         return None
     from ..placement.probe import SLOW_BF16_FACTOR, bf16_matmul_slowdown
@@ -365,6 +369,12 @@ def resolve_precision(args: argparse.Namespace) -> str | None:
     if slowdown <= SLOW_BF16_FACTOR:
         args.precision = "bf16"
         return None
+    asked = [m for m in (args.modes or []) if m in BF16_PARAM_MODES]
+    if asked:
+        args.precision = "bf16"
+        return (f"precision: bf16 (auto, for --modes {', '.join(asked)}, which train bf16 parameters): a bf16 "
+                f"matmul runs {slowdown:.0f}x slower than an fp32 one on this CPU (no bf16 matrix units), so "
+                "forward and backward time oneDNN's fallback; the optimizer step is timed as it runs anywhere")
     args.precision = "fp32"
     return (f"precision: fp32 (auto): a bf16 matmul runs {slowdown:.0f}x slower than an fp32 one on this CPU "
             "(no bf16 matrix units), so bf16 autocast would time oneDNN's fallback, not training; "

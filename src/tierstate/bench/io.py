@@ -131,11 +131,11 @@ def _engine_method(backend: str, path: str, size: int, args, buf, label: str = "
 def _page_note(buf, huge_pages: bool) -> str:
     """Which pages back ``buf`` (from tierstate.io.aligned_empty, asked for huge pages or not):
     a direct request over 4 KiB pages is split at the device's segment limit, so this moves
-    the figures a lot."""
+    the figures a lot. Asks the kernel (smaps' THPeligible) rather than trusting the request."""
     import tierstate.io as tio
 
     page = tio.huge_page_size()
-    huge = huge_pages and page > 0 and buf.numel() >= page
+    huge = huge_pages and page > 0 and buf.numel() >= page and tio.huge_page_eligible(buf.data_ptr())
     return "huge-page buffer" if huge else "4 KiB-page buffer"
 
 

@@ -57,8 +57,11 @@ def _sole_owner(param: Tensor, nbytes: int) -> bool:
 def move_to_huge_pages(param: Tensor) -> bool:
     """Give a CPU parameter fresh storage on transparent huge pages, its values copied (True), or
     leave it as it is (False): where huge pages would not cover it (smaller than one huge page,
-    no THP, no native module), where it is already huge-page aligned, or where its storage is
-    not its own (a view, or a storage it shares), since other tensors would keep the old values.
+    no THP, no native module), where it already starts a huge page of memory the kernel may back
+    with them (moved before, or THP "always"), or where its storage is not its own (a view, or a
+    storage it shares), since other tensors would keep the old values. Alignment alone is not
+    enough: torch's allocator placed a 4 MiB embedding on a 2 MiB boundary of the plain heap,
+    which under THP "madvise" stays on 4 KiB pages (see :func:`tierstate.io.huge_page_eligible`).
 
     [Note: an fp32 host parameter is its own master, so it moves]
     An fp32 parameter on the CPU is updated in place by the host step: 8 of the 28 B/param the
@@ -76,9 +79,11 @@ def move_to_huge_pages(param: Tensor) -> bool:
     """
     page = tio.huge_page_size() if tio.engine_available() else 0
     nbytes = param.numel() * param.element_size()
-    if (page <= 0 or nbytes < page or param.device.type != "cpu" or param.data_ptr() % page == 0
+    if (page <= 0 or nbytes < page or param.device.type != "cpu"
             or not param.is_contiguous() or param.storage_offset() != 0 or not _sole_owner(param, nbytes)):
         return False
+    if param.data_ptr() % page == 0 and tio.huge_page_eligible(param.data_ptr()):
+        return False  # the aligned case is rare (a moved parameter): only it pays for reading smaps
     home = tio.aligned_empty(nbytes, page).view(param.dtype).view(param.shape)
     home.copy_(param.detach())
     param.data = home
