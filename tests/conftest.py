@@ -34,6 +34,42 @@ def _native_expected() -> str | None:
     return f"the install of {pkg} lists {listed[0]}" if listed else None
 
 
+# [Note: the suite runs on every core, one torch thread per worker]
+# `pytest` runs the suite in pytest-xdist workers, one per CPU (at most 4: a few tests hold
+# several GiB, and 24 GiB is this kind of machine's memory), each file whole on one worker
+# (--dist loadfile, so a module's expensive fixture runs once). Most of the suite's time is
+# subprocesses importing torch and waiting on them, which two workers overlap: on a 2-vCPU AMD
+# EPYC on 2026-12-03 the suite took 1588 s serially and 939 s in two workers. Each worker's torch
+# keeps cores / workers intra-op threads: with two workers of two OpenMP threads each, their
+# spinning workers took turns on the two cores and tests/generate/test_generate_parity.py went
+# from 5 s to 69 s. `pytest -p no:xdist` (or `-n 0`) runs it serially, in one process.
+MAX_WORKERS = 4
+
+
+def _cpus() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    # xdist's own "auto" counts physical cores through psutil: 1 on a 2-vCPU VM, which is no parallelism
+    return max(1, min(_cpus(), MAX_WORKERS))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, _cpus() // workers))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     from tierstate._native_loader import native_status
 

@@ -1,4 +1,5 @@
 """offload="auto": the planner's choice at construction, logged with its reason."""
+import copy
 import json
 import logging
 
@@ -13,11 +14,17 @@ from tierstate.placement.auto import choose_offload
 ADAMW_KEYS = tuple(spec.name for spec in ts.AdamW.rule.state_specs(ts.AdamW.rule.defaults()))
 
 
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """This machine's real (quick) rates, measured once for the module (~11 s on 2 cores)."""
+    return probe.run_probe([str(tmp_path_factory.mktemp("disk"))], quick=True)
+
+
 @pytest.fixture
-def profile(tmp_path, monkeypatch):
+def profile(measured, tmp_path, monkeypatch):
     """A saved profile with this machine's real (quick) rates, where auto looks for it."""
     path = tmp_path / "hw.json"
-    probe.save_profile(probe.run_probe([str(tmp_path / "disk")], quick=True), path)
+    probe.save_profile(copy.deepcopy(measured), path)
     monkeypatch.setenv("TIERSTATE_PROFILE", str(path))
     monkeypatch.setenv("TIERSTATE_NVME_DIR", str(tmp_path / "nvme"))
     return path
