@@ -38,11 +38,13 @@ def _native_expected() -> str | None:
 # `pytest` runs the suite in pytest-xdist workers, one per CPU (at most 4: a few tests hold
 # several GiB, and 24 GiB is this kind of machine's memory), each file whole on one worker
 # (--dist loadfile, so a module's expensive fixture runs once). Most of the suite's time is
-# subprocesses importing torch and waiting on them, which two workers overlap: on a 2-vCPU AMD
-# EPYC on 2026-12-03 the suite took 1588 s serially and 939 s in two workers. Each worker's torch
+# subprocesses importing torch and waiting on them, which two workers overlap. Each worker's torch
 # keeps cores / workers intra-op threads: with two workers of two OpenMP threads each, their
 # spinning workers took turns on the two cores and tests/generate/test_generate_parity.py went
-# from 5 s to 69 s. `pytest -p no:xdist` (or `-n 0`) runs it serially, in one process.
+# from 5 s to 69 s. On a 2-vCPU AMD EPYC on 2026-12-03, one run after the other: 1588 s in one
+# process, 939 s in two workers of two torch threads, 677 s in two workers of one (a clean
+# clone's .ci/run then took 1048 s in all, pytest 794 s of it with the NEON checks under qemu).
+# `pytest -p no:xdist` (or `-n 0`) runs it in one process.
 MAX_WORKERS = 4
 
 
