@@ -58,7 +58,8 @@ def _cpus() -> int:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    # xdist's own "auto" counts physical cores through psutil: 1 on a 2-vCPU VM, which is no parallelism
+    # xdist's own "auto" counts physical cores (psutil): half the vCPUs where a VM presents them as
+    # SMT siblings, and all of the machine's under taskset; this counts the CPUs the run may use
     return max(1, min(_cpus(), MAX_WORKERS))
 
 
