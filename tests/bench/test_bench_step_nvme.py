@@ -45,16 +45,16 @@ def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(t
         assert d[key] == pytest.approx(statistics.median(p[key] for p in d["per_probe"])) and d[key] > 0
     # each step against the mean of the probes before and after it
     assert len(r["per_step"]) == 3
-    for i, step in enumerate(r["per_step"]):
+    for i, timed in enumerate(r["per_step"]):
         around = {k: (d["per_probe"][i][k] + d["per_probe"][i + 1][k]) / 2 for k in d["per_probe"][i]}
         serial = r["read_bytes_per_step"][i] / (around["read_gbps"] * 1e9) \
             + r["write_bytes_per_step"][i] / (around["write_gbps"] * 1e9)
         mixed = (r["read_bytes_per_step"][i] + r["write_bytes_per_step"][i]) / (around["mixed_gbps"] * 1e9)
-        assert step["io_s"] == pytest.approx(min(serial, mixed))
-        assert step["floor_s"] == max(step["io_s"], r["cpu_steps_s"][i])
-        assert step["nvme_s"] == r["nvme_steps_s"][i]
-        assert step["ratio"] == pytest.approx(step["nvme_s"] / step["floor_s"])
-    assert r["ratio"] == pytest.approx(statistics.median(step["ratio"] for step in r["per_step"]))
+        assert timed["io_s"] == pytest.approx(min(serial, mixed))
+        assert timed["floor_s"] == max(timed["io_s"], r["cpu_steps_s"][i])
+        assert timed["nvme_s"] == r["nvme_steps_s"][i]
+        assert timed["ratio"] == pytest.approx(timed["nvme_s"] / timed["floor_s"])
+    assert r["ratio"] == pytest.approx(statistics.median(timed["ratio"] for timed in r["per_step"]))
     # the same at the medians
     serial = r["read_bytes"] / (d["read_gbps"] * 1e9) + r["write_bytes"] / (d["write_gbps"] * 1e9)
     assert r["io_serial_s"] == pytest.approx(serial)

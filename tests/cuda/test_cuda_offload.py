@@ -35,7 +35,6 @@ def test_cuda_adamw_matches_fp32_reference(dtype: torch.dtype, micro_batches: in
     for _ in range(7):
         x = torch.randn(8 * micro_batches, 2048, generator=gen)
         opt.zero_grad()
-        grads = [torch.zeros_like(m) for m in masters]
         for xm in x.chunk(micro_batches):
             model(xm.to("cuda", dtype)).float().pow(2).mean().div(micro_batches).backward()
             assert all(p.grad is None for p in model.parameters()), "device grads are released once copied"
