@@ -10,6 +10,7 @@ to load it ends the run with an error before any test.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pytest
@@ -49,8 +50,6 @@ MAX_WORKERS = 4
 
 
 def _cpus() -> int:
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -64,8 +63,6 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    import os
-
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         import torch

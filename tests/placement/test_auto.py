@@ -1,5 +1,4 @@
 """offload="auto": the planner's choice at construction, logged with its reason."""
-import copy
 import json
 import logging
 
@@ -24,7 +23,7 @@ def measured(tmp_path_factory):
 def profile(measured, tmp_path, monkeypatch):
     """A saved profile with this machine's real (quick) rates, where auto looks for it."""
     path = tmp_path / "hw.json"
-    probe.save_profile(copy.deepcopy(measured), path)
+    probe.save_profile(measured, path)  # writes it, changes nothing
     monkeypatch.setenv("TIERSTATE_PROFILE", str(path))
     monkeypatch.setenv("TIERSTATE_NVME_DIR", str(tmp_path / "nvme"))
     return path

@@ -49,21 +49,23 @@ def huge_page_eligible(address: int) -> bool:
     torch's allocator can return a 2 MiB-aligned address on the plain heap. False where the
     kernel reports no such field (no THP, not Linux) or no mapping holds ``address``.
 
-    Reads the mappings up to the one found: 1.3-3.4 ms in a process with torch and transformers
+    Reads the mappings up to the one found: 1.1-3.5 ms in a process with torch and transformers
     imported (521 mappings; 2-vCPU AMD EPYC, 2026-12-03). Call it for the rare case (an aligned
     parameter), not for every tensor."""
     try:
         with open("/proc/self/smaps", "rb") as smaps:
             inside = False
             for line in smaps:
-                head = line.split(maxsplit=1)[0] if line.strip() else b""
-                if b"-" in head and not head.endswith(b":"):  # a mapping's first line: "start-end perms ..."
+                fields = line.split()
+                if not fields:
+                    continue
+                if b"-" in fields[0] and not fields[0].endswith(b":"):  # a mapping's first line: "start-end perms ..."
                     if inside:
                         return False  # the mapping holding it had no THPeligible line
-                    lo, _, hi = head.partition(b"-")
+                    lo, _, hi = fields[0].partition(b"-")
                     inside = int(lo, 16) <= address < int(hi, 16)
-                elif inside and head == b"THPeligible:":
-                    return line.split()[1] == b"1"
+                elif inside and fields[0] == b"THPeligible:":
+                    return fields[1] == b"1"
     except (OSError, ValueError):
         return False
     return False
