@@ -45,7 +45,7 @@ def _native_expected() -> str | None:
 # from 5 s to 69 s. On a 2-vCPU AMD EPYC on 2026-12-03, one run after the other: 1588 s in one
 # process, 939 s in two workers of two torch threads, 677 s in two workers of one (a clean
 # clone's .ci/run then took 1048 s in all, pytest 794 s of it with the NEON checks under qemu).
-# `pytest -p no:xdist` (or `-n 0`) runs it in one process.
+# `pytest -n 0` runs it in one process (`-p no:xdist` would not: addopts names -n, which it unloads).
 MAX_WORKERS = 4
 
 
