@@ -1,14 +1,17 @@
 // CRC-32C (Castagnoli, the iSCSI/ext4 polynomial 0x1EDC6F41, reflected 0x82F63B78) of
 // host memory, used to verify that a record read back from a scratch file is the one
-// written. Four variants, the best one chosen at run time (never by -march):
+// written. Five variants, the best one chosen at run time (never by -march):
 //   - "avx512-vpclmul": 512-bit carry-less multiplication folding (x86 with AVX-512 and
 //                  VPCLMULQDQ), the last 128 bits reduced with the crc32 instruction;
+//   - "pclmul":    the same folding 128 bits wide (any x86-64 with PCLMULQDQ and SSE4.2),
+//                  chosen over "sse4.2" where a timing at first use finds it faster;
 //   - "sse4.2":    the x86 crc32 instruction, three interleaved streams;
 //   - "armv8-crc": the AArch64 CRC32C instructions, three interleaved streams;
 //   - "table":     slicing-by-8 tables, any CPU.
 // All return the same value (the standard CRC-32C: "123456789" -> 0xE3069283).
 // Per core, over a 64 MiB buffer in DRAM on the reference VM (Zen 4, CPU time):
-// avx512-vpclmul 16-18 GB/s (bound by memory), sse4.2 11 GB/s, table 1.8 GB/s.
+// avx512-vpclmul 16-18 GB/s (bound by memory), sse4.2 11 GB/s, table 1.8 GB/s. On a Zen 1
+// EPYC: pclmul 6.7-6.9 GB/s (9.7 in L2), sse4.2 5.3-5.4 (5.9 in L2).
 #pragma once
 
 #include <cstddef>

@@ -38,7 +38,7 @@ def _isas():
     return tio.crc32c_isas()
 
 
-@pytest.fixture(params=["auto", "avx512-vpclmul", "sse4.2", "armv8-crc", "table"])
+@pytest.fixture(params=["auto", "avx512-vpclmul", "pclmul", "sse4.2", "armv8-crc", "table"])
 def isa(request):
     if request.param != "auto" and request.param not in _isas():
         pytest.skip(f"crc32c variant {request.param} does not run on this CPU/build")
@@ -69,8 +69,10 @@ def test_random_sizes_and_alignments_match_the_reference(isa):
 
     rng = random.Random(7)
     blob = bytes(rng.getrandbits(8) for _ in range(3 * 8192 * 2 + 5000))
-    # around the three-stream block sizes (3 x 8192, 3 x 256) and the 8-byte steps
-    sizes = [0, 1, 7, 8, 9, 255, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13, 2 * 3 * 8192 + 777]
+    # around the three-stream block sizes (3 x 8192, 3 x 256), the 8-byte steps, and the folding
+    # loops' 256-byte start, 128-byte iterations and 16-byte tail
+    sizes = [0, 1, 7, 8, 9, 255, 256, 257, 271, 383, 384, 767, 768, 769, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13,
+             2 * 3 * 8192 + 777]
     sizes += [rng.randrange(1, len(blob) - 16) for _ in range(12)]
     for size in sizes:
         for align in (0, 1, 3, 5, 8):

@@ -11,7 +11,7 @@ csrc/ (no nanobind, no torch):
   qemu (on an AArch64 machine it is compiled and run natively).
 - ``crc32c_check.cpp`` checks every CRC-32C variant of csrc/io/crc32c.cpp against the
   portable table and the standard check value over every loop tail, start offset and
-  continued CRC: natively (sse4.2, avx512-vpclmul where the CPU has it) and, for the
+  continued CRC: natively (sse4.2, pclmul, avx512-vpclmul where the CPU has it) and, for the
   armv8-crc variant the NVMe records use on ARM machines, cross-compiled and run under qemu.
 - ``thread_pool_stress.cpp`` runs 20,000 short jobs while the thread count changes
   between them. Under qemu, where starting a thread is slow, it hung the pool in 3 of 3
@@ -168,5 +168,6 @@ def test_crc32c_x86_variants_match_the_table_natively(tmp_path):
         pytest.skip(f"the x86 variants do not build on {platform.machine()} (the AArch64 one is checked above)")
     binary = _compile([cxx], [DRIVERS / "crc32c_check.cpp", *(CSRC / s for s in CRC_SOURCES)],
                       tmp_path / "crc32c_check")
-    out = _run([], binary, ["sse4.2"], RUN_TIMEOUT_S["stress"])  # every x86-64 VM we run on has SSE4.2
-    assert "checks passed" in out and "sse4.2" in out, out
+    # every x86-64 VM we run on has SSE4.2 and PCLMULQDQ
+    out = _run([], binary, ["sse4.2", "pclmul"], RUN_TIMEOUT_S["stress"])
+    assert "checks passed" in out and "sse4.2" in out and "pclmul" in out, out
