@@ -231,6 +231,23 @@ const FoldConstants& fold_constants() {
   return c;
 }
 
+// The end of both folding loops: the 128 bits left reduced with the crc32 instruction (two
+// 64-bit steps from 0: their raw CRC equals that of everything folded into them), then the
+// last len < 16 bytes at p.
+__attribute__((target("sse4.2"))) inline uint32_t finish_folded(__m128i v, const unsigned char* p, size_t len) {
+  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(v)));
+  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v, 1)));
+  while (len >= 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    c = _mm_crc32_u64(c, w);
+    p += 8;
+    len -= 8;
+  }
+  while (len--) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
+  return ~static_cast<uint32_t>(c);
+}
+
 #define TIERSTATE_VPCLMUL_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,vpclmulqdq,pclmul,sse4.2")))
 
 TIERSTATE_VPCLMUL_TARGET inline __m512i fold512(__m512i x, __m512i k, __m512i data) {
@@ -279,17 +296,7 @@ TIERSTATE_VPCLMUL_TARGET uint32_t crc_vpclmul(uint32_t crc, const void* data, si
   v = _mm_xor_si128(v, fold128(_mm512_extracti32x4_epi32(x, 0), k.k384));
   v = _mm_xor_si128(v, fold128(_mm512_extracti32x4_epi32(x, 1), k.k256));
   v = _mm_xor_si128(v, fold128(_mm512_extracti32x4_epi32(x, 2), k.k128));
-  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(v)));
-  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v, 1)));
-  while (len >= 8) {
-    uint64_t w;
-    std::memcpy(&w, p, 8);
-    c = _mm_crc32_u64(c, w);
-    p += 8;
-    len -= 8;
-  }
-  while (len--) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
-  return ~static_cast<uint32_t>(c);
+  return finish_folded(v, p, len);
 }
 // ---- x86 with PCLMULQDQ (every x86-64 core since 2010): the same folding, 128 bits wide --
 // Eight 128-bit accumulators fold 128 bytes per iteration (fold distance 1024 bits),
@@ -344,17 +351,7 @@ TIERSTATE_PCLMUL_TARGET uint32_t crc_pclmul(uint32_t crc, const void* data, size
     p += 16;
     len -= 16;
   }
-  uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(v)));
-  c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(v, 1)));
-  while (len >= 8) {
-    uint64_t w;
-    std::memcpy(&w, p, 8);
-    c = _mm_crc32_u64(c, w);
-    p += 8;
-    len -= 8;
-  }
-  while (len--) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p++);
-  return ~static_cast<uint32_t>(c);
+  return finish_folded(v, p, len);
 }
 constexpr const char* kHwName = "sse4.2";
 #define TIERSTATE_CRC_HW crc_sse42
