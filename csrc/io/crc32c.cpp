@@ -376,8 +376,8 @@ using CrcFn = uint32_t (*)(uint32_t, const void*, size_t);
 // Which of the crc32-instruction loop and the 128-bit folding is faster depends on the
 // core: on the Zen 1 EPYC above folding did 9.7 GB/s in L2 against 5.9; Intel cores run
 // crc32 at one per cycle, as fast as 128-bit folding can go. So both are timed once, on a
-// 256 KiB buffer (L2-resident on every such core), three rounds each, interleaved: ~0.3 ms
-// at the first CRC of the process. Both give the same value, so only the speed depends on
+// 256 KiB buffer (L2-resident on every such core), three rounds each, interleaved: 0.7 ms
+// at the first CRC of the process on the Zen 1 VM (0.70, 0.70, and 4.8 ms beside a build). Both give the same value, so only the speed depends on
 // the outcome.
 bool pclmul_is_faster() {
   static const bool faster = [] {
