@@ -374,8 +374,9 @@ using CrcFn = uint32_t (*)(uint32_t, const void*, size_t);
 
 #if defined(TIERSTATE_CRC_X86)
 // Which of the crc32-instruction loop and the 128-bit folding is faster depends on the
-// core: on the Zen 1 EPYC above folding did 9.7 GB/s in L2 against 5.9; Intel cores run
-// crc32 at one per cycle, as fast as 128-bit folding can go. So both are timed once, on a
+// core: on the Zen 1 EPYC above folding did 9.7 GB/s in L2 against 5.9, while Intel's
+// optimization manuals give crc32 one per cycle, about what 128-bit folding reaches (not
+// measured on an Intel core without AVX-512 here). So both are timed once, on a
 // 256 KiB buffer (L2-resident on every such core), three rounds each, interleaved: 0.7 ms
 // at the first CRC of the process on the Zen 1 VM (0.70, 0.70, and 4.8 ms beside a build). Both give the same value, so only the speed depends on
 // the outcome.
