@@ -378,8 +378,8 @@ using CrcFn = uint32_t (*)(uint32_t, const void*, size_t);
 // optimization manuals give crc32 one per cycle, about what 128-bit folding reaches (not
 // measured on an Intel core without AVX-512 here). So both are timed once, on a
 // 256 KiB buffer (L2-resident on every such core), three rounds each, interleaved: 0.7 ms
-// at the first CRC of the process on the Zen 1 VM (0.70, 0.70, and 4.8 ms beside a build). Both give the same value, so only the speed depends on
-// the outcome.
+// at the first CRC of the process on the Zen 1 VM (0.70, 0.70, and 4.8 ms beside a build).
+// Both give the same value, so only the speed depends on the outcome.
 bool pclmul_is_faster() {
   static const bool faster = [] {
     std::vector<unsigned char> buf(size_t{256} << 10);
