@@ -9,6 +9,8 @@ csrc/ (no nanobind, no torch):
   evaluation, grad_sumsq, and guard bytes around every buffer. The x86-64 machines we
   build on cannot run NEON, so it is cross-compiled for AArch64 and run under user-mode
   qemu (on an AArch64 machine it is compiled and run natively).
+- ``q8_check.cpp`` does the same for the 8-bit (compressed-state) kernels: NEON against
+  scalar, bit for bit, under qemu.
 - ``crc32c_check.cpp`` checks every CRC-32C variant of csrc/io/crc32c.cpp against the
   portable table and the standard check value over every loop tail, start offset and
   continued CRC: natively (sse4.2, pclmul, avx512-vpclmul where the CPU has it) and, for the
@@ -119,6 +121,31 @@ def test_neon_matches_scalar_bit_for_bit(neon_check):
     runner, binary = neon_check
     out = _run(runner, binary, [], RUN_TIMEOUT_S["quick"])
     assert "all" in out and "checks passed" in out, out
+
+
+def test_q8_neon_matches_scalar_bit_for_bit_under_qemu(aarch64, tmp_path):
+    """The NEON variant of the 8-bit kernels against the scalar one, cross-compiled for
+    AArch64 and run under qemu (tests/kernels/native_isa/q8_check.cpp says what it checks).
+    In this file, not beside the other 8-bit kernel tests, so that it links the NEON objects
+    neon_check compiled: pytest-xdist runs a file whole on one worker, and compiling them
+    again in another worker cost ~32 s of CPU for the two kernel files alone (-O3, Zen 1 VM)."""
+    import torch
+
+    from tierstate.kernels import quant as Q
+
+    compiler, runner, _ = aarch64
+    maps = tmp_path / "maps.bin"
+    with open(maps, "wb") as f:
+        for qmap in (Q.signed_map(), Q.unsigned_map(), Q.fp8_signed_map(), Q.fp8_unsigned_map()):
+            head = torch.tensor([qmap.lut.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed),
+                                 qmap.thresholds.numel(), qmap.fp8_mantissa_bits], dtype=torch.int32)
+            lut = torch.cat([qmap.lut8, torch.zeros(3 if qmap.fp8_mantissa_bits else 0, dtype=torch.uint8)])
+            for t in (head, torch.tensor([qmap.top], dtype=torch.float32), qmap.table, qmap.thresholds, lut):
+                f.write(t.contiguous().numpy().tobytes())
+    binary = _compile(compiler, [DRIVERS / "q8_check.cpp", *(CSRC / s for s in NEON_SOURCES)],
+                      tmp_path / "q8_check")
+    out = _run(runner, binary, [str(maps)], RUN_TIMEOUT_S["quick"])
+    assert "checks passed" in out, out
 
 
 @pytest.mark.slow

@@ -329,27 +329,3 @@ def test_face_refuses_bad_state():
         Q.QuantConfig(256, "bf16")
     assert Q.QuantConfig(256, "bf16_sr").bytes_per_param() == pytest.approx(4.03125)
     assert Q.QuantConfig(256, "fp32").bytes_per_param() == pytest.approx(6.03125)
-
-
-def test_neon_matches_scalar_bit_for_bit_under_qemu(tmp_path):
-    """The NEON variant of the 8-bit kernels against the scalar one, cross-compiled for
-    AArch64 and run under qemu (tests/kernels/native_isa/q8_check.cpp says what it checks)."""
-    from test_kernels_native_isa import (CSRC, DRIVERS, INSTALL_HINT, NEON_SOURCES, RUN_TIMEOUT_S,
-                                         _aarch64_toolchain, _compile, _run)
-
-    toolchain = _aarch64_toolchain()
-    if toolchain is None:
-        pytest.skip(f"needs aarch64-linux-gnu-g++ and qemu-aarch64 ({INSTALL_HINT})")
-    compiler, runner = toolchain
-    maps = tmp_path / "maps.bin"
-    with open(maps, "wb") as f:
-        for qmap in (Q.signed_map(), Q.unsigned_map(), Q.fp8_signed_map(), Q.fp8_unsigned_map()):
-            head = torch.tensor([qmap.lut.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed),
-                                 qmap.thresholds.numel(), qmap.fp8_mantissa_bits], dtype=torch.int32)
-            lut = torch.cat([qmap.lut8, torch.zeros(3 if qmap.fp8_mantissa_bits else 0, dtype=torch.uint8)])
-            for t in (head, torch.tensor([qmap.top], dtype=torch.float32), qmap.table, qmap.thresholds, lut):
-                f.write(t.contiguous().numpy().tobytes())
-    binary = _compile(compiler, [DRIVERS / "q8_check.cpp", *(CSRC / s for s in NEON_SOURCES)],
-                      tmp_path / "q8_check")
-    out = _run(runner, binary, [str(maps)], RUN_TIMEOUT_S["quick"])
-    assert "checks passed" in out, out
