@@ -398,12 +398,15 @@ bool pclmul_is_faster() {
   }();
   return faster;
 }
+
+// The 128-bit folding in place of the crc32 loop (have_pclmul implies SSE4.2, so both run).
+bool pclmul_preferred() { return have_pclmul() && pclmul_is_faster(); }
 #endif
 
 CrcFn best() {
 #if defined(TIERSTATE_CRC_X86)
   if (have_vpclmul()) return crc_vpclmul;
-  if (have_pclmul() && (!have_hw() || pclmul_is_faster())) return crc_pclmul;
+  if (pclmul_preferred()) return crc_pclmul;
 #endif
 #if defined(TIERSTATE_CRC_HW)
   if (have_hw()) return TIERSTATE_CRC_HW;
@@ -493,7 +496,7 @@ std::vector<std::string> crc32c_isas() {
   std::vector<std::string> out;
 #if defined(TIERSTATE_CRC_X86)
   if (have_vpclmul()) out.push_back("avx512-vpclmul");
-  const bool pclmul_first = have_pclmul() && (!have_hw() || pclmul_is_faster());
+  const bool pclmul_first = pclmul_preferred();
   if (pclmul_first) out.push_back("pclmul");
 #endif
 #if defined(TIERSTATE_CRC_HW)

@@ -5,8 +5,9 @@
     crc32c(tail, crc32c(head))      # the CRC of head + tail
 
 The variant (carry-less-multiplication folding, 512 or 128 bits wide, or the x86 ``crc32``
-instruction; the AArch64 CRC32C instructions; or slicing-by-8 tables) is chosen at run time; :func:`crc32c_isas` lists those this CPU
-can run, and ``isa=`` forces one (tests compare them).
+instruction; the AArch64 CRC32C instructions; or slicing-by-8 tables) is chosen at run
+time; :func:`crc32c_isas` lists those this CPU can run, and ``isa=`` forces one (tests
+compare them).
 """
 from __future__ import annotations
 

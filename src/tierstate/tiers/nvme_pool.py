@@ -39,9 +39,9 @@ a bit flip raises :class:`~tierstate.io.StateLostError` at the read, and never r
 an update. The CRC runs without the GIL, in the variant chosen at run time
 (:func:`tierstate.io.crc32c_isas`; AVX-512 VPCLMULQDQ folding does 16-18 GB/s per Zen 4
 core, the ``crc32`` instruction 11; on a Zen 1 EPYC 128-bit PCLMULQDQ folding 6.7-6.9 GB/s
-per core from DRAM against the instruction's 5.3-5.4), called from the thread that calls into the tier: a
-write's when it is queued (the bytes the record must read back as), a read's when its
-completion is collected. A record of 2 MiB or more is split over the kernels' threads,
+per core from DRAM against the instruction's 5.3-5.4), called from the thread that calls
+into the tier: a write's when it is queued (the bytes the record must read back as), a
+read's when its completion is collected. A record of 2 MiB or more is split over the kernels' threads,
 which are idle then (one core reads DRAM at ~15 GB/s; two did 28-33 GB/s on the Xeon VM).
 It costs one more pass over every record moved, which competes
 with the update kernels for memory bandwidth: +2 % step time at 400M parameters and
