@@ -162,6 +162,10 @@ static void bind_kernels(nb::module_& m) {
       },
       nb::arg("n"), "Threads used per kernel call, the caller included.");
   km.def("num_threads", &k::num_threads, "Threads used per kernel call, the caller included.");
+  km.def("q8_table_lookup", &k::q8_table_lookup,
+         "How the current ISA variant looks up table-map codes: 'gather', 'loads' or 'untimed'.");
+  km.def("set_q8_table_lookup", &k::set_q8_table_lookup, nb::arg("mode"),
+         "'auto' (time both at first use), 'gather' or 'loads'; raises ValueError otherwise.");
   km.def("record_worker_spans", &k::record_worker_spans, nb::arg("on"),
          "Start (True) or stop and discard (False) recording per-thread busy spans of kernel calls.");
   km.def("drain_worker_spans", &k::drain_worker_spans,

@@ -111,6 +111,7 @@ struct AdamQ8Task {
   float beta2, one_minus_beta2;
   float neg_step_size_bc2, eps_bc2;  // as in AdamTask
   uint32_t sr_key, index_offset;
+  bool table_gather;  // table maps: look codes up by gather (else a load per lane; body.h TableCodec)
 };
 
 struct QuantTask {
@@ -120,6 +121,7 @@ struct QuantTask {
   float* scale;
   int64_t block;
   QuantMapRef map;
+  bool table_gather;  // as in AdamQ8Task
 };
 
 // Group-wise int8 / int4 weights (tierstate/generate/compress.py) widened to out_dtype.
@@ -147,6 +149,7 @@ struct KernelTable {
   void (*dequantize)(const QuantTask&, int64_t begin, int64_t end);
   // [begin, end) on group boundaries.
   void (*dequantize_groups)(const GroupDequantTask&, int64_t begin, int64_t end);
+  bool has_gather;  // the table maps can look up by gather (QuantTask::table_gather)
 };
 
 const KernelTable* scalar_table();

@@ -151,6 +151,13 @@ void set_isa(const std::string& name);       // "auto" or a variant; throws std:
 void set_num_threads(int n);
 int num_threads();
 
+// How the table maps' codes are looked up (dispatch.cpp): "gather" (the ISA's gather
+// instruction) or "loads" (a scalar load per lane); same codes either way. "auto" (the
+// default) times both once per ISA variant at its first table-map call. q8_table_lookup()
+// answers for the current variant: "gather", "loads", or "untimed" before that first call.
+std::string q8_table_lookup();
+void set_q8_table_lookup(const std::string& mode);  // "auto", "gather", "loads"; throws std::invalid_argument
+
 // Per-thread busy spans of kernel calls, for traces: (thread, start ns, end ns) with
 // CLOCK_MONOTONIC times; thread 0 is the caller.
 void record_worker_spans(bool on);

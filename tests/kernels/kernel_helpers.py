@@ -9,6 +9,10 @@ import tierstate.kernels as K
 from tierstate._native_loader import native_status
 
 NATIVE_ISAS = [isa for isa in K.available_isas() if isa != "reference"]
+# The variants whose table-map lookups can go through a gather instruction as well as one
+# load per lane (dispatch.cpp times both and keeps the faster): each way must give the same codes.
+GATHER_ISAS = [isa for isa in NATIVE_ISAS if isa.startswith("avx")]
+ISA_LOOKUPS = [(isa, "loads") for isa in NATIVE_ISAS] + [(isa, "gather") for isa in GATHER_ISAS]
 # Without the native module every parity test would skip; test_kernels_faces.py's
 # test_native_kernels_are_built fails then unless TIERSTATE_TEST_REFERENCE_ONLY=1 says that
 # this run checks the pure-torch reference only, so a broken build cannot pass as skips.

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import tierstate.kernels as K
-from kernel_helpers import NATIVE_ISAS, needs_native
+from kernel_helpers import GATHER_ISAS, NATIVE_ISAS, needs_native
 from tierstate.kernels import quant as Q
 
 pytestmark = needs_native
@@ -242,6 +242,29 @@ def test_vector_isas_agree_bit_for_bit(isa_and_threads):
         for s in outs[1:]:
             for name in state:
                 assert torch.equal(s[name], outs[0][name]), (master, maps, name)
+
+
+@pytest.mark.parametrize("isa", GATHER_ISAS)
+def test_gather_and_loads_agree_bit_for_bit(isa, isa_and_threads):
+    """The table maps' two ways of looking codes up (a gather, a load per lane) give one
+    state, every master mode, at both thread counts (the other tests run whichever
+    dispatch.cpp's timing chose)."""
+    K.set_isa(isa)
+    for master in Q.MASTER_MODES:
+        cfg = Q.QuantConfig(256, master, "dynamic")
+        state = _warm_state(cfg, 2**16 + 5, seed=21)
+        g = torch.randn(2**16 + 5, generator=torch.Generator().manual_seed(22)).bfloat16()
+        outs = []
+        for lookup, threads in (("gather", 1), ("loads", 2), ("gather", 2)):
+            K.set_q8_table_lookup(lookup)
+            K.set_num_threads(threads)
+            s, out = _clone(state), torch.empty(g.numel(), dtype=torch.bfloat16)
+            K.adam_q8_update(s, g, out, config=cfg, **_hyper("adamw", 4), seed=1, step=4)
+            outs.append((s, out))
+        for s, out in outs[1:]:
+            assert torch.equal(out.view(torch.int16), outs[0][1].view(torch.int16)), master
+            for name in state:
+                assert torch.equal(s[name], outs[0][0][name]), (master, name)
 
 
 def _tiny_update_run(isa: str, master: str, steps: int, reset_comp: bool = False):

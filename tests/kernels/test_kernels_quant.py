@@ -12,12 +12,16 @@ import pytest
 import torch
 
 import tierstate.kernels as K
-from kernel_helpers import NATIVE_ISAS, needs_native, unaligned_view
+from kernel_helpers import ISA_LOOKUPS, NATIVE_ISAS, needs_native, unaligned_view
 from tierstate.kernels import quant as Q
 
 SIZES = (1, 255, 257, 2**20 + 3)
 MAPS = {"signed": Q.signed_map, "unsigned": Q.unsigned_map, "fp8-signed": Q.fp8_signed_map,
         "fp8-unsigned": Q.fp8_unsigned_map}
+# Each ISA with each way of looking up a table map's codes; the fp8 maps have no table.
+ISA_LOOKUP_MAPS = [pytest.param(isa, lookup, name, id=f"{isa}-{lookup}-{name}")
+                   for isa, lookup in ISA_LOOKUPS for name in MAPS
+                   if lookup == "loads" or not name.startswith("fp8")]
 
 
 def _moment_like(n: int, seed: int) -> torch.Tensor:
@@ -43,10 +47,10 @@ def _assert_same(x: torch.Tensor, qmap: Q.QuantMap, block: int) -> None:
 
 
 @needs_native
-@pytest.mark.parametrize("isa", NATIVE_ISAS)
-@pytest.mark.parametrize("map_name", MAPS)
-def test_codes_and_scales_bit_identical(isa, map_name, isa_and_threads):
+@pytest.mark.parametrize("isa,lookup,map_name", ISA_LOOKUP_MAPS)
+def test_codes_and_scales_bit_identical(isa, lookup, map_name, isa_and_threads):
     K.set_isa(isa)
+    K.set_q8_table_lookup(lookup)
     qmap = MAPS[map_name]()
     for threads in (1, 2):
         K.set_num_threads(threads)
@@ -57,13 +61,13 @@ def test_codes_and_scales_bit_identical(isa, map_name, isa_and_threads):
 
 
 @needs_native
-@pytest.mark.parametrize("isa", NATIVE_ISAS)
-@pytest.mark.parametrize("map_name", MAPS)
-def test_every_threshold_and_its_neighbours(isa, map_name, isa_and_threads):
+@pytest.mark.parametrize("isa,lookup,map_name", ISA_LOOKUP_MAPS)
+def test_every_threshold_and_its_neighbours(isa, lookup, map_name, isa_and_threads):
     """Blocks whose absmax is exactly the map's top (so y = x): every threshold, 1-3 fp32 ulps
     either side, and a stride over all fp32 values in [0, top]. Ties go to the upper code in
     the dynamic maps and to the even code in the fp8 maps."""
     K.set_isa(isa)
+    K.set_q8_table_lookup(lookup)
     qmap = MAPS[map_name]()
     top = qmap.top
     t = qmap.thresholds[:-1].view(torch.int32)
@@ -167,3 +171,25 @@ def test_face_errors():
         K.dequantize_blockwise(codes, scale[:1], Q.signed_map(), 256)
     with pytest.raises(TypeError, match="codes has dtype torch.int8"):
         K.dequantize_blockwise(codes.to(torch.int8), scale, Q.signed_map(), 256)
+
+
+@needs_native
+def test_table_lookup_is_chosen_at_first_use_and_can_be_fixed(isa_and_threads):
+    """"auto" times gather against loads at a variant's first table-map call and keeps the
+    answer; "gather" / "loads" fix it; anything else is refused, naming the argument."""
+    x = _moment_like(4096, seed=3)
+    for isa in NATIVE_ISAS:
+        K.set_isa(isa)
+        K.set_q8_table_lookup("auto")
+        K.quantize_blockwise(x, Q.signed_map(), 256)
+        chosen = K.q8_table_lookup()
+        assert chosen in (("gather", "loads") if isa.startswith("avx") else ("loads",)), (isa, chosen)
+        K.quantize_blockwise(x, Q.signed_map(), 256)
+        assert K.q8_table_lookup() == chosen, "the timed choice is kept"
+        assert K.backend_info()["q8_table_lookup"] == chosen
+        for fixed in ("gather", "loads"):
+            K.set_q8_table_lookup(fixed)
+            assert K.q8_table_lookup() == (fixed if isa.startswith("avx") else "loads")
+    for bad in ("gathers", "", None, 1):
+        with pytest.raises(ValueError, match="set_q8_table_lookup.*mode.*auto, gather, loads"):
+            K.set_q8_table_lookup(bad)

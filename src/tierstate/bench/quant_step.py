@@ -2,6 +2,7 @@
 fp32- and bf16-moment kernels, interleaved in one process.
 
     python -m tierstate.bench.quant_step [--params 25M] [--threads 2] [--rounds 7] [--blocks 256]
+        [--lookups auto|gather,loads]
 
 Every variant takes a bf16 gradient and writes a bf16 weight. Bytes per parameter count
 each array read and written once (no write-allocate): fp32 moments 28 (grad 2, master
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", default="256", help="comma-separated block sizes of the 8-bit variants")
     p.add_argument("--maps", default="dynamic,fp8",
                    help="comma-separated map families of the 8-bit variants (dynamic, fp8)")
+    p.add_argument("--lookups", default="auto",
+                   help="comma-separated ways the dynamic maps' codes are looked up (auto, gather, loads; "
+                        "see tierstate.kernels.set_q8_table_lookup): one variant each, interleaved")
     p.add_argument("--nvme-dir", help="also time ts.AdamW steps with all state on NVMe under this folder")
     p.add_argument("--nvme-params", default="64M", help="parameters of the NVMe comparison (default 64M)")
     args = p.parse_args(argv)
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     for f in families:
         if f not in Q.MAP_FAMILIES:
             p.error(f"--maps: unknown map family {f!r}; choose from {', '.join(Q.MAP_FAMILIES)}")
+    lookups = [x.strip() for x in args.lookups.split(",")]
+    for x in lookups:
+        if x not in ("auto", "gather", "loads"):
+            p.error(f"--lookups: unknown lookup {x!r}; choose from auto, gather, loads")
     K.set_num_threads(args.threads)
     g = torch.randn(n).bfloat16()
     out = torch.empty(n, dtype=torch.bfloat16)
@@ -82,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                 state = cfg.init_state(w)
                 nbytes = (12.0 if mode == "bf16_sr" else 16.0) + 8 / block
                 prefix = "q8" if family == "dynamic" else family
-                variants[f"{prefix}/{block}+{mode}"] = (
-                    nbytes, lambda s=state, c=cfg: K.adam_q8_update(s, g, out, config=c, **HYPER, step=1))
+                for lookup in lookups if family == "dynamic" else ["auto"]:
+                    suffix = f"@{lookup}" if family == "dynamic" and len(lookups) > 1 else ""
+                    variants[f"{prefix}/{block}+{mode}{suffix}"] = (nbytes, _q8_step(state, g, out, cfg, lookup))
     src, dst = torch.randn(16 << 20), torch.zeros(16 << 20)  # 64 MiB each, every page touched
     torch.set_num_threads(args.threads)
     variants["memory-copy"] = (float("nan"), lambda: dst.copy_(src))
@@ -96,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - t)
-    print(f"{n / 1e6:g}M params, {args.threads} threads, ISA {K.current_isa()}, medians of {args.rounds} rounds")
+    K.set_q8_table_lookup("auto")
+    print(f"{n / 1e6:g}M params, {args.threads} threads, ISA {K.current_isa()}, medians of {args.rounds} rounds; "
+          f"dynamic-map lookups under auto: {K.q8_table_lookup()}")
     base = statistics.median(times["fp32-moments"])
     copy_bw = 2 * src.numel() * 4 / statistics.median(times.pop("memory-copy"))
     kernel_bw = {k: variants[k][0] * n / statistics.median(times[k]) for k in ("fp32-moments", "bf16-moments")}
@@ -114,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.nvme_dir:
         nvme_steps(args.nvme_dir, _count(args.nvme_params), args.rounds, args.threads)
     return 0
+
+
+def _q8_step(state, g, out, cfg, lookup: str):
+    def step():
+        K.set_q8_table_lookup(lookup)
+        K.adam_q8_update(state, g, out, config=cfg, **HYPER, step=1)
+    return step
 
 
 def nvme_steps(folder: str, n: int, rounds: int, threads: int) -> None:

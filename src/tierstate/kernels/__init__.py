@@ -14,9 +14,11 @@ from .backend import (
     default_num_threads,
     drain_worker_spans,
     get_num_threads,
+    q8_table_lookup,
     record_worker_spans,
     set_isa,
     set_num_threads,
+    set_q8_table_lookup,
     use_isa,
 )
 from .ops import (
@@ -46,7 +48,9 @@ __all__ = [
     "drain_worker_spans",
     "record_worker_spans",
     "get_num_threads",
+    "q8_table_lookup",
     "set_isa",
     "set_num_threads",
+    "set_q8_table_lookup",
     "use_isa",
 ]

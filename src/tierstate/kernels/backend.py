@@ -176,15 +176,54 @@ def get_num_threads() -> int:
     return _num_threads if _num_threads is not None else default_num_threads()
 
 
+_TABLE_LOOKUPS = ("auto", "gather", "loads")
+
+
+def q8_table_lookup() -> str:
+    """How the current variant looks up the codes of the table maps (``quant_map="dynamic"``):
+    ``"gather"`` (the ISA's gather instruction) or ``"loads"`` (a scalar load per lane).
+
+    Under ``"auto"`` (the default) a variant times both at its first table-map call (~1 ms);
+    asked before that, this makes that call. Both give the same codes. Variants without a
+    gather (scalar, NEON) and the pure-torch reference answer ``"loads"``.
+    """
+    kernels = native_kernels()
+    if kernels is None:
+        return "loads"
+    choice = str(kernels.q8_table_lookup())
+    if choice == "untimed":
+        import torch
+
+        from .ops import quantize_blockwise
+        from .quant import signed_map
+
+        quantize_blockwise(torch.zeros(256), signed_map(), 256)
+        choice = str(kernels.q8_table_lookup())
+    return choice
+
+
+def set_q8_table_lookup(mode: str) -> None:
+    """Fixes how the table maps' codes are looked up: ``"auto"`` (the default: each ISA
+    variant times both at its first table-map call and keeps the faster), ``"gather"`` or
+    ``"loads"``. The codes are the same either way; only the speed differs. A no-op
+    without the native module."""
+    if not isinstance(mode, str) or mode not in _TABLE_LOOKUPS:
+        raise ValueError(f"set_q8_table_lookup(mode={mode!r}): must be one of {', '.join(_TABLE_LOOKUPS)}")
+    kernels = native_kernels()
+    if kernels is not None:
+        kernels.set_q8_table_lookup(mode)
+
+
 def backend_info() -> dict[str, Any]:
     """What runs the kernels: ``{"native": bool, "isa": str, "threads": int,
-    "available_isas": [...], "native_error": str | None}``."""
+    "available_isas": [...], "q8_table_lookup": str, "native_error": str | None}``."""
     loaded, error = native_status()
     return {
         "native": loaded and _kernel_module() is not None,
         "isa": current_isa(),
         "threads": get_num_threads(),
         "available_isas": available_isas(),
+        "q8_table_lookup": q8_table_lookup(),
         "native_error": error,
     }
 
