@@ -349,36 +349,33 @@ inline float reduce_max_nan(W x) {
 
 // The two kinds of 8-bit map (QuantMapRef) as codecs over a vector type W: a table map
 // (decode: one lookup; encode: bucket, then one threshold) or an fp8 map (arithmetic only).
-// A table map's lookups go through W's gather instruction (kGather) or one scalar load per
-// lane; which is faster depends on the core (dispatch.cpp times both), the codes do not.
-template <bool kGather>
+// A table map's lookups go through W's gather instruction or one scalar load per lane:
+// which is faster depends on the core (dispatch.cpp times both), the codes do not. The
+// choice is a branch per vector, not a template parameter: the branch always goes one way
+// in a call, and a second instantiation of every fused loop added ~25 s to the build.
 struct TableCodec {
+  TableCodec(const QuantMapRef& m, bool table_gather) : map(m), gather(table_gather) {}
   QuantMapRef map;
+  bool gather;
   template <class W>
   W decode(const uint8_t* codes) const {
-    if constexpr (kGather || !W::kHasGather) return W::decode_q8(codes, map.table);
-    else return W::decode_q8_loads(codes, map.table);
+    if constexpr (W::kHasGather) {
+      if (!gather) return W::decode_q8_loads(codes, map.table);
+    }
+    return W::decode_q8(codes, map.table);
   }
   template <class W>
   void encode(uint8_t* out, W y) const {
-    if constexpr (kGather || !W::kHasGather) W::encode_q8(out, y, map);
-    else W::encode_q8_loads(out, y, map);
+    if constexpr (W::kHasGather) {
+      if (!gather) return W::encode_q8_loads(out, y, map);
+    }
+    W::encode_q8(out, y, map);
   }
 };
 
-// Calls f with TableCodec<true> where V can gather and the task asks for it, else
-// TableCodec<false> (for a V without gathers, the only instantiation).
-template <class V, class F>
-inline void visit_table_codec(const QuantMapRef& map, bool gather, F&& f) {
-  if constexpr (V::kHasGather) {
-    if (gather) return f(TableCodec<true>{map});
-  }
-  f(TableCodec<false>{map});
-}
-
 template <int M, bool kSigned>
 struct Fp8Codec {
-  explicit Fp8Codec(const QuantMapRef&) {}
+  Fp8Codec(const QuantMapRef&, bool) {}
   template <class W>
   W decode(const uint8_t* codes) const { return W::template decode_fp8<M, kSigned>(codes); }
   template <class W>
@@ -488,8 +485,8 @@ template <class V, class S, DType G, DType O, MasterMode MM, class CM, class CV>
 void adam_q8_loop(const AdamQ8Task& t, int64_t begin, int64_t end) {
   alignas(64) float m_row[kMaxQuantBlock];
   alignas(64) float s_row[kMaxQuantBlock];
-  const CM m_codec{t.m_map};
-  const CV v_codec{t.v_map};
+  const CM m_codec{t.m_map, t.table_gather};
+  const CV v_codec{t.v_map, t.table_gather};
   const float m_top = t.m_map.top, v_top = t.v_map.top;
   const bool stream = can_stream_out<V>(t.weight_out, begin);
   for (int64_t b0 = begin; b0 < end; b0 += t.block) {
@@ -518,10 +515,7 @@ void adam_q8_range(const AdamQ8Task& t, int64_t begin, int64_t end) {
       auto run = [&](auto mode) {
         constexpr MasterMode kM = decltype(mode)::value;
         if (fp8) adam_q8_loop<V, S, kG, kO, kM, Fp8SignedCodec, Fp8UnsignedCodec>(t, begin, end);
-        else visit_table_codec<V>(t.m_map, t.table_gather, [&](auto codec) {
-          using C = decltype(codec);
-          adam_q8_loop<V, S, kG, kO, kM, C, C>(t, begin, end);
-        });
+        else adam_q8_loop<V, S, kG, kO, kM, TableCodec, TableCodec>(t, begin, end);
       };
       switch (t.master_mode) {
         case MasterMode::kF32: run(std::integral_constant<MasterMode, MasterMode::kF32>{}); break;
@@ -533,16 +527,16 @@ void adam_q8_range(const AdamQ8Task& t, int64_t begin, int64_t end) {
 }
 
 // Calls f with the codec of `map` (a table map or one of the two fp8 maps).
-template <class V, class F>
+template <class F>
 inline void visit_codec(const QuantMapRef& map, bool table_gather, F&& f) {
-  if (map.fp8_mantissa_bits == 0) visit_table_codec<V>(map, table_gather, f);
-  else if (map.is_signed) f(Fp8SignedCodec{map});
-  else f(Fp8UnsignedCodec{map});
+  if (map.fp8_mantissa_bits == 0) f(TableCodec{map, table_gather});
+  else if (map.is_signed) f(Fp8SignedCodec{map, table_gather});
+  else f(Fp8UnsignedCodec{map, table_gather});
 }
 
 template <class V, class S>
 void quantize_range(const QuantTask& t, int64_t begin, int64_t end) {
-  visit_codec<V>(t.map, t.table_gather, [&](const auto& codec) {
+  visit_codec(t.map, t.table_gather, [&](const auto& codec) {
     for (int64_t b0 = begin; b0 < end; b0 += t.block) {
       const int64_t b1 = std::min(end, b0 + t.block);
       const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
@@ -563,7 +557,7 @@ inline void decode_span(const QuantTask& t, const C& codec, int64_t i0, int64_t 
 
 template <class V, class S>
 void dequantize_range(const QuantTask& t, int64_t begin, int64_t end) {
-  visit_codec<V>(t.map, t.table_gather, [&](const auto& codec) {
+  visit_codec(t.map, t.table_gather, [&](const auto& codec) {
     for (int64_t b0 = begin; b0 < end; b0 += t.block) {
       const int64_t b1 = std::min(end, b0 + t.block);
       const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
