@@ -73,22 +73,10 @@ struct VecAvx2 {
   // encode_q8_one (vec_scalar.h) on 8 lanes: the bucket's byte (a 32-bit gather at byte
   // offsets, masked), then the threshold of that code.
   static void encode_q8(uint8_t* out, VecAvx2 y, const QuantMapRef& m) {
-    const __m256i mag = _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
-    __m256i b = _mm256_sub_epi32(_mm256_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
-                                 _mm256_set1_epi32(m.lut_base));
-    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(m.lut_size - 1));
-    __m256i c = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(m.lut), b, 1),
-                                 _mm256_set1_epi32(0xFF));
-    const __m256 t = _mm256_i32gather_ps(m.thresholds, c, 4);
-    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(mag), t, _CMP_GE_OQ));
-    c = _mm256_sub_epi32(c, up);  // up is -1 where the value reaches the threshold
-    if (m.is_signed) {
-      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y.v, _mm256_setzero_ps(), _CMP_LT_OQ));
-      c = _mm256_or_si256(c, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
-    }
-    // Codes fit in 8 bits, so the saturating packs are exact narrowings.
-    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
+    const __m256i mag = q8_magnitude(y);
+    const __m256i c = _mm256_and_si256(
+        _mm256_i32gather_epi32(reinterpret_cast<const int*>(m.lut), q8_bucket(mag, m), 1), _mm256_set1_epi32(0xFF));
+    store_q8_code(out, c, _mm256_i32gather_ps(m.thresholds, c, 4), mag, y, m);
   }
   // The same lookups, one scalar load per lane instead of a gather (body.h, TableCodec).
   // A 256-bit gather is one instruction but not one memory access: on Zen 1 it is decoded
@@ -100,24 +88,35 @@ struct VecAvx2 {
     return {_mm256_set_m128(hi, lo)};
   }
   static void encode_q8_loads(uint8_t* out, VecAvx2 y, const QuantMapRef& m) {
-    const __m256i mag = _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
-    __m256i b = _mm256_sub_epi32(_mm256_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
-                                 _mm256_set1_epi32(m.lut_base));
-    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(m.lut_size - 1));
+    const __m256i mag = q8_magnitude(y);
     alignas(32) int32_t bucket[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket), b);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket), q8_bucket(mag, m));
     int32_t code[8];
     for (int k = 0; k < 8; ++k) code[k] = m.lut[bucket[k]];
-    __m256i c = _mm256_setr_epi32(code[0], code[1], code[2], code[3], code[4], code[5], code[6], code[7]);
     const __m256 t = _mm256_setr_ps(m.thresholds[code[0]], m.thresholds[code[1]], m.thresholds[code[2]],
                                     m.thresholds[code[3]], m.thresholds[code[4]], m.thresholds[code[5]],
                                     m.thresholds[code[6]], m.thresholds[code[7]]);
+    store_q8_code(out, _mm256_setr_epi32(code[0], code[1], code[2], code[3], code[4], code[5], code[6], code[7]),
+                  t, mag, y, m);
+  }
+  // The two encoders' common parts: |y|'s bits, its bucket in m.lut, and the code from the
+  // bucket's code c and that code's threshold t.
+  static __m256i q8_magnitude(VecAvx2 y) {
+    return _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
+  }
+  static __m256i q8_bucket(__m256i mag, const QuantMapRef& m) {
+    const __m256i b = _mm256_sub_epi32(_mm256_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
+                                       _mm256_set1_epi32(m.lut_base));
+    return _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(m.lut_size - 1));
+  }
+  static void store_q8_code(uint8_t* out, __m256i c, __m256 t, __m256i mag, VecAvx2 y, const QuantMapRef& m) {
     const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(mag), t, _CMP_GE_OQ));
-    c = _mm256_sub_epi32(c, up);
+    c = _mm256_sub_epi32(c, up);  // up is -1 where the value reaches the threshold
     if (m.is_signed) {
       const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y.v, _mm256_setzero_ps(), _CMP_LT_OQ));
       c = _mm256_or_si256(c, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
     }
+    // Codes fit in 8 bits, so the saturating packs are exact narrowings.
     const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
   }

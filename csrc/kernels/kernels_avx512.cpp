@@ -91,19 +91,9 @@ struct VecAvx512 {
   // encode_q8_one (vec_scalar.h) on 16 lanes: the bucket's byte (a 32-bit gather at byte
   // offsets, masked), then the threshold of that code.
   static void encode_q8(uint8_t* out, VecAvx512 y, const QuantMapRef& m) {
-    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i b = _mm512_sub_epi32(_mm512_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
-                                 _mm512_set1_epi32(m.lut_base));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(m.lut_size - 1));
-    __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(b, m.lut, 1), _mm512_set1_epi32(0xFF));
-    const __m512 t = _mm512_i32gather_ps(c, m.thresholds, 4);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mag), t, _CMP_GE_OQ);
-    c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
-    if (m.is_signed) {
-      const __mmask16 neg = _mm512_cmp_ps_mask(y.v, _mm512_setzero_ps(), _CMP_LT_OQ);
-      c = _mm512_mask_or_epi32(c, neg, c, _mm512_set1_epi32(0x80));
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+    const __m512i mag = q8_magnitude(y);
+    const __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(q8_bucket(mag, m), m.lut, 1), _mm512_set1_epi32(0xFF));
+    store_q8_code(out, c, _mm512_i32gather_ps(c, m.thresholds, 4), mag, y, m);
   }
   // The same two lookups, one scalar load per lane instead of a gather (body.h, TableCodec).
   static VecAvx512 decode_q8_loads(const uint8_t* codes, const float* table) {
@@ -112,19 +102,28 @@ struct VecAvx512 {
     return {_mm512_load_ps(lanes)};
   }
   static void encode_q8_loads(uint8_t* out, VecAvx512 y, const QuantMapRef& m) {
-    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
-    __m512i b = _mm512_sub_epi32(_mm512_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
-                                 _mm512_set1_epi32(m.lut_base));
-    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(m.lut_size - 1));
+    const __m512i mag = q8_magnitude(y);
     alignas(64) int32_t lane[16];
     alignas(64) float threshold[16];
-    _mm512_store_si512(lane, b);
+    _mm512_store_si512(lane, q8_bucket(mag, m));
     for (int k = 0; k < 16; ++k) {
       lane[k] = m.lut[lane[k]];
       threshold[k] = m.thresholds[lane[k]];
     }
-    __m512i c = _mm512_load_si512(lane);
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mag), _mm512_load_ps(threshold), _CMP_GE_OQ);
+    store_q8_code(out, _mm512_load_si512(lane), _mm512_load_ps(threshold), mag, y, m);
+  }
+  // The two encoders' common parts: |y|'s bits, its bucket in m.lut, and the code from the
+  // bucket's code c and that code's threshold t.
+  static __m512i q8_magnitude(VecAvx512 y) {
+    return _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
+  }
+  static __m512i q8_bucket(__m512i mag, const QuantMapRef& m) {
+    const __m512i b = _mm512_sub_epi32(_mm512_srl_epi32(mag, _mm_cvtsi32_si128(m.lut_shift)),
+                                       _mm512_set1_epi32(m.lut_base));
+    return _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(m.lut_size - 1));
+  }
+  static void store_q8_code(uint8_t* out, __m512i c, __m512 t, __m512i mag, VecAvx512 y, const QuantMapRef& m) {
+    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mag), t, _CMP_GE_OQ);
     c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
     if (m.is_signed) {
       const __mmask16 neg = _mm512_cmp_ps_mask(y.v, _mm512_setzero_ps(), _CMP_LT_OQ);

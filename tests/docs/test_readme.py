@@ -231,7 +231,7 @@ RUNS = {
         "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB --json",
         "as written"),
     "tierstate probe": ("tierstate probe --quick --no-save",
-                        "--quick: the full probe takes ~1 min; --no-save: not into the user's profile"),
+                        "--quick: ~1 s instead of ~5; --no-save: not into the user's profile"),
     "tierstate demo --model tiny --steps 3 --offload nvme --dtype bf16": (
         "tierstate demo --model tiny --steps 3 --offload nvme --dtype bf16 --nvme-dir {tmp}/nvme",
         "in a folder of the test's own"),

@@ -148,3 +148,18 @@ def test_sysfs_cache_sizes_add_up_over_core_complexes(tmp_path):
     assert probe.sysfs_last_level_cache_bytes(tmp_path, cpus=[0, 1]) == 64 << 20
     assert probe.sysfs_last_level_cache_bytes(tmp_path, cpus=[1]) == 32 << 20
     assert probe.sysfs_last_level_cache_bytes(tmp_path / "absent", cpus=[0]) == 0
+
+
+def test_matmul_products_are_sized_to_the_time_budget():
+    """Without bf16 matrix units a bf16 torch.mm runs at ~1 GFLOP/s (a Zen 1 EPYC), where the
+    1024 x 1024 products the probe asks for take 2.1 s each: the quick probe, meant to take
+    ~5 s, took 12 s. Each dtype's products are cut to the largest multiple of 64 that a
+    trial product says fits the per-product budget, and the size is recorded."""
+    fast = probe.measure_host_matmul(192, 1, product_budget_s=60.0)
+    assert {r["size"] for r in fast["by_dtype"].values()} == {192}, "within the budget: the size asked for"
+    tight = probe.measure_host_matmul(1024, 1, product_budget_s=1e-9)
+    assert {r["size"] for r in tight["by_dtype"].values()} == {64}, "no budget: the smallest size"
+    for r in (*fast["by_dtype"].values(), *tight["by_dtype"].values()):
+        assert r["median"] > 0 and r["samples"] == 1
+    assert "size" in tight["method"]
+    assert tight["best"] == tight["by_dtype"]["float32"]["median"]

@@ -21,8 +21,10 @@ What it measures (each entry of the profile names its method and units):
   matmul FLOP/s and free device memory (skipped with a note when there is no CUDA device).
 
 The profile (JSON, ``schema_version`` 1) goes to :func:`default_profile_path`
-(``$TIERSTATE_PROFILE``, else ``~/.cache/tierstate/hardware.json``) or ``--out``. A default
-probe takes about 15-30 s; ``--quick`` about 5 s with smaller buffers and fewer repetitions.
+(``$TIERSTATE_PROFILE``, else ``~/.cache/tierstate/hardware.json``) or ``--out``. Without
+``--nvme-dir`` a default probe took 4.7 s and ``--quick`` (smaller buffers, fewer repetitions)
+1.1 s on a 2-vCPU Zen 1 EPYC (2026-12-04); each ``--nvme-dir`` adds its disk's time to write
+and read 512 MiB twice (64 MiB once with ``--quick``).
 
 [Note: noisy bandwidth]
 Memory bandwidth on shared or virtual machines can change between two levels over seconds
@@ -223,15 +225,40 @@ def measure_compressed_step(weight, grad, reps: int) -> dict:
     return rates
 
 
-def measure_host_matmul(size: int, reps: int) -> dict:
+# Longest a probe's timed matrix product may take: without bf16 matrix units a bf16 torch.mm
+# runs at ~1 GFLOP/s (a 2-vCPU Zen 1 EPYC, 2026-12-04), where a 1024 x 1024 product is 2.1 s
+# and the quick probe's four of them were 8.6 s of its 12.
+MATMUL_PRODUCT_BUDGET_S = 0.1
+
+
+def measure_host_matmul(size: int, reps: int, product_budget_s: float = MATMUL_PRODUCT_BUDGET_S) -> dict:
+    """FLOP/s of fp32 and bf16 ``torch.mm`` of two square matrices, ``size`` x ``size``, or
+    smaller for a dtype whose product would take longer than ``product_budget_s``: then the
+    largest multiple of 64 (at least 64) that a 256 x 256 trial product says fits. Each
+    dtype's ``size`` is in its result."""
     import torch
 
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
-        x, y = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        out[str(dtype).replace("torch.", "")] = _rate(2.0 * size ** 3, _timed(lambda: torch.mm(x, y), reps))
-    return {"method": f"torch.mm of two {size}x{size} matrices, 2*n^3 FLOPs", "units": "FLOP/s",
-            "by_dtype": out, "best": out["float32"]["median"]}
+        n = _matmul_size(torch, dtype, size, product_budget_s)
+        x, y = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out[str(dtype).replace("torch.", "")] = {**_rate(2.0 * n ** 3, _timed(lambda: torch.mm(x, y), reps)),
+                                                 "size": n}
+    return {"method": f"torch.mm of two n x n matrices, 2*n^3 FLOPs; n = {size}, or less where one product "
+                      f"would take over {product_budget_s:g} s (by_dtype[...]['size'])",
+            "units": "FLOP/s", "by_dtype": out, "best": out["float32"]["median"]}
+
+
+def _matmul_size(torch, dtype, size: int, budget_s: float) -> int:
+    trial = min(size, 256)
+    x, y = torch.randn(trial, trial, dtype=dtype), torch.randn(trial, trial, dtype=dtype)
+    torch.mm(x, y)  # first call: kernel selection, page faults
+    t0 = time.perf_counter()
+    torch.mm(x, y)
+    rate = 2.0 * trial ** 3 / max(time.perf_counter() - t0, 1e-9)
+    if 2.0 * size ** 3 / rate <= budget_s:
+        return size
+    return min(size, max(64, int((budget_s * rate / 2.0) ** (1 / 3)) // 64 * 64))
 
 
 def bf16_slowdown(host_matmul: dict) -> float:
@@ -372,7 +399,8 @@ def measure_cuda(nbytes: int, reps: int) -> dict:
 
 
 def run_probe(nvme_dirs: list[str] | None = None, quick: bool = False) -> dict:
-    """Measure this machine; returns the profile (not saved). ``quick``: ~5 s, small buffers."""
+    """Measure this machine; returns the profile (not saved). ``quick``: small buffers, fewer
+    repetitions (~1 s without ``nvme_dirs`` on a 2-vCPU VM)."""
     import torch
     from tierstate import __version__
 
@@ -419,7 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure read/write bandwidth of this folder (repeatable; writes a temporary file)")
     parser.add_argument("--out", metavar="PATH", help=f"where to save the profile (default {default_profile_path()}, "
                                                       "or $TIERSTATE_PROFILE)")
-    parser.add_argument("--quick", action="store_true", help="~5 s with small buffers (less accurate)")
+    parser.add_argument("--quick", action="store_true", help="~1 s with small buffers (less accurate)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON")
     parser.add_argument("--no-save", action="store_true", help="measure and print only")
 
