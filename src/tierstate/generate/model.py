@@ -119,7 +119,8 @@ class OffloadedLM:
                 to plan for (default 8 prompts of 128 tokens, 32 new tokens each).
             hardware: for ``"auto"``: a ``GenerateHardware`` (default: the saved ``tierstate
                 probe`` profile, else conservative rates; ``tierstate.generate.policy.
-                measure_hardware`` measures them in a few seconds).
+                measure_hardware`` measures them at the model's shapes: 11-27 s for a 7B model on
+                a 2-vCPU VM).
             compress: ``"int8"`` or ``"int4"``: store the layers' matrices group-wise quantized
                 (``group`` values per float32 scale, default 64; only with ``compress``) in
                 their tiers, dequantized to ``dtype``
