@@ -8,10 +8,10 @@
 #include "io/crc32c.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
 
+#include "common/faster_of_two.h"
 #include "common/thread_pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -320,32 +320,20 @@ TIERSTATE_PCLMUL_TARGET uint32_t crc_pclmul(uint32_t crc, const void* data, size
   if (len < 256) return crc_sse42(crc, data, len);
   const FoldConstants& k = fold_constants();
   const auto* p = static_cast<const unsigned char*>(data);
-  __m128i x0 = _mm_xor_si128(load128(p), _mm_cvtsi32_si128(static_cast<int>(~crc)));
-  __m128i x1 = load128(p + 16), x2 = load128(p + 32), x3 = load128(p + 48);
-  __m128i x4 = load128(p + 64), x5 = load128(p + 80), x6 = load128(p + 96), x7 = load128(p + 112);
+  __m128i x[8];
+  for (int j = 0; j < 8; ++j) x[j] = load128(p + 16 * j);
+  x[0] = _mm_xor_si128(x[0], _mm_cvtsi32_si128(static_cast<int>(~crc)));
   p += 128;
   len -= 128;
   const __m128i k8 = _mm_set_epi64x(static_cast<long long>(k.k1024[1]), static_cast<long long>(k.k1024[0]));
   while (len >= 128) {
-    x0 = fold_into(x0, k8, load128(p));
-    x1 = fold_into(x1, k8, load128(p + 16));
-    x2 = fold_into(x2, k8, load128(p + 32));
-    x3 = fold_into(x3, k8, load128(p + 48));
-    x4 = fold_into(x4, k8, load128(p + 64));
-    x5 = fold_into(x5, k8, load128(p + 80));
-    x6 = fold_into(x6, k8, load128(p + 96));
-    x7 = fold_into(x7, k8, load128(p + 112));
+    for (int j = 0; j < 8; ++j) x[j] = fold_into(x[j], k8, load128(p + 16 * j));
     p += 128;
     len -= 128;
   }
   const __m128i k1 = _mm_set_epi64x(static_cast<long long>(k.k128[1]), static_cast<long long>(k.k128[0]));
-  __m128i v = fold_into(x0, k1, x1);
-  v = fold_into(v, k1, x2);
-  v = fold_into(v, k1, x3);
-  v = fold_into(v, k1, x4);
-  v = fold_into(v, k1, x5);
-  v = fold_into(v, k1, x6);
-  v = fold_into(v, k1, x7);
+  __m128i v = x[0];
+  for (int j = 1; j < 8; ++j) v = fold_into(v, k1, x[j]);
   while (len >= 16) {
     v = fold_into(v, k1, load128(p));
     p += 16;
@@ -384,17 +372,10 @@ bool pclmul_is_faster() {
   static const bool faster = [] {
     std::vector<unsigned char> buf(size_t{256} << 10);
     for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<unsigned char>((i * 2654435761u) >> 13);
-    double best[2] = {1e30, 1e30};
     volatile uint32_t sink = 0;
-    for (int round = 0; round < 3; ++round) {
-      for (int which = 0; which < 2; ++which) {
-        const auto t0 = std::chrono::steady_clock::now();
-        sink = sink ^ (which ? crc_pclmul(0, buf.data(), buf.size()) : crc_sse42(0, buf.data(), buf.size()));
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        best[which] = std::min(best[which], s);
-      }
-    }
-    return best[1] < best[0];
+    return second_is_faster([&](int pclmul) {
+      sink = sink ^ (pclmul ? crc_pclmul(0, buf.data(), buf.size()) : crc_sse42(0, buf.data(), buf.size()));
+    }, 3);
   }();
   return faster;
 }

@@ -2,7 +2,6 @@
 // Compiled for the baseline ISA: nothing here may execute a wider instruction.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <mutex>
 #include <stdexcept>
@@ -10,6 +9,7 @@
 #include <vector>
 
 #include "common/cpu_features.h"
+#include "common/faster_of_two.h"
 #include "common/thread_pool.h"
 #include "kernels/isa_table.h"
 #include "kernels/kernels.h"
@@ -273,25 +273,21 @@ bool time_gather_faster(const KernelTable& k, const QuantMapRef& map) {
     v = std::ldexp(static_cast<float>(state >> 8) / 16777216.0f, -static_cast<int>(state & 15)) *
         ((state & 16) ? -1.0f : 1.0f);
   }
-  double best[2] = {1e30, 1e30};
-  for (int round = 0; round < 5; ++round) {
-    for (int gather = 0; gather < 2; ++gather) {
-      const QuantTask q{x.data(), nullptr, codes.data(), scale.data(), block, map, gather == 1};
-      const QuantTask d{nullptr, back.data(), codes.data(), scale.data(), block, map, gather == 1};
-      const auto t0 = std::chrono::steady_clock::now();
-      k.quantize(q, 0, n);
-      k.dequantize(d, 0, n);
-      best[gather] = std::min(best[gather], std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-  }
-  return best[1] < best[0];
+  return second_is_faster([&](int gather) {
+    k.quantize(QuantTask{x.data(), nullptr, codes.data(), scale.data(), block, map, gather == 1}, 0, n);
+    k.dequantize(QuantTask{nullptr, back.data(), codes.data(), scale.data(), block, map, gather == 1}, 0, n);
+  }, 5);
 }
 
 std::mutex g_lookup_mutex;
 std::vector<std::pair<const KernelTable*, bool>> g_timed;  // guarded by g_lookup_mutex
 
-// The answer for a table that has gathers, timed once; -1 while not yet timed.
-int timed_choice(const KernelTable& k) {
+// 1 (gather) or 0 (loads) where the choice is made for table k: fixed by
+// set_q8_table_lookup, or timed already; -1 while "auto" has not timed it.
+int decided_lookup(const KernelTable& k) {
+  if (!k.has_gather) return 0;
+  const auto mode = static_cast<Lookup>(g_lookup_mode.load(std::memory_order_relaxed));
+  if (mode != Lookup::kAuto) return mode == Lookup::kGather ? 1 : 0;
   std::lock_guard<std::mutex> lock(g_lookup_mutex);
   for (const auto& [table, gather] : g_timed)
     if (table == &k) return gather ? 1 : 0;
@@ -299,15 +295,14 @@ int timed_choice(const KernelTable& k) {
 }
 
 bool table_gather(const KernelTable& k, const QuantMapRef& map) {
-  if (!k.has_gather || map.fp8_mantissa_bits != 0) return false;
-  const auto mode = static_cast<Lookup>(g_lookup_mode.load(std::memory_order_relaxed));
-  if (mode != Lookup::kAuto) return mode == Lookup::kGather;
-  const int known = timed_choice(k);
-  if (known >= 0) return known == 1;
-  const bool gather = time_gather_faster(k, map);  // two racing first calls both time: harmless
+  if (map.fp8_mantissa_bits != 0) return false;
+  const int decided = decided_lookup(k);
+  if (decided >= 0) return decided == 1;
+  // Timed under the lock (~1 ms, once), so that a racing first call waits for the answer.
   std::lock_guard<std::mutex> lock(g_lookup_mutex);
-  for (const auto& [table, chosen] : g_timed)
-    if (table == &k) return chosen;
+  for (const auto& [table, gather] : g_timed)
+    if (table == &k) return gather;
+  const bool gather = time_gather_faster(k, map);
   g_timed.emplace_back(&k, gather);
   return gather;
 }
@@ -436,12 +431,8 @@ void set_isa(const std::string& name) {
 }
 
 std::string q8_table_lookup() {
-  const KernelTable& k = table();
-  if (!k.has_gather) return "loads";
-  const auto mode = static_cast<Lookup>(g_lookup_mode.load(std::memory_order_relaxed));
-  if (mode != Lookup::kAuto) return mode == Lookup::kGather ? "gather" : "loads";
-  const int known = timed_choice(k);
-  return known < 0 ? "untimed" : known == 1 ? "gather" : "loads";
+  const int decided = decided_lookup(table());
+  return decided < 0 ? "untimed" : decided == 1 ? "gather" : "loads";
 }
 
 void set_q8_table_lookup(const std::string& mode) {
