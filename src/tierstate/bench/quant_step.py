@@ -36,6 +36,7 @@ import torch
 
 from .. import kernels as K
 from ..kernels import quant as Q
+from ..kernels.backend import TABLE_LOOKUPS
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True,
              bias_correction1=0.5, bias_correction2=0.1)
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--maps: unknown map family {f!r}; choose from {', '.join(Q.MAP_FAMILIES)}")
     lookups = [x.strip() for x in args.lookups.split(",")]
     for x in lookups:
-        if x not in ("auto", "gather", "loads"):
-            p.error(f"--lookups: unknown lookup {x!r}; choose from auto, gather, loads")
+        if x not in TABLE_LOOKUPS:
+            p.error(f"--lookups: unknown lookup {x!r}; choose from {', '.join(TABLE_LOOKUPS)}")
     K.set_num_threads(args.threads)
     g = torch.randn(n).bfloat16()
     out = torch.empty(n, dtype=torch.bfloat16)

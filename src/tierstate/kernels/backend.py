@@ -176,7 +176,8 @@ def get_num_threads() -> int:
     return _num_threads if _num_threads is not None else default_num_threads()
 
 
-_TABLE_LOOKUPS = ("auto", "gather", "loads")
+# The modes of set_q8_table_lookup.
+TABLE_LOOKUPS = ("auto", "gather", "loads")
 
 
 def q8_table_lookup() -> str:
@@ -207,8 +208,8 @@ def set_q8_table_lookup(mode: str) -> None:
     variant times both at its first table-map call and keeps the faster), ``"gather"`` or
     ``"loads"``. The codes are the same either way; only the speed differs. A no-op
     without the native module."""
-    if not isinstance(mode, str) or mode not in _TABLE_LOOKUPS:
-        raise ValueError(f"set_q8_table_lookup(mode={mode!r}): must be one of {', '.join(_TABLE_LOOKUPS)}")
+    if not isinstance(mode, str) or mode not in TABLE_LOOKUPS:
+        raise ValueError(f"set_q8_table_lookup(mode={mode!r}): must be one of {', '.join(TABLE_LOOKUPS)}")
     kernels = native_kernels()
     if kernels is not None:
         kernels.set_q8_table_lookup(mode)
