@@ -113,3 +113,49 @@ def test_auto_prices_the_blocks_of_the_weights_that_stream(tmp_path, tiny_llama)
         assert not plain.weights_offloaded and plain.pool_buffers == 16
     finally:
         ws.close()
+
+
+# Compressed state: the default pool holds the RAM 16 fp32 records of the same keys would.
+# q8 fp8 moments under a bf16_sr master on bf16 parameters store 2.03 B an element against
+# 8 B at fp32, so 16 records were 130 MiB at 4 Mi elements against fp32 state's 512 MiB, and
+# the step paid 1.48x the disk floor instead of 1.05x (400M, Zen 1, benchmarks/README.md).
+@pytest.mark.parametrize(("layout", "expected"), [
+    (dict(), 16),  # fp32 moments and master: unchanged
+    (dict(moment_dtype="bf16"), 32),  # fp32 host params are their own master: 2 + 2 B against 8
+    # a bf16 master beside fp32 params: 1 + 1 + 2 x 4/256 + 2 = 4.03 B against 12
+    (dict(moment_dtype="q8", quant_map="fp8", master_dtype="bf16_sr"), 47),
+    # bf16 params their own master: 2.03 B against 8
+    (dict(moment_dtype="q8", quant_map="fp8", master_dtype="bf16_sr", param_dtype="bf16"), 63),
+])
+def test_the_default_pool_holds_sixteen_fp32_records_worth_of_compressed_state(tmp_path, layout, expected):
+    import torch
+
+    param_dtype = {"bf16": torch.bfloat16}.get(layout.pop("param_dtype", None), torch.float32)
+    device = "cpu"
+    model = ModelSpec("flat", (1 << 20,), source="builtin formula")
+    dt = {torch.float32: "fp32", torch.bfloat16: "bf16"}[param_dtype]
+    req = PlanRequest(model, device=device, param_dtype=dt, state_keys=("exp_avg", "exp_avg_sq"),
+                      subgroup_numel=4096, **layout)
+    assert req.pool_buffers == expected
+    # the optimizer holds the pool the planner priced
+    params = [torch.nn.Parameter(torch.zeros(1 << 20, dtype=param_dtype))]
+    opt = ts.AdamW(params, lr=1e-3, offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path / "s", subgroup_numel=4096,
+                                                      **{k: {"bf16": torch.bfloat16}.get(v, v) if k == "moment_dtype" else v
+                                                         for k, v in layout.items()}))
+    try:
+        assert len(opt.tiers[TierKind.NVME]._pool) == expected
+    finally:
+        opt.close()
+
+
+def test_a_block_read_ahead_pool_is_not_grown_past_its_records_by_compression():
+    from tierstate.placement.defaults import default_buffer_count, state_bytes_per_element
+
+    bf16_moments = state_bytes_per_element("bf16", "fp32", needs_master=False)  # 4 B: fp32 parameters are the master
+    assert default_buffer_count(bf16_moments) == 32  # 16 fp32 records of moments = 32 of bf16
+    # a 7B layer's 48 records (+1): 16 + 2R already holds 3x the RAM of 16 fp32 records
+    assert default_buffer_count(bf16_moments, block_records=49) == 16 + 2 * 49
+    # few block records: the RAM floor still holds
+    assert default_buffer_count(bf16_moments, block_records=4) == 32
+    fp32 = state_bytes_per_element("fp32", "fp32", needs_master=True)
+    assert default_buffer_count(fp32) == 16 and default_buffer_count(fp32, block_records=3) == 22

@@ -70,8 +70,9 @@ def add_arguments(group, option) -> None:
            help="elements per parameter tensor (the last one takes the rest; default 4M)")
     option(group, "--subgroup-numel", type=count_arg, default=DEFAULT_SUBGROUP_NUMEL,
            help=f"Offload.subgroup_numel (default {DEFAULT_SUBGROUP_NUMEL})")
-    option(group, "--buffer-count", type=int, default=DEFAULT_BUFFER_COUNT,
-           help=f"Offload.buffer_count (default {DEFAULT_BUFFER_COUNT}, the library's)")
+    option(group, "--buffer-count", type=int, default=None,
+           help=f"Offload.buffer_count (default: the library's, {DEFAULT_BUFFER_COUNT} records of fp32 state "
+                "or their RAM in compressed records)")
     option(group, "--nvme-dir", default=None,
            help="folder for the state files and the disk probe (default: a temporary folder under "
                 "TIERSTATE_NVME_DIR or the tierstate cache dir)")
@@ -191,15 +192,17 @@ def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
     """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
     optimizer's state (moments, and a master where the parameters are not their own), the
     NVMe tier's pool (records of the same state), and the interpreter's own."""
-    from ..placement.defaults import is_own_master, state_bytes_per_element
+    from ..placement.defaults import default_buffer_count, is_own_master, state_bytes_per_element
     from ..placement.offload import dtype_name
 
     dtype, _ = _dtypes(args)
     master = args.master_dtype if args.moment_dtype == "q8" else "fp32"
-    state = sum(state_bytes_per_element(args.moment_dtype, master,
-                                        needs_master=not is_own_master(dtype_name(dtype), master)).values())
+    table = state_bytes_per_element(args.moment_dtype, master,
+                                    needs_master=not is_own_master(dtype_name(dtype), master))
+    state = sum(table.values())
     record = args.subgroup_numel * state
-    return int(params * (4 * dtype.itemsize + state) + args.buffer_count * record + _BASE_BYTES)
+    buffers = args.buffer_count if args.buffer_count is not None else default_buffer_count(table)
+    return int(params * (4 * dtype.itemsize + state) + buffers * record + _BASE_BYTES)
 
 
 def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:
@@ -287,7 +290,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
                                                  if args.moment_dtype == "q8" else ""),
             "subgroups": len(tier.subgroups),
             "subgroup_numel": args.subgroup_numel,
-            "buffer_count": args.buffer_count,
+            "buffer_count": len(tier._pool),
             "pool_bytes": tier.pool_nbytes,
             "state_bytes": tier.nbytes,
             "direct": tier.direct,
@@ -384,7 +387,7 @@ def main(args: argparse.Namespace) -> int:
     """Run and print (a table per size; ``--json``: a list with one object per size, to a
     path or instead of the tables); returns the exit status."""
     for name in ("steps", "buffer_count"):
-        if getattr(args, name) < (1 if name == "steps" else 2):
+        if getattr(args, name) is not None and getattr(args, name) < (1 if name == "steps" else 2):
             print(f"--{name.replace('_', '-')} must be at least {1 if name == 'steps' else 2}", file=sys.stderr)
             return 2
     if args.master_dtype != "fp32" and args.moment_dtype != "q8":

@@ -1,7 +1,9 @@
 """Defaults of the offload policy: sizes and the NVMe folders (no torch import: the planner reads them too)."""
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 # 4 Mi elements per sub-group: a record of 16 MiB fp32 master + 32 MiB fp32 moments. Large
@@ -25,6 +27,25 @@ HOST_SUBGROUP_NUMEL = 1 << 25
 # records each way: on GPT-2 124M (30 records) 4 buffers left 0.95 s of a 2.8 s step waiting
 # on the disk, 16 buffers 0.29 s (tierstate bench e2e, loaded machine), at 0.5 GiB more RSS.
 DEFAULT_BUFFER_COUNT = 16
+
+
+def default_buffer_count(bytes_per_element: Mapping[str, float], block_records: int = 0) -> int:
+    """The NVMe pool's default size for records of these state keys (key -> stored bytes per
+    element, :func:`state_bytes_per_element`'s table): as many buffers as fit in the RAM 16
+    records of the same keys at fp32 would take, or 16 plus twice ``block_records`` if that
+    is more (the read-ahead of weights streamed per block, see
+    :meth:`tierstate.placement.Offload.buffer_count_for`; 112 buffers of 16 MiB for a
+    Llama-2-7B layer with bf16 moments, already 3.5x that RAM).
+
+    Why bytes and not a count: compressed records are small (q8 moments under a bf16_sr master
+    on bf16 parameters store 2.03 B an element against 8 at fp32), so 16 of them cached 130 MiB
+    at 4 Mi elements against fp32 state's 512 MiB, and a 400M bf16 step on NVMe took 1,440 ms,
+    1.48x the disk floor, against 1,029 ms (1.05x) with 94 buffers (Zen 1 VM, benchmarks/README.md).
+    Key parts (``exp_avg.fp8``, ``exp_avg.scale``, ``master.comp``) count as one fp32 key."""
+    stored = sum(bytes_per_element.values())
+    fp32 = 4.0 * len({key.split(".")[0] for key in bytes_per_element})
+    scaled = math.floor(DEFAULT_BUFFER_COUNT * fp32 / stored + 1e-9) if stored > 0 else DEFAULT_BUFFER_COUNT
+    return max(DEFAULT_BUFFER_COUNT + 2 * block_records, scaled)
 
 # Compressed state (tierstate.kernels.quant): 8-bit moments and a 16-bit master.
 Q8 = "q8"

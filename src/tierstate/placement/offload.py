@@ -5,12 +5,13 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import torch
 
 from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_QUANT_BLOCK, DEFAULT_QUANT_MAP, DEFAULT_SUBGROUP_NUMEL,
-                       HOST_SUBGROUP_NUMEL, MASTER_DTYPES, Q8, QUANT_BLOCK_RANGE, QUANT_MAPS, default_nvme_root,
+                       HOST_SUBGROUP_NUMEL, MASTER_DTYPES, Q8, QUANT_BLOCK_RANGE, QUANT_MAPS, default_buffer_count,
+                       default_nvme_root,
                        nvme_dirs_of, state_bytes_per_element)
 
 PathLike = Union[str, os.PathLike]
@@ -57,11 +58,13 @@ class Offload:
             (:meth:`subgroup_numel_for`).
         buffer_count: host buffers in the NVMe streaming pool (>= 2: one being updated,
             one in flight; never more than the tier has sub-groups); host RAM of the NVMe
-            tier is bounded by this pool. Default (None): 16 (512-768 MiB at the default
-            sub-group size); with ``step_in_backward=True`` over weights streamed per block
-            (:func:`tierstate.offload_weights`), 16 plus the records two blocks' gradients
-            complete (:meth:`buffer_count_for`: 112 for a Llama-2-7B layer with bf16
-            moments, 1.75 GiB), so one block's state is read while the one before is updated.
+            tier is bounded by this pool. Default (None): 16 records of fp32 state (512-768
+            MiB at the default sub-group size), or as many compressed records as fit in that
+            RAM (63 for q8 moments under a bf16_sr master); with ``step_in_backward=True``
+            over weights streamed per block (:func:`tierstate.offload_weights`), at least 16
+            plus the records two blocks' gradients complete (:meth:`buffer_count_for`: 112
+            for a Llama-2-7B layer with bf16 moments, 1.75 GiB), so one block's state is read
+            while the one before is updated.
         moment_dtype: how the Adam moments are stored: ``torch.float32``, ``torch.bfloat16``
             (saves 4 B/param of memory traffic and storage) or ``"q8"``: blockwise 8-bit codes
             with an fp32 scale per ``quant_block`` elements (2.03 B/param for both moments
@@ -158,7 +161,8 @@ class Offload:
         if self.buffer_count is not None and (not isinstance(self.buffer_count, int)
                                               or isinstance(self.buffer_count, bool) or self.buffer_count < 2):
             raise ValueError(f"Offload(buffer_count={self.buffer_count!r}): must be an int >= 2, or None for the "
-                             f"default ({DEFAULT_BUFFER_COUNT}, more for weights streamed per block)")
+                             f"default ({DEFAULT_BUFFER_COUNT} records of fp32 state, more of compressed state "
+                             f"and for weights streamed per block)")
         self._check_compression()
         for name in ("pin_memory", "keep_device_grads") + (("grad_streaming",) if self.grad_streaming is not None else ()):
             if not isinstance(getattr(self, name), bool):
@@ -278,10 +282,14 @@ class Offload:
             return HOST_SUBGROUP_NUMEL
         return DEFAULT_SUBGROUP_NUMEL
 
-    def buffer_count_for(self, block_records: int = 0) -> int:
-        """The NVMe pool's size: ``buffer_count`` when given; else 16, plus twice
-        ``block_records``: the most NVMe records one block's gradients complete when the
-        update runs during backward over weights streamed per block (0 otherwise).
+    def buffer_count_for(self, block_records: int = 0, bytes_per_element: Mapping[str, float] | None = None) -> int:
+        """The NVMe pool's size: ``buffer_count`` when given; else the larger of 16 plus
+        twice ``block_records`` (the most NVMe records one block's gradients complete when
+        the update runs during backward over weights streamed per block; 0 otherwise) and
+        the buffers that fit in the RAM of 16 records of the same keys at fp32 (16 for fp32
+        state, 63 for q8 moments under a bf16_sr master on bf16 parameters:
+        :func:`tierstate.placement.defaults.default_buffer_count`, from
+        ``bytes_per_element``, the record's key -> stored bytes; not counted when not given).
 
         Why: with ``step_in_backward`` a block's gradients complete its records within its
         backward, and read-ahead keeps up only if a block's records fit in the pool beside
@@ -293,7 +301,9 @@ class Offload:
         for a peak RSS of 9.34 GiB against 8.04."""
         if self.buffer_count is not None:
             return self.buffer_count
-        return DEFAULT_BUFFER_COUNT + 2 * block_records
+        if bytes_per_element is None:
+            return DEFAULT_BUFFER_COUNT + 2 * block_records
+        return default_buffer_count(bytes_per_element, block_records)
 
     def host_allocator_for(self, device: torch.device) -> str:
         """The host-allocator policy for parameters on ``device`` (see ``host_allocator``)."""

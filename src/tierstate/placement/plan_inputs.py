@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, QUANT_MAPS, is_own_master,
+from .defaults import (DEFAULT_SUBGROUP_NUMEL, default_buffer_count, MASTER_DTYPES, QUANT_MAPS, is_own_master,
                        state_bytes_per_element)
 from .layout import TierKind
 from .model_spec import ModelSpec
@@ -234,8 +234,12 @@ class PlanRequest:
     @property
     def pool_buffers(self) -> int:
         """The NVMe pool's buffers: ``buffer_count``, or the optimizer's default
-        (:meth:`tierstate.placement.Offload.buffer_count_for`: 16 + 2 x :attr:`block_records`)."""
-        return self.buffer_count if self.buffer_count is not None else DEFAULT_BUFFER_COUNT + 2 * self.block_records
+        (:meth:`tierstate.placement.Offload.buffer_count_for`: the larger of 16 + 2 x
+        :attr:`block_records` and the buffers of this layout's records that fit in the RAM of
+        16 fp32 ones)."""
+        if self.buffer_count is not None:
+            return self.buffer_count
+        return default_buffer_count(self.state_bytes(), self.block_records)
 
     @property
     def needs_master(self) -> bool:

@@ -45,8 +45,9 @@ Weights streamed per block (:func:`tierstate.offload_weights`) change the shape 
 plan: a block's gradients complete all its records within that block's backward, a burst
 of ``R`` records (48 for a Llama-2-7B layer at 4 Mi elements) that a 4-record window cannot
 stay ahead of. With ``R`` given (``block_records``) the window is ``min(B // 2, R)`` and the
-default pool ``16 + 2R`` (:meth:`tierstate.Offload.buffer_count_for`): one block's records
-are read while the previous block's are updated, and the rest of the pool still caches the
+default pool ``16 + 2R`` (:meth:`tierstate.Offload.buffer_count_for`; without ``R`` it is
+16 for fp32 state and more for compressed records, as many as fit in the RAM of 16 fp32
+ones): one block's records are read while the previous block's are updated, and the rest of the pool still caches the
 end of the plan. On the 7B capacity case (2-vCPU Xeon VM, one virtio disk) the optimizer's
 waits for its records fell from 17-23 s a step to 9.5-11 s and the step from 62-65 s to 47-49 s.
 """
@@ -141,7 +142,9 @@ class NvmeTier:
                 pin_memory = offload.pin_memory and torch.cuda.is_available()
             self.pin_memory = bool(pin_memory)
             # more buffers than records would hold nothing; two keep one updating while one moves
-            pool_size = min(offload.buffer_count_for(block_records), max(2, len(self.subgroups)))
+            # the default pool holds 16 fp32 records' worth of RAM: more buffers of compressed records
+            stored = {k: self.dtypes[k].itemsize / (units or {}).get(k, 1) for k in self.keys}
+            pool_size = min(offload.buffer_count_for(block_records, stored), max(2, len(self.subgroups)))
             memories = [self._allocate(self.record_nbytes) for _ in range(pool_size)]
             self._io = Pool(memories, self._res.files, self._where, self._ledger, telemetry)
             self._pool = self._io.buffers
