@@ -153,7 +153,7 @@ def test_a_block_read_ahead_pool_is_not_grown_past_its_records_by_compression():
 
     bf16_moments = state_bytes_per_element("bf16", "fp32", needs_master=False)  # 4 B: fp32 parameters are the master
     assert default_buffer_count(bf16_moments) == 32  # 16 fp32 records of moments = 32 of bf16
-    # a 7B layer's 48 records (+1): 16 + 2R already holds 3x the RAM of 16 fp32 records
+    # a 7B layer's 48 records (+1): 16 + 2R already holds 3.5x the RAM of 16 fp32 records
     assert default_buffer_count(bf16_moments, block_records=49) == 16 + 2 * 49
     # few block records: the RAM floor still holds
     assert default_buffer_count(bf16_moments, block_records=4) == 32

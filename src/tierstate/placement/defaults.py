@@ -40,7 +40,9 @@ def default_buffer_count(bytes_per_element: Mapping[str, float], block_records: 
     Why bytes and not a count: compressed records are small (q8 moments under a bf16_sr master
     on bf16 parameters store 2.03 B an element against 8 at fp32), so 16 of them cached 130 MiB
     at 4 Mi elements against fp32 state's 512 MiB, and a 400M bf16 step on NVMe took 1,440 ms,
-    1.48x the disk floor, against 1,029 ms (1.05x) with 94 buffers (Zen 1 VM, benchmarks/README.md).
+    1.48x its CPU-bound floor, against 1,029 ms (1.05x) with 94 buffers (Zen 1 VM,
+    benchmarks/README.md); 505-509 ms against 597-617 with 63 buffers (Xeon VM,
+    docs/compressed_state.md).
     Key parts (``exp_avg.fp8``, ``exp_avg.scale``, ``master.comp``) count as one fp32 key."""
     stored = sum(bytes_per_element.values())
     fp32 = 4.0 * len({key.split(".")[0] for key in bytes_per_element})

@@ -11,8 +11,7 @@ import torch
 
 from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_QUANT_BLOCK, DEFAULT_QUANT_MAP, DEFAULT_SUBGROUP_NUMEL,
                        HOST_SUBGROUP_NUMEL, MASTER_DTYPES, Q8, QUANT_BLOCK_RANGE, QUANT_MAPS, default_buffer_count,
-                       default_nvme_root,
-                       nvme_dirs_of, state_bytes_per_element)
+                       default_nvme_root, nvme_dirs_of, state_bytes_per_element)
 
 PathLike = Union[str, os.PathLike]
 
@@ -301,9 +300,7 @@ class Offload:
         for a peak RSS of 9.34 GiB against 8.04."""
         if self.buffer_count is not None:
             return self.buffer_count
-        if bytes_per_element is None:
-            return DEFAULT_BUFFER_COUNT + 2 * block_records
-        return default_buffer_count(bytes_per_element, block_records)
+        return default_buffer_count(bytes_per_element or {}, block_records)
 
     def host_allocator_for(self, device: torch.device) -> str:
         """The host-allocator policy for parameters on ``device`` (see ``host_allocator``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .defaults import (DEFAULT_SUBGROUP_NUMEL, default_buffer_count, MASTER_DTYPES, QUANT_MAPS, is_own_master,
+from .defaults import (DEFAULT_SUBGROUP_NUMEL, MASTER_DTYPES, QUANT_MAPS, default_buffer_count, is_own_master,
                        state_bytes_per_element)
 from .layout import TierKind
 from .model_spec import ModelSpec
