@@ -65,8 +65,18 @@ def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(t
     assert r["kernels"] not in ("reference", None)
     table = step_nvme.format_table(r)
     assert "8 x 256 Ki elems; pool 4 x 2 MiB" in table and "median of 4 probes" in table
-    assert "2.0x the pool" in table
+    assert "2.0x the pool" in table and "nothing streams" not in table
     json.dumps(r)  # --json prints it
+
+
+def test_the_table_says_when_the_pool_holds_every_record(tmp_path):
+    # compressed state's default pool holds 31-63 records of 4 Mi elements: at 100M (24
+    # sub-groups) that is every record, and a step moves nothing once the first has run
+    r = _run(tmp_path, "--buffer-count", "8")
+    assert (r["subgroups"], r["buffer_count"]) == (8, 8)
+    assert r["read_bytes"] == r["write_bytes"] == 0
+    assert "1.0x the pool" in step_nvme.format_table(r)
+    assert "the pool holds every record, so nothing streams after the first step" in step_nvme.format_table(r)
 
 
 def test_sizes_run_one_after_the_other_and_json_lists_them(tmp_path, capsys):

@@ -21,12 +21,15 @@ reads and writes at once), at the mean rates of the probes just before and just 
 the step. The ratio is the median over the timed steps of step time / its floor; the
 target is <= 1.15.
 
-The two default sizes are two regimes of the default pool (16 x 4 Mi elements): at 100M
-parameters two thirds of the state stays in the pool and each step streams 8 of its 24
+The two default sizes are two regimes of fp32 state's default pool (16 x 4 Mi elements): at
+100M parameters two thirds of the state stays in the pool and each step streams 8 of its 24
 records each way, so the step's fixed costs before its first write (the gradient-norm
 pass over all gradients, ~20 ms on the reference VM) weigh ~9 % of the floor; at 400M the
 state is six times the pool and 80 of 96 records stream, as they do for the models NVMe
-offload is for.
+offload is for. Compressed state's default pool holds more records (31 to 63 of 4 Mi
+elements, the RAM of 16 fp32-state ones: :func:`tierstate.placement.defaults.default_buffer_count`),
+so at 100M it holds every record and nothing streams after the first step; the table says
+so, and 400M streams 33 to 65 of its 96.
 """
 from __future__ import annotations
 
@@ -360,7 +363,9 @@ def format_table(r: dict) -> str:
                               f"{r['buffer_count']} x {_binary(r['pool_bytes'] // r['buffer_count'])}B"),
         ("state on disk", f"{r['state_bytes'] / gib:.2f} GiB = {r['state_bytes'] / r['pool_bytes']:.1f}x the pool "
                           f"({'O_DIRECT' if r['direct'] else 'buffered'}, "
-                          f"{d['backend']}, block {d['block_size'] >> 10} KiB, qd {d['queue_depth']})"),
+                          f"{d['backend']}, block {d['block_size'] >> 10} KiB, qd {d['queue_depth']})"
+                          + ("; the pool holds every record, so nothing streams after the first step: pass a "
+                             "larger --params or a smaller --buffer-count" if r["buffer_count"] >= r["subgroups"] else "")),
         ("disk write / read / both", f"{d['write_gbps']:.2f} / {d['read_gbps']:.2f} / {d['mixed_gbps']:.2f} GB/s "
                                      f"(engine, sequential, median of {d['probes']} probes, one before the steps "
                                      "and one after each: "
