@@ -181,11 +181,15 @@ struct VecAvx512 {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
   }
   // comp_unit_one / comp_to_i16 (vec_scalar.h) on 16 lanes.
+  // The exponent field is kept in place (e << 23): and, max, sub, where shifting it down
+  // and back took five operations. (277 << 23) wraps in 32 bits, and so does the
+  // difference, to exactly (277 - e) << 23 for the e >= 24 the max leaves.
   static VecAvx512 comp_unit(VecAvx512 m, bool inverse) {
-    __m512i e = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(m.v), 23), _mm512_set1_epi32(0xFF));
-    e = _mm512_max_epi32(e, _mm512_set1_epi32(24));
-    const __m512i bits = inverse ? _mm512_sub_epi32(_mm512_set1_epi32(277), e) : _mm512_sub_epi32(e, _mm512_set1_epi32(23));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(bits, 23))};
+    __m512i e = _mm512_and_si512(_mm512_castps_si512(m.v), _mm512_set1_epi32(0x7F800000));
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(24 << 23));
+    const __m512i bits = inverse ? _mm512_sub_epi32(_mm512_set1_epi32(static_cast<int>(277u << 23)), e)
+                                 : _mm512_sub_epi32(e, _mm512_set1_epi32(23 << 23));
+    return {_mm512_castsi512_ps(bits)};
   }
   static VecAvx512 load_i16(const int16_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))))};

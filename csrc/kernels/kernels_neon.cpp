@@ -89,11 +89,14 @@ struct VecNeon {
     vst1q_f32(lanes, x.v);
     for (int k = 0; k < 4; ++k) p[k] = f32_to_bf16_sr(lanes[k], key, index + static_cast<uint32_t>(k));
   }
+  // comp_unit_one (vec_scalar.h) on 4 lanes, the exponent field kept in place as in the
+  // x86 variants: and, max, sub (integer subtraction wraps, to exactly (277 - e) << 23).
   static VecNeon comp_unit(VecNeon m, bool inverse) {
-    float lanes[4];
-    vst1q_f32(lanes, m.v);
-    for (float& x : lanes) x = comp_unit_one(x, inverse);
-    return {vld1q_f32(lanes)};
+    int32x4_t e = vreinterpretq_s32_u32(vandq_u32(vreinterpretq_u32_f32(m.v), vdupq_n_u32(0x7F800000u)));
+    e = vmaxq_s32(e, vdupq_n_s32(24 << 23));
+    const int32x4_t bits = inverse ? vsubq_s32(vdupq_n_s32(static_cast<int32_t>(277u << 23)), e)
+                                   : vsubq_s32(e, vdupq_n_s32(23 << 23));
+    return {vreinterpretq_f32_s32(bits)};
   }
   static VecNeon load_i16(const int16_t* p) { return {vcvtq_f32_s32(vmovl_s16(vld1_s16(p)))}; }
   // 4 bytes, not vld1_s8's 8: the last vector of a buffer must not read past its end.

@@ -352,3 +352,38 @@ def test_face_refuses_bad_state():
         Q.QuantConfig(256, "bf16")
     assert Q.QuantConfig(256, "bf16_sr").bytes_per_param() == pytest.approx(4.03125)
     assert Q.QuantConfig(256, "fp32").bytes_per_param() == pytest.approx(6.03125)
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_kahan_compensation_at_every_exponent(isa, isa_and_threads):
+    """The compensation's unit (2**(max(e, 24) - 150) and its inverse, comp_unit) at every bf16
+    exponent field, +-0, subnormals, the largest finite values, inf and NaN: with lr 0 and no
+    weight decay the step rewrites master + comp from the same fp32 weight, so every ISA must
+    give the reference's bits; and where comp * unit lies within half a bf16 ulp of the master
+    (e >= 24, finite, not a power of two, below which the ulp halves) it gives back the same
+    master and comp."""
+    K.set_isa(isa)
+    cfg = Q.QuantConfig(256, "bf16_kahan", "fp8")
+    gen = torch.Generator().manual_seed(5)
+    fields = torch.arange(256, dtype=torch.int32).repeat_interleave(16)  # 16 masters per exponent field
+    mantissa = torch.randint(0, 128, (fields.numel(),), generator=gen, dtype=torch.int32)
+    sign = torch.randint(0, 2, (fields.numel(),), generator=gen, dtype=torch.int32) << 15
+    bits16 = sign | (fields << 7) | mantissa
+    n = bits16.numel()
+    state = cfg.init_state(torch.zeros(n))
+    state["master"].copy_(bits16.to(torch.int16).view(torch.bfloat16))
+    state["master.comp"].copy_(torch.randint(-32767, 32768, (n,), generator=gen, dtype=torch.int16))
+    grad = torch.randn(n, generator=gen) * 1e-3
+    hyper = dict(_hyper("adamw", 1), lr=0.0, weight_decay=0.0)
+    mine, ref = _clone(state), _clone(state)
+    K.adam_q8_update(mine, grad, config=cfg, **hyper, seed=3, step=1)
+    Q.adam_q8_reference(ref, grad, config=cfg, **hyper, seed=3, step=1)
+    same_master = mine["master"].view(torch.int16) == ref["master"].view(torch.int16)
+    nan = torch.isnan(ref["master"].float())
+    assert bool((same_master | (nan & torch.isnan(mine["master"].float()))).all()), \
+        f"{isa}: masters differ at exponent fields {sorted(set(fields[~same_master].tolist()))}"
+    same_comp = mine["master.comp"] == ref["master.comp"]
+    assert bool(same_comp.all()), f"{isa}: comp differs at exponent fields {sorted(set(fields[~same_comp].tolist()))}"
+    kept = (fields >= 24) & (fields < 255) & (mantissa != 0)
+    assert torch.equal(mine["master"].view(torch.int16)[kept], state["master"].view(torch.int16)[kept])
+    assert torch.equal(mine["master.comp"][kept], state["master.comp"][kept])

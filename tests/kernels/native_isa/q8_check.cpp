@@ -52,11 +52,14 @@ bool read_map(FILE* f, Map& m) {
 }
 
 uint64_t g_state = 12345;
-float next_float() {  // splitmix64 -> signed value with magnitude 10**U(-6, 1)
+uint64_t next_bits() {  // splitmix64
   uint64_t z = (g_state += 0x9E3779B97F4A7C15ull);
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
+  return z ^ (z >> 31);
+}
+float next_float() {  // a signed value with magnitude 10**U(-6, 1)
+  const uint64_t z = next_bits();
   const double u = static_cast<double>(z >> 11) * 0x1p-53;
   double mag = 1e-6;
   for (int i = 0; i < static_cast<int>(u * 7); ++i) mag *= 10;
@@ -79,8 +82,10 @@ struct State {
   std::vector<float> ms, vs;
 };
 
+// `steps` steps at learning rate `lr` (from the swept masters: lr 0 keeps the compensation's
+// unit at every exponent observable, which any real update swamps below e = 24).
 State run(const char* isa, int threads, int64_t n, int64_t block, k::MasterMode mode, const Map& sm,
-          const Map& um, const std::vector<float>& grad) {
+          const Map& um, const std::vector<float>& grad, double lr = 1e-2, int steps = 3) {
   k::set_isa(isa);
   k::set_num_threads(threads);
   g_state = 777 + n;
@@ -96,6 +101,15 @@ State run(const char* isa, int threads, int64_t n, int64_t block, k::MasterMode 
     std::memcpy(&u, &s.master32[i], 4);
     s.master16[i] = static_cast<uint16_t>(u >> 16);
   }
+  if (mode == k::MasterMode::kBF16Kahan) {
+    // every other bf16 master swept over all 256 exponent fields (the compensation's unit,
+    // 2**(max(e, 24) - 150), is clamped below 24; 255 is inf and NaN), with comps across int16
+    for (int64_t i = 0; i < n; i += 2) {
+      const uint32_t field = static_cast<uint32_t>(i / 2) % 256u, z = static_cast<uint32_t>(next_bits());
+      s.master16[i] = static_cast<uint16_t>(((z >> 31) << 15) | (field << 7) | (z & 0x7Fu));
+      s.comp[i] = static_cast<int16_t>(z >> 8);
+    }
+  }
   std::vector<float> m0(n), s0(n);
   for (int64_t i = 0; i < n; ++i) {
     m0[i] = next_float() * 1e-2f;
@@ -108,9 +122,9 @@ State run(const char* isa, int threads, int64_t n, int64_t block, k::MasterMode 
   k::quantize_blockwise(m0.data(), s.mc.data(), s.ms.data(), n, block, sm.ref());
   k::quantize_blockwise(s0.data(), s.vc.data(), s.vs.data(), n, block, um.ref());
   void* master = mode == k::MasterMode::kF32 ? static_cast<void*>(s.master32.data()) : s.master16.data();
-  for (int step = 1; step <= 3; ++step) {
+  for (int step = 1; step <= steps; ++step) {
     const double bc1 = 1 - 0.9 * (step == 1 ? 1 : step == 2 ? 0.9 : 0.81);
-    k::AdamQ8Params p{{1e-2, 0.9, 0.999, 1e-8, 0.1, step != 2, bc1, 0.01 * step, step == 3, 0.5},
+    k::AdamQ8Params p{{lr, 0.9, 0.999, 1e-8, 0.1, step != 2, bc1, 0.01 * step, step == 3, 0.5},
                       block, mode, 0xC0FFEEu + step, 5};
     k::adam_q8_update(master, s.comp.data(), grad.data(), s.mc.data(), s.ms.data(), s.vc.data(), s.vs.data(),
                       s.out.data(), n, k::DType::kF32, k::DType::kBF16, sm.ref(), um.ref(), p);
@@ -175,6 +189,15 @@ int main(int argc, char** argv) {
             same(a.vs, b.vs, what + " v scales");
             checks += 8;
           }
+        }
+        for (int threads : {1, 2}) {
+          const State a = run("neon", threads, n, block, k::MasterMode::kBF16Kahan, sm, um, grad, 0.0, 1);
+          const State b = run("scalar", 1, n, block, k::MasterMode::kBF16Kahan, sm, um, grad, 0.0, 1);
+          const std::string what = "adam_q8 lr=0 n=" + std::to_string(n) + " block=" + std::to_string(block) +
+                                   " threads=" + std::to_string(threads) + fam;
+          same(a.master16, b.master16, what + " master16");
+          same(a.comp, b.comp, what + " comp");
+          checks += 2;
         }
       }
     }
