@@ -197,9 +197,11 @@ struct VecAvx2 {
                                        _mm_and_si128(_mm_slli_epi16(w, 4), _mm_set1_epi16(0x0F00)));
     return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(split))};
   }
+  // The low clamp is packs_epi32's saturation (a value below -32768, -inf included,
+  // converts to at most -32768 or to INT32_MIN), as in the AVX-512 variant.
   static void store_i16_rne(int16_t* p, VecAvx2 x) {
     __m256 y = _mm256_and_ps(x.v, _mm256_cmp_ps(x.v, x.v, _CMP_ORD_Q));
-    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-32768.0f)), _mm256_set1_ps(32767.0f));
+    y = _mm256_min_ps(y, _mm256_set1_ps(32767.0f));
     const __m256i q = _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));

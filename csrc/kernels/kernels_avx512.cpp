@@ -206,11 +206,15 @@ struct VecAvx512 {
                                        _mm_and_si128(_mm_slli_epi16(w, 4), _mm_set1_epi16(0x0F00)));
     return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(split))};
   }
+  // comp_to_i16 in four operations, two of them off the value's dependency chain: NaN lanes
+  // are zeroed by the conversion's mask; the low clamp is the narrowing's saturation (a
+  // value below -32768, -inf included, converts to at most -32768 or to INT32_MIN, which
+  // saturates to -32768); the high one stays a min, as +inf converts to INT32_MIN too.
   static void store_i16_rne(int16_t* p, VecAvx512 x) {
-    __m512 y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, x.v, _CMP_ORD_Q), x.v);
-    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-32768.0f)), _mm512_set1_ps(32767.0f));
-    const __m512i q = _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(q));
+    const __mmask16 ordered = _mm512_cmp_ps_mask(x.v, x.v, _CMP_ORD_Q);
+    const __m512 y = _mm512_min_ps(x.v, _mm512_set1_ps(32767.0f));
+    const __m512i q = _mm512_maskz_cvt_roundps_epi32(ordered, y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(q));
   }
   static VecAvx512 max_nan(VecAvx512 a, VecAvx512 b) {
     const __mmask16 unordered = _mm512_cmp_ps_mask(a.v, b.v, _CMP_UNORD_Q);

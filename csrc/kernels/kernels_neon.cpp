@@ -111,11 +111,9 @@ struct VecNeon {
     const uint32_t lanes[4] = {b0 & 0x0Fu, static_cast<uint32_t>(b0 >> 4), b1 & 0x0Fu, static_cast<uint32_t>(b1 >> 4)};
     return {vcvtq_f32_u32(vld1q_u32(lanes))};
   }
-  static void store_i16_rne(int16_t* p, VecNeon x) {
-    float lanes[4];
-    vst1q_f32(lanes, x.v);
-    for (int k = 0; k < 4; ++k) p[k] = comp_to_i16(lanes[k]);
-  }
+  // comp_to_i16 on 4 lanes: FCVTNS rounds to nearest even, gives 0 for NaN and saturates;
+  // SQXTN saturates again to int16, which is the clamp.
+  static void store_i16_rne(int16_t* p, VecNeon x) { vst1_s16(p, vqmovn_s32(vcvtnq_s32_f32(x.v))); }
   static VecNeon max_nan(VecNeon a, VecNeon b) { return {vmaxq_f32(a.v, b.v)}; }  // FMAX propagates NaN
   static VecNeon sign(VecNeon a) {
     const float32x4_t zero = vdupq_n_f32(0.0f);

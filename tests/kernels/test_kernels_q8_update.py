@@ -387,3 +387,28 @@ def test_kahan_compensation_at_every_exponent(isa, isa_and_threads):
     kept = (fields >= 24) & (fields < 255) & (mantissa != 0)
     assert torch.equal(mine["master"].view(torch.int16)[kept], state["master"].view(torch.int16)[kept])
     assert torch.equal(mine["master.comp"][kept], state["master.comp"][kept])
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_kahan_compensation_saturates_where_the_master_overflows(isa, isa_and_threads):
+    """A step that carries w past bf16's largest value (+-3.3895e38, within fp32) rounds the
+    master to +-inf, so w - master is -+inf: the compensation saturates to -32768 / 32767 (and
+    a NaN one is 0), as comp_to_i16 says, on every ISA."""
+    K.set_isa(isa)
+    cfg = Q.QuantConfig(64, "bf16_kahan", "fp8")
+    n = 256
+    top = torch.tensor([0x7F7F], dtype=torch.int16).view(torch.bfloat16).float().item()  # bf16's largest
+    sign = torch.tensor([1.0, -1.0]).repeat(n // 2)
+    state = cfg.init_state(torch.zeros(n))
+    state["master"].copy_((sign * top).bfloat16())
+    state["master.comp"].copy_(torch.arange(n, dtype=torch.int16) * 97 - 12000)
+    grad = -sign * torch.linspace(0.5, 2.0, n)  # minus the update's direction: pushes |w| up
+    hyper = dict(_hyper("adamw", 1), lr=7e35, weight_decay=0.0)  # past the half ulp (6.6e35) at the top
+    mine, ref = _clone(state), _clone(state)
+    K.adam_q8_update(mine, grad, config=cfg, **hyper, seed=3, step=1)
+    Q.adam_q8_reference(ref, grad, config=cfg, **hyper, seed=3, step=1)
+    assert torch.equal(mine["master"].view(torch.int16), ref["master"].view(torch.int16))
+    assert torch.equal(mine["master.comp"], ref["master.comp"])
+    overflowed = torch.isinf(ref["master"].float())
+    assert int(overflowed.sum()) > n // 4, "the case must reach the saturation"
+    assert set(ref["master.comp"][overflowed].tolist()) <= {-32768, 32767, 0}

@@ -190,14 +190,18 @@ int main(int argc, char** argv) {
             checks += 8;
           }
         }
-        for (int threads : {1, 2}) {
-          const State a = run("neon", threads, n, block, k::MasterMode::kBF16Kahan, sm, um, grad, 0.0, 1);
-          const State b = run("scalar", 1, n, block, k::MasterMode::kBF16Kahan, sm, um, grad, 0.0, 1);
-          const std::string what = "adam_q8 lr=0 n=" + std::to_string(n) + " block=" + std::to_string(block) +
-                                   " threads=" + std::to_string(threads) + fam;
-          same(a.master16, b.master16, what + " master16");
-          same(a.comp, b.comp, what + " comp");
-          checks += 2;
+        // lr 0: the compensation's unit at every exponent; lr 7e35: masters at the top of
+        // bf16's range pushed past it (rounded to +-inf), where the compensation saturates
+        for (double lr : {0.0, 7e35}) {
+          for (int threads : {1, 2}) {
+            const State a = run("neon", threads, n, block, k::MasterMode::kBF16Kahan, sm, um, grad, lr, 1);
+            const State b = run("scalar", 1, n, block, k::MasterMode::kBF16Kahan, sm, um, grad, lr, 1);
+            const std::string what = "adam_q8 lr=" + std::to_string(lr) + " n=" + std::to_string(n) +
+                                     " block=" + std::to_string(block) + " threads=" + std::to_string(threads) + fam;
+            same(a.master16, b.master16, what + " master16");
+            same(a.comp, b.comp, what + " comp");
+            checks += 2;
+          }
         }
       }
     }
