@@ -444,8 +444,8 @@ inline void adam_q8_elements(const AdamQ8Task& t, const CM& m_codec, const CV& v
     }
     W::store(m_row + (i - b0), m);
     W::store(s_row + (i - b0), s);
-    am = W::max_nan(am, W::abs(m));
-    as = W::max_nan(as, s);
+    am = W::max_abs(am, m);
+    as = W::max_abs(as, s);  // s >= +0 or NaN: its absolute value is itself
   }
   amax_m = max_nan_scalar(amax_m, reduce_max_nan(am));
   amax_s = max_nan_scalar(amax_s, reduce_max_nan(as));
@@ -542,7 +542,7 @@ void quantize_range(const QuantTask& t, int64_t begin, int64_t end) {
       const int64_t b1 = std::min(end, b0 + t.block);
       const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
       V acc = V::set1(0.0f);
-      for (int64_t i = b0; i < mid; i += V::kWidth) acc = V::max_nan(acc, V::abs(V::load(t.x + i)));
+      for (int64_t i = b0; i < mid; i += V::kWidth) acc = V::max_abs(acc, V::load(t.x + i));
       float absmax = reduce_max_nan(acc);
       for (int64_t i = mid; i < b1; ++i) absmax = max_nan_scalar(absmax, S::abs(S::load(t.x + i)).v);
       encode_block<V, S>(t.x + b0, t.codes, b0, b1, absmax, t.scale + b0 / t.block, t.map.top, codec);

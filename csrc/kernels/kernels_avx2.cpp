@@ -206,6 +206,11 @@ struct VecAvx2 {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
   }
+  // max(acc, |x|) on the bits as unsigned integers (see the AVX-512 variant).
+  static VecAvx2 max_abs(VecAvx2 acc, VecAvx2 x) {
+    const __m256i mag = _mm256_and_si256(_mm256_castps_si256(x.v), _mm256_set1_epi32(0x7FFFFFFF));
+    return {_mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc.v), mag))};
+  }
   static VecAvx2 max_nan(VecAvx2 a, VecAvx2 b) {
     const __m256 unordered = _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q);
     return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), _mm256_add_ps(a.v, b.v), unordered)};
