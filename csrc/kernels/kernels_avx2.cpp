@@ -127,10 +127,7 @@ struct VecAvx2 {
   static VecAvx2 decode_fp8(const uint8_t* codes) {
     const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
     __m128i h;
-    if constexpr (kSigned && M == 3) {  // the sign carried from bit 14 to 15 (see the AVX-512 variant)
-      h = _mm_slli_epi16(c, 7);
-      h = _mm_add_epi16(h, _mm_and_si128(h, _mm_set1_epi16(0x4000)));
-    } else if constexpr (kSigned) {
+    if (kSigned) {
       h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 10 - M),
                        _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8));
     } else {

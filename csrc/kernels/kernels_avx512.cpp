@@ -138,12 +138,7 @@ struct VecAvx512 {
   static VecAvx512 decode_fp8(const uint8_t* codes) {
     const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     __m256i h;
-    if constexpr (kSigned && M == 3) {
-      // shifted by 7 the sign lands on bit 14, next to the fp16 sign bit: adding bit 14 to
-      // itself carries it there (the magnitude, below bit 14, is untouched): 3 operations, not 5
-      h = _mm256_slli_epi16(c, 7);
-      h = _mm256_add_epi16(h, _mm256_and_si256(h, _mm256_set1_epi16(0x4000)));
-    } else if constexpr (kSigned) {
+    if (kSigned) {
       h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 10 - M),
                           _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
     } else {
