@@ -65,19 +65,13 @@ struct VecNeon {
   }
   // Decoding through the fp16 that holds the code (fp8_as_f16, vec_scalar.h): FCVTL widens it exactly.
   template <int M, bool kSigned>
-  static VecNeon decode_fp8(const uint8_t* codes) {  // fp8_as_f16 on 4 lanes (see the AVX-512 variant)
+  static VecNeon decode_fp8(const uint8_t* codes) {  // fp8_as_f16 on 4 lanes, as the x86 variants
     uint32_t word;  // 4 bytes, as load_i8 reads them
     std::memcpy(&word, codes, sizeof(word));
     const uint16x4_t c = vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(word))));
-    uint16x4_t h;
-    if constexpr (kSigned && M == 3) {
-      h = vshl_n_u16(c, 7);
-      h = vadd_u16(h, vand_u16(h, vdup_n_u16(0x4000)));
-    } else if constexpr (kSigned) {
-      h = vorr_u16(vshl_n_u16(vand_u16(c, vdup_n_u16(0x7F)), 10 - M), vshl_n_u16(vand_u16(c, vdup_n_u16(0x80)), 8));
-    } else {
-      h = vshl_n_u16(c, 10 - M);
-    }
+    const uint16x4_t h =
+        kSigned ? vorr_u16(vshl_n_u16(vand_u16(c, vdup_n_u16(0x7F)), 10 - M), vshl_n_u16(vand_u16(c, vdup_n_u16(0x80)), 8))
+                : vshl_n_u16(c, 10 - M);
     return {vcvt_f32_f16(vreinterpret_f16_u16(h))};
   }
   template <int M, bool kSigned>

@@ -211,12 +211,12 @@ struct VecScalar {
     return {static_cast<float>((bytes[index >> 1] >> ((index & 1) * 4)) & 0x0F)};
   }
   static void store_i16_rne(int16_t* p, VecScalar x) { *p = comp_to_i16(x.v); }
-  // torch.maximum: NaN if either is NaN.
   // max(acc, |x|) of a running absmax, NaN if either is (the vector variants' max_abs).
   static VecScalar max_abs(VecScalar acc, VecScalar x) {
     const uint32_t a = float_bits(acc.v), b = float_bits(x.v) & 0x7FFFFFFFu;
     return {bits_float(a > b ? a : b)};
   }
+  // torch.maximum: NaN if either is NaN.
   static VecScalar max_nan(VecScalar a, VecScalar b) {
     if (a.v != a.v || b.v != b.v) return {a.v + b.v};
     return {a.v > b.v ? a.v : b.v};

@@ -293,7 +293,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
                                                  if args.moment_dtype == "q8" else ""),
             "subgroups": len(tier.subgroups),
             "subgroup_numel": args.subgroup_numel,
-            "buffer_count": len(tier._pool),
+            "buffer_count": pool,
             "pool_bytes": tier.pool_nbytes,
             "state_bytes": tier.nbytes,
             "direct": tier.direct,

@@ -48,8 +48,8 @@ stay ahead of. With ``R`` given (``block_records``) the window is ``min(B // 2, 
 default pool ``16 + 2R`` (:meth:`tierstate.Offload.buffer_count_for`; without ``R`` it is
 16 for fp32 state and more for compressed records, as many as fit in the RAM of 16 fp32
 ones): one block's records are read while the previous block's are updated, and the rest
-of the pool still caches the end of the plan. On the 7B capacity case (2-vCPU Xeon VM, one virtio disk) the optimizer's
-waits for its records fell from 17-23 s a step to 9.5-11 s and the step from 62-65 s to 47-49 s.
+of the pool still caches the end of the plan. On the 7B capacity case (2-vCPU Xeon VM, one
+virtio disk) the optimizer's waits for its records fell from 17-23 s a step to 9.5-11 s and the step from 62-65 s to 47-49 s.
 """
 from __future__ import annotations
 
