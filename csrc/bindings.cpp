@@ -225,7 +225,14 @@ static void bind_io(nb::module_& m) {
           res = r.wait();
         }
         return std::make_tuple(res.bytes, res.err, res.err_offset);
-      });
+      })
+      .def("crc", [](const tio::Request& r) {
+        try {
+          return r.crc();
+        } catch (const std::logic_error& e) {
+          throw nb::value_error(e.what());
+        }
+      }, "CRC-32C of the bytes moved (a request submitted with checksum=True, once done).");
 
   nb::class_<tio::Engine>(m, "IOEngine", "Thread pool or io_uring workers doing direct I/O.")
       .def("__init__",
@@ -240,10 +247,10 @@ static void bind_io(nb::module_& m) {
            "threads"_a, "queue_depth"_a, "block_size"_a, "backend"_a)
       .def("submit",
            [](tio::Engine& e, const std::shared_ptr<tio::File>& f, bool write, uintptr_t address,
-              size_t nbytes, int64_t offset) {
-             return e.submit(f, write, reinterpret_cast<void*>(address), nbytes, offset);
+              size_t nbytes, int64_t offset, bool checksum) {
+             return e.submit(f, write, reinterpret_cast<void*>(address), nbytes, offset, checksum);
            },
-           "file"_a, "write"_a, "address"_a, "nbytes"_a, "offset"_a,
+           "file"_a, "write"_a, "address"_a, "nbytes"_a, "offset"_a, "checksum"_a = false,
            nb::call_guard<nb::gil_scoped_release>())
       .def("shutdown", &tio::Engine::shutdown, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("backend", &tio::Engine::backend)

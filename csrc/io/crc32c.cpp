@@ -431,6 +431,11 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b) {
   return crc_a ^ crc_b;
 }
 
+uint32_t crc32c_serial(uint32_t crc, const void* data, size_t nbytes) {
+  static const CrcFn fn = best();
+  return fn(crc, data, nbytes);
+}
+
 uint32_t crc32c(uint32_t crc, const void* data, size_t nbytes) {
   static const CrcFn fn = best();
   ThreadPool& pool = ThreadPool::instance();

@@ -25,6 +25,9 @@ namespace tierstate::io {
 // variant chosen at run time; a buffer of 2 MiB or more is split over the kernels'
 // thread pool (tierstate::ThreadPool) and the parts joined with crc32c_combine.
 uint32_t crc32c(uint32_t crc, const void* data, size_t nbytes);
+// The same on the calling thread only, whatever the size (the I/O engine's workers, which
+// must not wait on the kernels' pool).
+uint32_t crc32c_serial(uint32_t crc, const void* data, size_t nbytes);
 // The CRC-32C of A followed by B, from crc(A), crc(B) and B's length in bytes.
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, size_t len_b);
 // The same with a named variant; throws std::invalid_argument if it cannot run here.

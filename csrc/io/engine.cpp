@@ -16,6 +16,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "io/crc32c.h"
+
 namespace tierstate::io {
 
 namespace {
@@ -132,11 +134,20 @@ void File::sync() {
 
 // ---- Request ------------------------------------------------------------------
 
-Request::Request(std::shared_ptr<File> file, bool write, size_t ntasks)
-    : file_(std::move(file)), write_(write), remaining_(ntasks) {}
+Request::Request(std::shared_ptr<File> file, bool write, size_t ntasks, ChecksumWorker* checksummer)
+    : file_(std::move(file)),
+      write_(write),
+      checksummer_(checksummer),
+      task_crc_(checksummer ? ntasks : 0, 0),
+      task_bytes_(checksummer ? ntasks : 0, 0),
+      remaining_(ntasks) {}
 
-void Request::task_done(uint64_t moved, int err, int64_t err_offset) {
+void Request::task_done(size_t task, uint64_t moved, int err, int64_t err_offset, uint32_t crc) {
   bytes_.fetch_add(moved, std::memory_order_relaxed);
+  if (checksummer_ && task < task_crc_.size()) {  // each task writes its own slot; read after done()
+    task_crc_[task] = crc;
+    task_bytes_[task] = moved;
+  }
   if (err != 0) {
     std::lock_guard<std::mutex> lk(mu_);
     // Keep the lowest failing offset: the prefix before it is what really moved.
@@ -151,6 +162,14 @@ void Request::task_done(uint64_t moved, int err, int64_t err_offset) {
     std::lock_guard<std::mutex> lk(mu_);
     cv_.notify_all();
   }
+}
+
+uint32_t Request::crc() const {
+  if (!checksummer_) throw std::logic_error("crc(): the request was submitted without checksum=true");
+  if (!done()) throw std::logic_error("crc(): the request has not finished; wait for it first");
+  uint32_t out = 0;  // the CRC of nothing; joining a part to it gives the part's CRC
+  for (size_t i = 0; i < task_crc_.size(); ++i) out = crc32c_combine(out, task_crc_[i], task_bytes_[i]);
+  return out;
 }
 
 Request::Result Request::wait() {
@@ -253,7 +272,14 @@ void TaskRun::finish() {
                                                   : f.bytes_buffered;
   counter.fetch_add(done, std::memory_order_relaxed);
   std::shared_ptr<Request> req = std::move(task.req);
-  req->task_done(done, err, err ? task.offset + static_cast<int64_t>(done) : -1);
+  const int64_t err_offset = err ? task.offset + static_cast<int64_t>(done) : -1;
+  if (ChecksumWorker* checksummer = req->checksummer()) {
+    // of the caller's buffer (a bounced read was copied there above; a write's bytes stay
+    // unchanged until its request is done), on the checksum thread
+    checksummer->push(ChecksumItem{std::move(req), task.index, task.buf, done, err, err_offset});
+    return;
+  }
+  req->task_done(task.index, done, err, err_offset);
 }
 
 // ---- thread-pool backend --------------------------------------------------------
@@ -299,6 +325,43 @@ class ThreadWorker final : public Worker {
 
 std::unique_ptr<Worker> make_thread_worker(TaskQueue& queue, size_t block_size) {
   return std::make_unique<ThreadWorker>(queue, block_size);
+}
+
+// ---- checksum thread ----------------------------------------------------------
+
+ChecksumWorker::ChecksumWorker() { thread_ = std::thread([this] { run(); }); }
+
+ChecksumWorker::~ChecksumWorker() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    closed_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ChecksumWorker::push(ChecksumItem&& item) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    items_.push_back(std::move(item));
+  }
+  cv_.notify_one();
+}
+
+void ChecksumWorker::run() {
+  for (;;) {
+    ChecksumItem item;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return closed_ || !items_.empty(); });
+      if (items_.empty()) return;  // closed, and nothing left to complete
+      item = std::move(items_.front());
+      items_.pop_front();
+    }
+    // One core, never the kernels' pool, which the caller may be running.
+    const uint32_t crc = item.moved > 0 ? crc32c_serial(0, item.buf, item.moved) : 0;
+    item.req->task_done(item.index, item.moved, item.err, item.err_offset, crc);
+  }
 }
 
 // ---- Engine -------------------------------------------------------------------
@@ -357,14 +420,20 @@ void Engine::shutdown() {
   queue_.close();
   for (auto& w : workers_) w->join();
   workers_.clear();
+  checksummer_.reset();  // after the workers: it completes the tasks they handed it
 }
 
 std::shared_ptr<Request> Engine::submit(const std::shared_ptr<File>& file, bool write, void* buf,
-                                        size_t nbytes, int64_t offset) {
+                                        size_t nbytes, int64_t offset, bool checksum) {
   if (offset < 0) throw std::invalid_argument("offset must be >= 0");
+  ChecksumWorker* checksummer = nullptr;
   {
     std::lock_guard<std::mutex> lk(shutdown_mu_);
     if (stopped_) throw std::invalid_argument("the engine is shut down; create a new Engine");
+    if (checksum) {
+      if (!checksummer_) checksummer_ = std::make_unique<ChecksumWorker>();
+      checksummer = checksummer_.get();
+    }
   }
   char* base = static_cast<char*>(buf);
   const size_t block = config_.block_size;
@@ -372,7 +441,7 @@ std::shared_ptr<Request> Engine::submit(const std::shared_ptr<File>& file, bool 
   tasks.reserve(nbytes / block + 3);
 
   auto add = [&](size_t rel, size_t len, TaskPath path) {
-    tasks.push_back(Task{nullptr, base + rel, len, offset + static_cast<int64_t>(rel), path});
+    tasks.push_back(Task{nullptr, base + rel, len, offset + static_cast<int64_t>(rel), path, tasks.size()});
   };
   if (!file->direct()) {
     for (size_t rel = 0; rel < nbytes; rel += block) add(rel, std::min(block, nbytes - rel), TaskPath::Buffered);
@@ -405,9 +474,9 @@ std::shared_ptr<Request> Engine::submit(const std::shared_ptr<File>& file, bool 
     if (tail) add(head + body, tail, TaskPath::Buffered);
   }
   if (!file->begin_request()) throw IoError(EBADF, file->path(), offset, "I/O on a closed file: " + file->path());
-  auto req = std::make_shared<Request>(file, write, std::max<size_t>(tasks.size(), 1));
+  auto req = std::make_shared<Request>(file, write, std::max<size_t>(tasks.size(), 1), checksummer);
   if (tasks.empty()) {
-    req->task_done(0, 0, -1);
+    req->task_done(0, 0, 0, -1);
     return req;
   }
   for (auto& t : tasks) t.req = req;

@@ -13,7 +13,7 @@ pread/pwrite; :func:`default_engine` ``.backend`` says which one runs.
 it reads with it); :mod:`tierstate.io.faults` injects I/O failures for tests.
 """
 from .buffers import DEFAULT_ALIGNMENT, aligned_empty, huge_page_eligible, huge_page_size
-from .checksum import crc32c, crc32c_isas
+from .checksum import checksums_beside_kernels, crc32c, crc32c_isas
 from .engine import Engine, default_engine, engine_available, set_default_engine, uring_available
 from .errors import (
     DiskFullError,
@@ -41,6 +41,7 @@ __all__ = [
     "ReadOnlyFilesystemError",
     "ShortReadError",
     "StateLostError",
+    "checksums_beside_kernels",
     "crc32c",
     "crc32c_isas",
     "aligned_empty",

@@ -47,9 +47,21 @@ def crc32c(buf: Any, value: int = 0, *, isa: str | None = None) -> int:
         del keepalive
 
 
+def checksums_beside_kernels() -> bool:
+    """Whether a CRC taken by the I/O engine (``File.pread/pwrite(..., checksum=True)``) runs
+    beside the kernels rather than in their place: the kernels' pool leaves a core of this
+    process's share free (:func:`tierstate.kernels.set_num_threads` below it). The engine's
+    checksum thread then takes a record's CRC while the caller goes on; without a free core
+    it only takes one from the kernels (see [Note: checksums taken by the engine] in
+    csrc/io/engine.h for the figures either way)."""
+    from ..kernels import backend  # noqa: PLC0415 - the kernels load only when asked
+
+    return backend.get_num_threads() < backend.default_num_threads()
+
+
 def crc32c_isas() -> list[str]:
     """The CRC-32C variants this CPU and build can run, fastest first (``"table"`` last, always)."""
     return list(_require_native().io_crc32c_isas())
 
 
-__all__ = ["crc32c", "crc32c_isas"]
+__all__ = ["checksums_beside_kernels", "crc32c", "crc32c_isas"]

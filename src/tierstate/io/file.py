@@ -65,6 +65,15 @@ class IOFuture:
             raise io_error(err, self._path, err_offset, self._op)
         return nbytes
 
+    def crc(self) -> int:
+        """Waits; the CRC-32C (:func:`tierstate.io.crc32c`) of the bytes moved, taken by the
+        engine's worker as they moved: a read's as they landed in the buffer, a write's from
+        the buffer once written. Only for a request made with ``checksum=True``; call
+        :meth:`get` first, which raises if the request failed (the CRC then covers only
+        what moved)."""
+        self._wait()
+        return self._request.crc()
+
     def __del__(self) -> None:
         if self._result is None and getattr(self, "_request", None) is not None:
             self._wait()
@@ -85,6 +94,9 @@ class _FailedRequest:
 
     def wait(self) -> tuple[int, int, int]:
         return self._result
+
+    def crc(self) -> int:
+        raise ValueError("crc(): the request failed before reaching the disk; get() says why")
 
 
 class File:
@@ -182,7 +194,7 @@ class File:
         return {"direct": direct, "bounced": bounced, "buffered": buffered}
 
     # ---- I/O ----
-    def _submit(self, write: bool, buf: Any, offset: int, size: int | None) -> IOFuture:
+    def _submit(self, write: bool, buf: Any, offset: int, size: int | None, checksum: bool = False) -> IOFuture:
         if self._native.closed:
             raise ValueError(f"I/O on closed file {self._path!r}")
         self._engine.check_owner()
@@ -198,21 +210,24 @@ class File:
         if injected:
             return IOFuture(_FailedRequest(injected, offset), keepalive, self._path, offset, op)
         try:
-            request = self._engine._native.submit(self._native, write, address, size, offset)
+            request = self._engine._native.submit(self._native, write, address, size, offset, bool(checksum))
         except OSError as exc:
             raise from_oserror(exc, self._path, offset, op) from exc
         fut = IOFuture(request, keepalive, self._path, offset, op)
         self._futures.add(fut)
         return fut
 
-    def pread(self, buf: Any, offset: int = 0, size: int | None = None) -> IOFuture:
+    def pread(self, buf: Any, offset: int = 0, size: int | None = None, *, checksum: bool = False) -> IOFuture:
         """Queues a read of ``size`` bytes (default: all of ``buf``) from file ``offset``
-        into ``buf``. ``get()`` returns the bytes read: fewer at the end of the file."""
-        return self._submit(False, buf, offset, size)
+        into ``buf``. ``get()`` returns the bytes read: fewer at the end of the file. With
+        ``checksum=True`` the engine's worker also takes their CRC-32C (``crc()``), off the
+        calling thread."""
+        return self._submit(False, buf, offset, size, checksum)
 
-    def pwrite(self, buf: Any, offset: int = 0, size: int | None = None) -> IOFuture:
-        """Queues a write of ``size`` bytes (default: all of ``buf``) at file ``offset``."""
-        return self._submit(True, buf, offset, size)
+    def pwrite(self, buf: Any, offset: int = 0, size: int | None = None, *, checksum: bool = False) -> IOFuture:
+        """Queues a write of ``size`` bytes (default: all of ``buf``) at file ``offset``;
+        ``checksum`` as in :meth:`pread` (the buffer must not change until the write is done)."""
+        return self._submit(True, buf, offset, size, checksum)
 
     def read(self, buf: Any, offset: int = 0, size: int | None = None) -> int:
         """Blocking :meth:`pread`: returns the bytes actually read (short at end of file)."""

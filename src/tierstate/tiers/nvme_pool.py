@@ -39,13 +39,25 @@ a bit flip raises :class:`~tierstate.io.StateLostError` at the read, and never r
 an update. The CRC runs without the GIL, in the variant chosen at run time
 (:func:`tierstate.io.crc32c_isas`; AVX-512 VPCLMULQDQ folding does 16-18 GB/s per Zen 4
 core, the ``crc32`` instruction 11; on a Zen 1 EPYC 128-bit PCLMULQDQ folding 6.7-6.9 GB/s
-per core from DRAM against the instruction's 5.3-5.4), called from the thread that calls
-into the tier: a write's when it is queued (the bytes the record must read back as), a
-read's when its completion is collected. A record of 2 MiB or more is split over the kernels' threads,
-which are idle then (one core reads DRAM at ~15 GB/s; two did 28-33 GB/s on the Xeon VM).
-It costs one more pass over every record moved, which competes
-with the update kernels for memory bandwidth: +2 % step time at 400M parameters and
-+5 % at 100M (``tierstate bench step --offload nvme``, benchmarks/README.md).
+per core from DRAM against the instruction's 5.3-5.4). Where it runs depends on the cores:
+
+- when the kernels' pool leaves a core free (:func:`tierstate.io.checksums_beside_kernels`),
+  on the I/O engine's checksum thread, as each piece of a record moves (``checksum=True``),
+  while the step goes on. ``TIERSTATE_NUM_THREADS=1 tierstate bench step --offload nvme
+  --params 400M --dtype bf16`` on the 2-vCPU Zen 4 VM, two rounds alternating with the
+  CRCs on the caller: 1.07-1.08x the step's floor against 1.13-1.29x; with ``--moment-dtype
+  q8 --quant-map fp8 --master-dtype bf16_kahan``, 562-569 ms (1.06-1.07x) against 611-656
+  ms (1.17-1.21x);
+- otherwise from the thread that calls into the tier: a write's when it is queued (the
+  bytes the record must read back as), a read's when its completion is collected, a record
+  of 2 MiB or more split over the kernels' threads, which are idle then (one core reads
+  DRAM at ~15 GB/s; two did 28-33 GB/s on the Xeon VM). A checksum thread there takes its
+  core from the kernels and the I/O worker: the fp32-state step at 400M took 1.07-1.13 s
+  against 1.05-1.08 s on the caller, and the compressed one moved within the drift.
+
+It costs one more pass over every record moved, which competes with the update kernels
+for memory bandwidth: +2 % step time at 400M parameters and +5 % at 100M (``tierstate
+bench step --offload nvme``, benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -92,7 +104,7 @@ PINNED = frozenset({S.ACQUIRED, S.ACQUIRED_DIRTY})
 class _Op:
     """One read or write of a record from or into a buffer's memory."""
 
-    __slots__ = ("write", "sg", "after", "memory", "lane", "future", "crc", "t0", "finished", "error")
+    __slots__ = ("write", "sg", "after", "memory", "lane", "future", "crc", "engine_crc", "t0", "finished", "error")
 
     def __init__(self, write: bool, sg: SubGroup, after: "_Op | None" = None) -> None:
         self.write = write
@@ -102,6 +114,7 @@ class _Op:
         self.lane = ""
         self.future: tio.IOFuture | None = None
         self.crc: int | None = None  # the CRC-32C written (writes) or expected (reads)
+        self.engine_crc = False  # taken by the engine's checksum thread, not by the caller
         self.t0 = 0.0
         self.finished = False  # its outcome is collected: in the ledger, and in ``error`` for a read
         self.error: BaseException | None = None  # a read's StateLostError
@@ -261,9 +274,10 @@ class Pool:
         file_index, offset, record = self._where(op.sg)
         f = self._files[file_index]
         op.memory, op.lane = buf.memory, buf.lane
-        if op.write:
+        op.engine_crc = tio.checksums_beside_kernels()  # see [Note: checksums]
+        if op.write and not op.engine_crc:
             op.crc = tio.crc32c(buf.memory[: record.nbytes])  # before the write: what must read back
-        else:
+        if not op.write:
             fresh, kept, lost, op.crc = self._ledger.for_read(op.sg.index)
             if fresh or kept is not None or lost is not None:
                 if fresh:
@@ -276,7 +290,8 @@ class Pool:
                 return
         op.t0 = time.perf_counter()
         try:
-            op.future = (f.pwrite if op.write else f.pread)(buf.memory, offset, record.nbytes)
+            op.future = (f.pwrite if op.write else f.pread)(buf.memory, offset, record.nbytes,
+                                                            checksum=op.engine_crc)
         except OSError as exc:  # refused before reaching the disk: as if it failed there
             self._collect(op, exc)
 
@@ -294,6 +309,8 @@ class Pool:
                 # The file's range now holds unknown bytes; the record's truth stays in RAM.
                 ledger.write_failed(key, exc, op.memory[: record.nbytes], f.path, offset)
                 return
+            if op.engine_crc:
+                op.crc = op.future.crc()  # of the bytes written: what the record must read back as
             ledger.wrote(key, op.crc)
             self._book(op, record.nbytes)
             return
@@ -308,7 +325,7 @@ class Pool:
             got = op.future.get()
             if got != record.nbytes:
                 raise tio.ShortReadError(f.path, offset, record.nbytes, got)
-            crc = tio.crc32c(op.memory[: record.nbytes])
+            crc = op.future.crc() if op.engine_crc else tio.crc32c(op.memory[: record.nbytes])
             if crc != op.crc:
                 raise tio.StateLostError(None, f"read back from {f.path!r} at offset {offset} does not match the "
                                          f"CRC-32C taken when it was written (0x{crc:08x}, expected "
