@@ -53,7 +53,7 @@ per core from DRAM against the instruction's 5.3-5.4). Where it runs depends on 
   of 2 MiB or more split over the kernels' threads, which are idle then (one core reads
   DRAM at ~15 GB/s; two did 28-33 GB/s on the Xeon VM). A checksum thread there takes its
   core from the kernels and the I/O worker: the fp32-state step at 400M took 1.07-1.13 s
-  against 1.05-1.08 s on the caller, and the compressed one moved within the drift.
+  against 1.05-1.08 s on the caller (two rounds alternating).
 
 It costs one more pass over every record moved, which competes with the update kernels
 for memory bandwidth: +2 % step time at 400M parameters and +5 % at 100M (``tierstate
