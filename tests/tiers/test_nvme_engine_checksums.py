@@ -14,7 +14,7 @@ import tierstate as ts
 import tierstate.io as tio
 import tierstate.tiers.nvme_pool as nvme_pool
 from tierstate.kernels import backend
-from test_nvme_tier import _filled_tier, _not_resident, _state_lost_error
+from test_nvme_tier import _filled_tier, _flip_bit, _not_resident, _state_lost_error
 
 pytestmark = pytest.mark.skipif(backend.default_num_threads() < 2,
                                 reason="the engine's checksum thread is used only beside a free core")
@@ -59,14 +59,7 @@ def test_a_flipped_bit_is_refused_on_either_path(tmp_path, where, flip):
     mode, calls = where
     tier = _filled_tier(tmp_path)
     target = _not_resident(tier)
-    _, offset, rec = tier._where(target)
-    start, nbytes = rec.regions["exp_avg"]
-    at = offset + rec.nbytes - 1 if flip == "last byte" else offset + start + nbytes // 2
-    with open(tier.files[0], "r+b") as fh:
-        fh.seek(at)
-        byte = fh.read(1)[0]
-        fh.seek(at)
-        fh.write(bytes([byte ^ 0x01]))
+    _flip_bit(tier, target, flip, mask=0x01)
     with pytest.raises(_state_lost_error(), match="CRC-32C"):
         tier.read_range("exp_avg", target, 0, target.numel)
     assert (len(calls) == 0) is (mode == "engine")

@@ -189,10 +189,9 @@ def test_record_overwritten_by_another_process_is_refused(tmp_path):
     tier.close()
 
 
-@pytest.mark.parametrize("where", ["exp_avg", "exp_avg_sq", "last byte"])
-def test_one_flipped_bit_is_refused(tmp_path, where):
-    tier = _filled_tier(tmp_path)
-    target = _not_resident(tier)
+def _flip_bit(tier, target, where, mask=0x10):
+    """Flip ``mask`` in one byte of ``target``'s record in its file: the middle of key
+    ``where``'s region, or the record's last byte (``where="last byte"``)."""
     _, offset, rec = tier._where(target)
     start, nbytes = rec.regions["exp_avg_sq" if where == "last byte" else where]
     at = offset + rec.nbytes - 1 if where == "last byte" else offset + start + nbytes // 2
@@ -200,7 +199,14 @@ def test_one_flipped_bit_is_refused(tmp_path, where):
         fh.seek(at)
         byte = fh.read(1)[0]
         fh.seek(at)
-        fh.write(bytes([byte ^ 0x10]))
+        fh.write(bytes([byte ^ mask]))
+
+
+@pytest.mark.parametrize("where", ["exp_avg", "exp_avg_sq", "last byte"])
+def test_one_flipped_bit_is_refused(tmp_path, where):
+    tier = _filled_tier(tmp_path)
+    target = _not_resident(tier)
+    _flip_bit(tier, target, where)
     with pytest.raises(_state_lost_error(), match="CRC-32C"):
         tier.read_range("exp_avg", target, 0, target.numel)
     tier.close()
