@@ -153,3 +153,29 @@ def test_default_sizes_that_do_not_fit_are_skipped_and_said(tmp_path, monkeypatc
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 30))
     assert step.main(args) == 2
     assert "no default size fits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [
+    [],  # fp32 state: 16 records of 4 Mi elements
+    ["--moment-dtype", "q8", "--quant-map", "fp8"],  # an fp32 master: 31 records
+    ["--moment-dtype", "q8", "--quant-map", "fp8", "--master-dtype", "bf16_kahan"],  # 47
+    ["--moment-dtype", "q8", "--quant-map", "fp8", "--master-dtype", "bf16_sr"],  # 63
+])
+def test_default_sizes_are_the_same_two_regimes_of_every_layouts_pool(tmp_path, monkeypatch, layout):
+    """The default sizes put 1.5x and 6x the default pool's records on disk, whatever the
+    state's format: with compressed state (whose default pool holds more, smaller records)
+    the fp32 sizes 100M and 400M left every record in the pool at 100M, so that step moved
+    nothing, and only 1.5-3x the pool at 400M."""
+    import psutil
+
+    from tierstate.placement import DEFAULT_SUBGROUP_NUMEL
+
+    args = _parse(["--dtype", "bf16", "--nvme-dir", str(tmp_path), *layout])
+    real = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 50))
+    pool_elements = step_nvme.default_pool_records(args) * DEFAULT_SUBGROUP_NUMEL
+    small, large = step_nvme._sizes(args)
+    assert small / pool_elements == pytest.approx(1.5, rel=0.02)
+    assert large / pool_elements == pytest.approx(6.0, rel=0.02)
+    if not layout:
+        assert (small, large) == (100_000_000, 400_000_000)  # fp32 state's, as documented

@@ -21,15 +21,18 @@ reads and writes at once), at the mean rates of the probes just before and just 
 the step. The ratio is the median over the timed steps of step time / its floor; the
 target is <= 1.15.
 
-The two default sizes are two regimes of fp32 state's default pool (16 x 4 Mi elements): at
-100M parameters two thirds of the state stays in the pool and each step streams 8 of its 24
-records each way, so the step's fixed costs before its first write (the gradient-norm
-pass over all gradients, ~20 ms on the reference VM) weigh ~9 % of the floor; at 400M the
-state is six times the pool and 80 of 96 records stream, as they do for the models NVMe
-offload is for. Compressed state's default pool holds more records (31 to 63 of 4 Mi
-elements, the RAM of 16 fp32-state ones: :func:`tierstate.placement.defaults.default_buffer_count`),
-so at 100M it holds every record and nothing streams after the first step; the table says
-so, and 400M streams 33 to 65 of its 96.
+The two default sizes are two regimes of the default pool: the state 1.5x and 6x what the
+pool holds. For fp32 state (16 records of 4 Mi elements) they are 100M and 400M parameters:
+at 100M two thirds of the state stays in the pool and each step streams 8 of its 24 records
+each way, so the step's fixed costs before its first write (the gradient-norm pass over all
+gradients, ~20 ms on the reference VM) weigh ~9 % of the floor; at 400M 80 of 96 records
+stream, as they do for the models NVMe offload is for. Compressed state's default pool holds
+more records (31 to 63 of 4 Mi elements, the RAM of 16 fp32-state ones:
+:func:`tierstate.placement.defaults.default_buffer_count`), so its default sizes grow with
+it (294M and 1,175M parameters with a ``bf16_kahan`` master). Until 2026-12-06 they were
+fp32 state's: at 100M such a pool held every record and the step moved nothing. A
+``--buffer-count`` or ``--subgroup-numel`` scales them the same way; a size given with
+``--params`` whose pool holds every record is run, and the table says nothing streamed.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ import torch
 from ._timing import JSON_STDOUT, count_arg, counts_arg, emit_json, interleave, load_average
 
 TARGET_RATIO = 1.15
+# fp32 state's default sizes: its state 1.5x and 6x the default pool of 16 x 4 Mi elements
 DEFAULT_SIZES = (100_000_000, 400_000_000)
 # measure_disk's rates, in GB/s: one direction at a time, and reads and writes at once
 _DISK_RATES = ("write_gbps", "read_gbps", "mixed_gbps")
@@ -58,7 +62,7 @@ def add_arguments(group, option) -> None:
 
     option(group, "--params", type=counts_arg, default=None,
            help="parameters, or a comma-separated list of sizes run one after the other "
-                "(default 100M,400M: state 1.5x and 6x the default pool; a default size that "
+                "(default: the state 1.5x and 6x the pool, 100M,400M for fp32 state; a default size that "
                 "does not fit in the host RAM available is skipped, and says so)")
     option(group, "--dtype", choices=("fp32", "bf16"), default="fp32",
            help="parameter dtype; bf16 keeps an fp32 master in the tier (default fp32)")
@@ -191,21 +195,41 @@ def _moment_offload(args: argparse.Namespace) -> dict:
     return dict(moment_dtype=moment, quant_map=args.quant_map, master_dtype=master)
 
 
-def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
-    """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
-    optimizer's state (moments, and a master where the parameters are not their own), the
-    NVMe tier's pool (records of the same state), and the interpreter's own."""
-    from ..placement.defaults import default_buffer_count, is_own_master, state_bytes_per_element
+def _state_table(args: argparse.Namespace) -> dict[str, float]:
+    """Stored bytes per element of each state key the tier keeps for these options."""
+    from ..placement.defaults import is_own_master, state_bytes_per_element
     from ..placement.offload import dtype_name
 
     dtype, _ = _dtypes(args)
     master = args.master_dtype if args.moment_dtype == "q8" else "fp32"
-    table = state_bytes_per_element(args.moment_dtype, master,
-                                    needs_master=not is_own_master(dtype_name(dtype), master))
-    state = sum(table.values())
+    return state_bytes_per_element(args.moment_dtype, master, needs_master=not is_own_master(dtype_name(dtype), master))
+
+
+def default_pool_records(args: argparse.Namespace) -> int:
+    """Records the NVMe pool holds: ``--buffer-count``, or the library's default for this state."""
+    from ..placement.defaults import default_buffer_count
+
+    return args.buffer_count if args.buffer_count is not None else default_buffer_count(_state_table(args))
+
+
+def default_sizes(args: argparse.Namespace) -> list[int]:
+    """The sizes run without ``--params``: :data:`DEFAULT_SIZES` scaled by the pool's elements
+    against fp32 state's default pool, so that the state is 1.5x and 6x the pool whatever its
+    format (whole millions of parameters)."""
+    from ..placement import DEFAULT_BUFFER_COUNT, DEFAULT_SUBGROUP_NUMEL
+
+    scale = default_pool_records(args) * args.subgroup_numel / (DEFAULT_BUFFER_COUNT * DEFAULT_SUBGROUP_NUMEL)
+    return [max(1, round(n * scale / 1e6)) * 1_000_000 for n in DEFAULT_SIZES]
+
+
+def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
+    """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
+    optimizer's state (moments, and a master where the parameters are not their own), the
+    NVMe tier's pool (records of the same state), and the interpreter's own."""
+    dtype, _ = _dtypes(args)
+    state = sum(_state_table(args).values())
     record = args.subgroup_numel * state
-    buffers = args.buffer_count if args.buffer_count is not None else default_buffer_count(table)
-    return int(params * (4 * dtype.itemsize + state) + buffers * record + _BASE_BYTES)
+    return int(params * (4 * dtype.itemsize + state) + default_pool_records(args) * record + _BASE_BYTES)
 
 
 def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:
@@ -231,7 +255,7 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     """The sizes to run: those asked for (refused, before any runs, if one does not fit in RAM),
     or the default ones that fit (saying which do not)."""
     sizes = []
-    for params in args.params if args.params is not None else DEFAULT_SIZES:
+    for params in args.params if args.params is not None else default_sizes(args):
         shortfall = _ram_shortfall(args, params)
         if shortfall and args.params is not None:
             raise SystemExit(f"tierstate bench step --offload nvme: {shortfall}: pass a smaller --params")
@@ -341,7 +365,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    """Benchmark each size of ``args.params`` (default: :data:`DEFAULT_SIZES`) in turn; one result per size."""
+    """Benchmark each size of ``args.params`` (default: :func:`default_sizes`) in turn; one result per size."""
     return [run_size(args, params) for params in _sizes(args)]
 
 
