@@ -66,9 +66,9 @@ class IOFuture:
         return nbytes
 
     def crc(self) -> int:
-        """Waits; the CRC-32C (:func:`tierstate.io.crc32c`) of the bytes moved, taken by the
-        engine's worker as they moved: a read's as they landed in the buffer, a write's from
-        the buffer once written. Only for a request made with ``checksum=True``; call
+        """Waits; the CRC-32C (:func:`tierstate.io.crc32c`) of the bytes moved, taken on the
+        engine's checksum thread piece by piece: a read's once it landed in the buffer, a
+        write's from the buffer once written. Only for a request made with ``checksum=True``; call
         :meth:`get` first, which raises if the request failed (the CRC then covers only
         what moved)."""
         self._wait()
@@ -220,8 +220,8 @@ class File:
     def pread(self, buf: Any, offset: int = 0, size: int | None = None, *, checksum: bool = False) -> IOFuture:
         """Queues a read of ``size`` bytes (default: all of ``buf``) from file ``offset``
         into ``buf``. ``get()`` returns the bytes read: fewer at the end of the file. With
-        ``checksum=True`` the engine's worker also takes their CRC-32C (``crc()``), off the
-        calling thread."""
+        ``checksum=True`` the engine's checksum thread also takes their CRC-32C (``crc()``),
+        off the calling thread."""
         return self._submit(False, buf, offset, size, checksum)
 
     def pwrite(self, buf: Any, offset: int = 0, size: int | None = None, *, checksum: bool = False) -> IOFuture:

@@ -275,9 +275,10 @@ class Pool:
         f = self._files[file_index]
         op.memory, op.lane = buf.memory, buf.lane
         op.engine_crc = tio.checksums_beside_kernels()  # see [Note: checksums]
-        if op.write and not op.engine_crc:
-            op.crc = tio.crc32c(buf.memory[: record.nbytes])  # before the write: what must read back
-        if not op.write:
+        if op.write:
+            if not op.engine_crc:
+                op.crc = tio.crc32c(buf.memory[: record.nbytes])  # before the write: what must read back
+        else:
             fresh, kept, lost, op.crc = self._ledger.for_read(op.sg.index)
             if fresh or kept is not None or lost is not None:
                 if fresh:
