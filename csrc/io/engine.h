@@ -122,7 +122,6 @@ class Request {
   // task: the task's index in file order; crc: the CRC-32C of the moved bytes (checksum only).
   void task_done(size_t task, uint64_t moved, int err, int64_t err_offset, uint32_t crc = 0);
   bool is_write() const { return write_; }
-  bool checksum() const { return checksummer_ != nullptr; }
   ChecksumWorker* checksummer() const { return checksummer_; }
   // The CRC-32C of the bytes moved, the tasks' parts joined in file order (a request that
   // moved all its bytes: of the whole range). Throws std::logic_error unless the request

@@ -1,4 +1,4 @@
-"""``checksum=True``: the engine's workers take the CRC-32C of the bytes a request moves.
+"""``checksum=True``: the engine's checksum thread takes the CRC-32C of the bytes a request moves.
 
 The NVMe tier relies on it to check every record it reads and to note the CRC of every
 record it writes, so the value must be exactly :func:`tierstate.io.crc32c` of those
