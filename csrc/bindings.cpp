@@ -88,14 +88,13 @@ static void bind_kernels(nb::module_& m) {
       },
       "Sum of (grad * scale)^2 in float64 (see tierstate.kernels.grad_sumsq).");
 
-  // A quantization map travels as (table, thresholds, lut addresses, lut_size, lut_shift,
-  // lut_base, signed, fp8 mantissa bits, top); tierstate/kernels/quant.py owns the arrays.
-  using MapArgs = std::tuple<ptr, ptr, ptr, int32_t, int32_t, int32_t, bool, int32_t, float>;
+  // A quantization map travels as (table, lut addresses, lut_size, lut_shift, lut_base,
+  // signed, fp8 mantissa bits, top); tierstate/kernels/quant_maps.py owns the arrays.
+  using MapArgs = std::tuple<ptr, ptr, int32_t, int32_t, int32_t, bool, int32_t, float>;
   auto as_map = [](const MapArgs& a) {
     return k::QuantMapRef{reinterpret_cast<const float*>(std::get<0>(a)),
-                          reinterpret_cast<const float*>(std::get<1>(a)),
-                          reinterpret_cast<const uint8_t*>(std::get<2>(a)), std::get<3>(a),
-                          std::get<4>(a), std::get<5>(a), std::get<6>(a), std::get<7>(a), std::get<8>(a)};
+                          reinterpret_cast<const uint32_t*>(std::get<1>(a)), std::get<2>(a), std::get<3>(a),
+                          std::get<4>(a), std::get<5>(a), std::get<6>(a), std::get<7>(a)};
   };
 
   km.def(

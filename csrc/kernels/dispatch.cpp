@@ -229,8 +229,8 @@ void check_quant(int64_t n, int64_t block_size, const QuantMapRef& map, const ch
   if (block_size < kMinQuantBlock || block_size > kMaxQuantBlock || (block_size & (block_size - 1)) != 0)
     throw std::invalid_argument("block_size must be a power of two in [64, 4096]");
   if (map.fp8_mantissa_bits == 0) {
-    if (map.table == nullptr || map.thresholds == nullptr || map.lut == nullptr || map.lut_size < 1 ||
-        map.lut_shift < 0 || map.lut_shift > 23 || map.top != 1.0f)
+    if (map.table == nullptr || map.lut == nullptr || map.lut_size < 1 || map.lut_shift < 0 ||
+        map.lut_shift > 23 || map.top != 1.0f)
       throw std::invalid_argument(std::string("invalid quantization map for ") + what);
     return;
   }

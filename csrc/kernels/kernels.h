@@ -72,13 +72,17 @@ double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale);
 // the tables come from there, so Python and C++ share one definition of each map.
 
 // An 8-bit map: table[256] is the value of each code (times the block scale); the code of
-// a magnitude a in [0, ~1] is the number of thresholds <= a, found as
-// c = lut[b], c + (a >= thresholds[c]) with b = clamp((bits(a) >> lut_shift) - lut_base,
-// 0, lut_size - 1) (thresholds end with +inf). lut is one byte per bucket (3 bytes of
-// padding after it: the vector kernels gather it as 32-bit words) and thresholds has at
-// most 256 entries, so both maps' tables take 8.5 KB and stay in L1 next to the streams:
-// int32 buckets with a per-bucket threshold (two independent lookups) took 37 KB, more
-// than Zen 4's 32 KB L1D, and made the fused q8 step 4.6x the fp32 step's time.
+// a magnitude a in [0, ~1] is the number of thresholds <= a. It takes one lookup: with
+// b = clamp((bits(a) >> lut_shift) - lut_base, 0, lut_size - 1) and w = lut[b],
+// code = (w & 0xFF) + ((bits(a) & (2**lut_shift - 1)) >= (w >> 8)). The buckets are cut
+// so that at most one threshold lies strictly inside each; w holds the count of thresholds
+// below the bucket and the low bits of the one inside (its high bits are the bucket's own,
+// and positive floats order as their bits), or 2**lut_shift where there is none
+// (quant_maps.py: QuantMap.lut32). The two maps' tables take 5.6 + 12.8 KB. Until
+// 2026-12-06 the same encoder took two dependent lookups: a byte of code per bucket, then
+// that code's fp32 threshold (6.1 KB); int32 codes with a separate per-bucket threshold
+// array (two independent lookups, 37 KB) had made the fused q8 step 4.6x the fp32 step's
+// time before that, more than Zen 4's 32 KB L1D.
 // A signed map puts the sign in bit 7.
 //
 // An fp8 map (fp8_mantissa_bits 3 or 4, quant.py "fp8 maps") needs no tables: its codes are
@@ -90,8 +94,7 @@ double grad_sumsq(const void* grad, int64_t n, DType grad_dtype, double scale);
 // value otherwise): y = x * (top / absmax), value = code's value * (absmax / top).
 struct QuantMapRef {
   const float* table;
-  const float* thresholds;
-  const uint8_t* lut;
+  const uint32_t* lut;
   int32_t lut_size, lut_shift, lut_base;
   bool is_signed;
   int32_t fp8_mantissa_bits;  // 0: a table map; 3 (signed) or 4 (unsigned): an fp8 map

@@ -70,17 +70,15 @@ struct VecAvx2 {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
     return {_mm256_i32gather_ps(table, c, 4)};
   }
-  // encode_q8_one (vec_scalar.h) on 8 lanes: the bucket's byte (a 32-bit gather at byte
-  // offsets, masked), then the threshold of that code.
+  // encode_q8_one (vec_scalar.h) on 8 lanes: one gather of the buckets' words.
   static void encode_q8(uint8_t* out, VecAvx2 y, const QuantMapRef& m) {
     const __m256i mag = q8_magnitude(y);
-    const __m256i c = _mm256_and_si256(
-        _mm256_i32gather_epi32(reinterpret_cast<const int*>(m.lut), q8_bucket(mag, m), 1), _mm256_set1_epi32(0xFF));
-    store_q8_code(out, c, _mm256_i32gather_ps(m.thresholds, c, 4), mag, y, m);
+    store_q8_code(out, _mm256_i32gather_epi32(reinterpret_cast<const int*>(m.lut), q8_bucket(mag, m), 4), mag,
+                  y, m);
   }
   // The same lookups, one scalar load per lane instead of a gather (body.h, TableCodec).
   // A 256-bit gather is one instruction but not one memory access: on Zen 1 it is decoded
-  // into dozens of uops. The fused q8 step does six gathers per 8 values; over 50M values
+  // into dozens of uops. The fused q8 step did six gathers per 8 values; over 50M values
   // on two Zen 1 cores it took 220 ms by gathers and 152 ms by loads (2026-12-04).
   static VecAvx2 decode_q8_loads(const uint8_t* codes, const float* table) {
     const __m128 lo = _mm_setr_ps(table[codes[0]], table[codes[1]], table[codes[2]], table[codes[3]]);
@@ -89,18 +87,15 @@ struct VecAvx2 {
   }
   static void encode_q8_loads(uint8_t* out, VecAvx2 y, const QuantMapRef& m) {
     const __m256i mag = q8_magnitude(y);
-    alignas(32) int32_t bucket[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(bucket), q8_bucket(mag, m));
-    int32_t code[8];
-    for (int k = 0; k < 8; ++k) code[k] = m.lut[bucket[k]];
-    const __m256 t = _mm256_setr_ps(m.thresholds[code[0]], m.thresholds[code[1]], m.thresholds[code[2]],
-                                    m.thresholds[code[3]], m.thresholds[code[4]], m.thresholds[code[5]],
-                                    m.thresholds[code[6]], m.thresholds[code[7]]);
-    store_q8_code(out, _mm256_setr_epi32(code[0], code[1], code[2], code[3], code[4], code[5], code[6], code[7]),
-                  t, mag, y, m);
+    alignas(32) int32_t b[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b), q8_bucket(mag, m));
+    const uint32_t* lut = m.lut;
+    const __m256i w = _mm256_setr_epi32(lut[b[0]], lut[b[1]], lut[b[2]], lut[b[3]], lut[b[4]], lut[b[5]],
+                                        lut[b[6]], lut[b[7]]);
+    store_q8_code(out, w, mag, y, m);
   }
   // The two encoders' common parts: |y|'s bits, its bucket in m.lut, and the code from the
-  // bucket's code c and that code's threshold t.
+  // bucket's word w (QuantMapRef).
   static __m256i q8_magnitude(VecAvx2 y) {
     return _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
   }
@@ -109,9 +104,12 @@ struct VecAvx2 {
                                        _mm256_set1_epi32(m.lut_base));
     return _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), _mm256_set1_epi32(m.lut_size - 1));
   }
-  static void store_q8_code(uint8_t* out, __m256i c, __m256 t, __m256i mag, VecAvx2 y, const QuantMapRef& m) {
-    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(mag), t, _CMP_GE_OQ));
-    c = _mm256_sub_epi32(c, up);  // up is -1 where the value reaches the threshold
+  static void store_q8_code(uint8_t* out, __m256i w, __m256i mag, VecAvx2 y, const QuantMapRef& m) {
+    // rest >= low, i.e. rest + 1 > low (both below 2**24): -1 where the value reaches the
+    // threshold inside its bucket.
+    const __m256i rest = _mm256_and_si256(mag, _mm256_set1_epi32(static_cast<int>((1u << m.lut_shift) - 1u)));
+    const __m256i up = _mm256_cmpgt_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(1)), _mm256_srli_epi32(w, 8));
+    __m256i c = _mm256_sub_epi32(_mm256_and_si256(w, _mm256_set1_epi32(0xFF)), up);
     if (m.is_signed) {
       const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y.v, _mm256_setzero_ps(), _CMP_LT_OQ));
       c = _mm256_or_si256(c, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));

@@ -88,14 +88,12 @@ struct VecAvx512 {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
     return {_mm512_i32gather_ps(c, table, 4)};
   }
-  // encode_q8_one (vec_scalar.h) on 16 lanes: the bucket's byte (a 32-bit gather at byte
-  // offsets, masked), then the threshold of that code.
+  // encode_q8_one (vec_scalar.h) on 16 lanes: one gather of the buckets' words.
   static void encode_q8(uint8_t* out, VecAvx512 y, const QuantMapRef& m) {
     const __m512i mag = q8_magnitude(y);
-    const __m512i c = _mm512_and_si512(_mm512_i32gather_epi32(q8_bucket(mag, m), m.lut, 1), _mm512_set1_epi32(0xFF));
-    store_q8_code(out, c, _mm512_i32gather_ps(c, m.thresholds, 4), mag, y, m);
+    store_q8_code(out, _mm512_i32gather_epi32(q8_bucket(mag, m), m.lut, 4), mag, y, m);
   }
-  // The same two lookups, one scalar load per lane instead of a gather (body.h, TableCodec).
+  // The same lookups, one scalar load per lane instead of a gather (body.h, TableCodec).
   static VecAvx512 decode_q8_loads(const uint8_t* codes, const float* table) {
     alignas(64) float lanes[16];
     for (int k = 0; k < 16; ++k) lanes[k] = table[codes[k]];
@@ -103,17 +101,13 @@ struct VecAvx512 {
   }
   static void encode_q8_loads(uint8_t* out, VecAvx512 y, const QuantMapRef& m) {
     const __m512i mag = q8_magnitude(y);
-    alignas(64) int32_t lane[16];
-    alignas(64) float threshold[16];
+    alignas(64) uint32_t lane[16];
     _mm512_store_si512(lane, q8_bucket(mag, m));
-    for (int k = 0; k < 16; ++k) {
-      lane[k] = m.lut[lane[k]];
-      threshold[k] = m.thresholds[lane[k]];
-    }
-    store_q8_code(out, _mm512_load_si512(lane), _mm512_load_ps(threshold), mag, y, m);
+    for (int k = 0; k < 16; ++k) lane[k] = m.lut[lane[k]];
+    store_q8_code(out, _mm512_load_si512(lane), mag, y, m);
   }
   // The two encoders' common parts: |y|'s bits, its bucket in m.lut, and the code from the
-  // bucket's code c and that code's threshold t.
+  // bucket's word w (QuantMapRef).
   static __m512i q8_magnitude(VecAvx512 y) {
     return _mm512_and_si512(_mm512_castps_si512(y.v), _mm512_set1_epi32(0x7FFFFFFF));
   }
@@ -122,8 +116,10 @@ struct VecAvx512 {
                                        _mm512_set1_epi32(m.lut_base));
     return _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), _mm512_set1_epi32(m.lut_size - 1));
   }
-  static void store_q8_code(uint8_t* out, __m512i c, __m512 t, __m512i mag, VecAvx512 y, const QuantMapRef& m) {
-    const __mmask16 up = _mm512_cmp_ps_mask(_mm512_castsi512_ps(mag), t, _CMP_GE_OQ);
+  static void store_q8_code(uint8_t* out, __m512i w, __m512i mag, VecAvx512 y, const QuantMapRef& m) {
+    const __m512i rest = _mm512_and_si512(mag, _mm512_set1_epi32(static_cast<int>((1u << m.lut_shift) - 1u)));
+    const __mmask16 up = _mm512_cmpge_epi32_mask(rest, _mm512_srli_epi32(w, 8));
+    __m512i c = _mm512_and_si512(w, _mm512_set1_epi32(0xFF));
     c = _mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1));
     if (m.is_signed) {
       const __mmask16 neg = _mm512_cmp_ps_mask(y.v, _mm512_setzero_ps(), _CMP_LT_OQ);

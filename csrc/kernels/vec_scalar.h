@@ -107,14 +107,15 @@ inline int16_t comp_to_i16(float x) {
   return static_cast<int16_t>(__builtin_rintf(y));
 }
 
-// The code of y under map m (see QuantMapRef): a bucket lookup, one threshold compare.
+// The code of y under map m (see QuantMapRef): one bucket lookup, one integer compare.
 inline uint8_t encode_q8_one(float y, const QuantMapRef& m) {
   const uint32_t mag = float_bits(y) & 0x7FFFFFFFu;
   int32_t b = static_cast<int32_t>(mag >> m.lut_shift) - m.lut_base;
   b = b < 0 ? 0 : b;
   b = b >= m.lut_size ? m.lut_size - 1 : b;
-  int32_t c = m.lut[b];
-  c += static_cast<int32_t>(bits_float(mag) >= m.thresholds[c]);
+  const uint32_t w = m.lut[b];
+  int32_t c = static_cast<int32_t>(w & 0xFFu);
+  c += static_cast<int32_t>((mag & ((1u << m.lut_shift) - 1u)) >= (w >> 8));
   // Branch-free: the signs of moments are random, a branch would mispredict half the time.
   c |= static_cast<int32_t>(m.is_signed & (y < 0.0f)) << 7;
   return static_cast<uint8_t>(c);

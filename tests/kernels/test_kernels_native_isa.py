@@ -137,10 +137,9 @@ def test_q8_neon_matches_scalar_bit_for_bit_under_qemu(aarch64, tmp_path):
     maps = tmp_path / "maps.bin"
     with open(maps, "wb") as f:
         for qmap in (Q.signed_map(), Q.unsigned_map(), Q.fp8_signed_map(), Q.fp8_unsigned_map()):
-            head = torch.tensor([qmap.lut.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed),
-                                 qmap.thresholds.numel(), qmap.fp8_mantissa_bits], dtype=torch.int32)
-            lut = torch.cat([qmap.lut8, torch.zeros(3 if qmap.fp8_mantissa_bits else 0, dtype=torch.uint8)])
-            for t in (head, torch.tensor([qmap.top], dtype=torch.float32), qmap.table, qmap.thresholds, lut):
+            head = torch.tensor([qmap.lut32.numel(), qmap.lut_shift, qmap.lut_base, int(qmap.signed),
+                                 qmap.fp8_mantissa_bits], dtype=torch.int32)
+            for t in (head, torch.tensor([qmap.top], dtype=torch.float32), qmap.table, qmap.lut32):
                 f.write(t.contiguous().numpy().tobytes())
     binary = _compile(compiler, [DRIVERS / "q8_check.cpp", *(CSRC / s for s in NEON_SOURCES)],
                       tmp_path / "q8_check")

@@ -88,6 +88,26 @@ def test_every_threshold_and_its_neighbours(isa, lookup, map_name, isa_and_threa
     assert torch.equal(at_threshold, expect[kept]), "a value at a threshold takes the upper (dynamic) or even code"
 
 
+@pytest.mark.parametrize("map_name", ["signed", "unsigned"])
+def test_one_lookup_table_encodes_as_the_thresholds(map_name):
+    """QuantMap.lut32, the native encoders' table: (w & 0xFF) + (low bits >= w >> 8) is the
+    count of thresholds <= |y| at both ends of every bucket, one ulp outside them, at every
+    threshold and its neighbours, and for magnitudes clamped into the first or last bucket."""
+    qmap = MAPS[map_name]()
+    size, shift, base = qmap.lut32.numel(), qmap.lut_shift, qmap.lut_base
+    lows = (torch.arange(size, dtype=torch.int64) + base) << shift
+    t = qmap.thresholds[:-1].view(torch.int32).long()
+    bits = torch.cat([lows, lows - 1, lows + (1 << shift) - 1, lows + (1 << shift),
+                      *(t + d for d in (-2, -1, 0, 1, 2)),
+                      torch.tensor([0, 1, 0x3F800000, 0x40000000, 0x7F000000, 0x7F800000])])
+    bits = bits[(bits >= 0) & (bits <= 0x7F800000)]
+    x = bits.to(torch.int32).view(torch.float32)
+    bucket = ((bits >> shift) - base).clamp(0, size - 1)
+    w = qmap.lut32.long()[bucket]
+    code = (w & 0xFF) + ((bits & ((1 << shift) - 1)) >= (w >> 8)).long()
+    assert torch.equal(code, torch.searchsorted(qmap.thresholds[:-1], x, right=True))
+
+
 def test_encoding_is_nearest_code():
     """The reference picks the nearest magnitude (checked in float64), except exactly at a
     midpoint, where it takes the upper one (the midpoint is itself rounded to fp32) or, in the

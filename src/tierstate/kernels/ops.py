@@ -260,7 +260,7 @@ _MASTER_CODES = {"fp32": 0, "bf16_kahan": 1, "bf16_sr": 2}
 
 def _map_args(qmap: quant.QuantMap) -> tuple:
     # The tables live as long as the cached map (quant.signed_map / unsigned_map).
-    return (qmap.table.data_ptr(), qmap.thresholds.data_ptr(), qmap.lut8.data_ptr(), qmap.lut.numel(),
+    return (qmap.table.data_ptr(), qmap.lut32.data_ptr(), qmap.lut.numel(),
             qmap.lut_shift, qmap.lut_base, qmap.signed, qmap.fp8_mantissa_bits, qmap.top)
 
 

@@ -56,9 +56,17 @@ class QuantMap:
     is ``clamp((bits(|y|) >> lut_shift) - lut_base, 0, len(lut) - 1)``, ``lut[bucket]`` the
     count of thresholds at or below the bucket's low end, ``lut_threshold[bucket] =
     thresholds[lut[bucket]]``, and no bucket holds more than one threshold strictly inside,
-    so ``code = lut[b] + (|y| >= lut_threshold[b])``. The native kernels read ``lut8`` (the
-    same counts as uint8, then 3 zero bytes: they gather it as 32-bit words) and
-    ``thresholds[lut8[b]]``, tables small enough to stay in L1 (see csrc/kernels/kernels.h).
+    so ``code = lut[b] + (|y| >= lut_threshold[b])``.
+
+    ``lut32``: what the native kernels read, the same encoder in one lookup: int32 per
+    bucket, ``lut[b] | low << 8``, where ``low`` is the low ``lut_shift`` bits of
+    ``lut_threshold[b]`` when that threshold lies inside bucket ``b`` (its bits above
+    ``lut_shift`` are the bucket's own) and ``1 << lut_shift`` (above every remainder)
+    when it does not. Then ``code = (w & 0xFF) + ((bits(|y|) & (2**lut_shift - 1)) >= w >> 8)``:
+    inside a bucket every magnitude shares the threshold's high bits, and positive floats
+    order as their bits. A clamped magnitude (below the first bucket, above the last, NaN)
+    meets no threshold inside, as before. 5.6 and 12.8 KB for the two maps
+    (csrc/kernels/kernels.h).
     """
 
     name: str
@@ -70,7 +78,7 @@ class QuantMap:
     lut_shift: int
     lut_base: int
     lut_threshold: Tensor
-    lut8: Tensor
+    lut32: Tensor
     fp8_mantissa_bits: int = 0
     top: float = 1.0
 
@@ -108,10 +116,23 @@ def _build_map(name: str, magnitudes: list[float], signed: bool) -> QuantMap:
     lows = ((torch.arange(size, dtype=torch.int64) + base) << shift).to(torch.int32).view(torch.float32)
     lows[0] = 0.0
     lut = torch.searchsorted(mids, lows, right=True).to(torch.int32)
-    lut8 = torch.cat([lut.to(torch.uint8), torch.zeros(3, dtype=torch.uint8)])
     assert int(lut.max()) < 256 and thresholds.numel() <= 256
-    return QuantMap(name, signed, mags, table, thresholds.contiguous(), lut, shift, base,
-                    thresholds[lut.long()].contiguous(), lut8)
+    lut_threshold = thresholds[lut.long()].contiguous()
+    lut32 = _pack_lut(lut, lut_threshold, shift, base)
+    return QuantMap(name, signed, mags, table, thresholds.contiguous(), lut, shift, base, lut_threshold, lut32)
+
+
+def _pack_lut(lut: Tensor, lut_threshold: Tensor, shift: int, base: int) -> Tensor:
+    """The one-lookup encoder table of the native kernels (QuantMap.lut32)."""
+    bits = lut_threshold.view(torch.int32).long()  # +inf: 0x7F800000, never a bucket's own
+    bucket = torch.arange(lut.numel(), dtype=torch.int64)
+    inside = (bits >> shift) - base == bucket
+    # The first bucket also holds every magnitude below it, the last every one above: a
+    # threshold inside them would be compared with a remainder of other high bits.
+    assert not bool(inside[0]) and not bool(inside[-1])
+    low = torch.where(inside, bits & ((1 << shift) - 1), torch.full_like(bits, 1 << shift))
+    assert int(low.max()) < 1 << 24
+    return (lut.long() | (low << 8)).to(torch.int32).contiguous()
 
 
 @lru_cache(maxsize=None)
@@ -148,8 +169,8 @@ def _build_fp8_map(name: str, mantissa_bits: int, signed: bool) -> QuantMap:
     assert mags.numel() == (128 if signed else 256)
     table = torch.cat([mags, -mags]) if signed else mags.clone()
     thresholds = torch.cat([(mags[:-1] + mags[1:]) / 2, torch.tensor([math.inf])])  # exact in fp32
-    empty_i32, empty_u8 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.uint8)
-    return QuantMap(name, signed, mags, table, thresholds, empty_i32, 0, 0, torch.zeros(0), empty_u8,
+    empty_i32 = torch.zeros(0, dtype=torch.int32)
+    return QuantMap(name, signed, mags, table, thresholds, empty_i32, 0, 0, torch.zeros(0), empty_i32,
                     fp8_mantissa_bits=mantissa_bits, top=float(mags[-1]))
 
 

@@ -11,9 +11,8 @@
 // weights of generation (dequantize_groups) into every output dtype.
 //
 // maps.bin: for the dynamic signed, dynamic unsigned, fp8 signed and fp8 unsigned maps:
-// int32 lut_size, lut_shift, lut_base, is_signed, n_thresholds, fp8_mantissa_bits; float top;
-// float table[256]; float thresholds[n_thresholds]; uint8 lut[lut_size + 3] (3 bytes of
-// padding: the vector kernels gather 32-bit words).
+// int32 lut_size, lut_shift, lut_base, is_signed, fp8_mantissa_bits; float top;
+// float table[256]; uint32 lut[lut_size] (QuantMap.lut32; none for the fp8 maps).
 // Usage: q8_check MAPS_BIN. Exit status 0 when every check passes.
 #include <cmath>
 #include <cstdint>
@@ -29,26 +28,23 @@ namespace k = tierstate::kernels;
 namespace {
 
 struct Map {
-  std::vector<float> table, thresholds;
-  std::vector<uint8_t> lut;
-  int32_t size = 0, shift = 0, base = 0, is_signed = 0, n_thresholds = 0, fp8_bits = 0;
+  std::vector<float> table;
+  std::vector<uint32_t> lut;
+  int32_t size = 0, shift = 0, base = 0, is_signed = 0, fp8_bits = 0;
   float top = 1.0f;
   k::QuantMapRef ref() const {
-    return {table.data(), thresholds.data(), lut.data(), size, shift, base, is_signed != 0, fp8_bits, top};
+    return {table.data(), lut.data(), size, shift, base, is_signed != 0, fp8_bits, top};
   }
 };
 
 bool read_map(FILE* f, Map& m) {
-  int32_t head[6];
+  int32_t head[5];
   if (fread(head, sizeof head, 1, f) != 1 || fread(&m.top, 4, 1, f) != 1) return false;
-  m.size = head[0], m.shift = head[1], m.base = head[2], m.is_signed = head[3], m.n_thresholds = head[4];
-  m.fp8_bits = head[5];
+  m.size = head[0], m.shift = head[1], m.base = head[2], m.is_signed = head[3], m.fp8_bits = head[4];
   m.table.resize(256);
-  m.thresholds.resize(m.n_thresholds);
-  m.lut.resize(m.size + 3);
+  m.lut.resize(m.size);
   return fread(m.table.data(), 4, 256, f) == 256 &&
-         fread(m.thresholds.data(), 4, m.n_thresholds, f) == static_cast<size_t>(m.n_thresholds) &&
-         fread(m.lut.data(), 1, m.size + 3, f) == static_cast<size_t>(m.size + 3);
+         fread(m.lut.data(), 4, m.size, f) == static_cast<size_t>(m.size);
 }
 
 uint64_t g_state = 12345;
