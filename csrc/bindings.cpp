@@ -165,6 +165,10 @@ static void bind_kernels(nb::module_& m) {
          "How the current ISA variant looks up table-map codes: 'gather', 'loads' or 'untimed'.");
   km.def("set_q8_table_lookup", &k::set_q8_table_lookup, nb::arg("mode"),
          "'auto' (time both at first use), 'gather' or 'loads'; raises ValueError otherwise.");
+  km.def("q8_row_decode", &k::q8_row_decode,
+         "Whether the current ISA variant decodes table-map codes a block at a time (AVX512-VBMI).");
+  km.def("set_q8_row_decode", &k::set_q8_row_decode, nb::arg("on"),
+         "Allow (True, the default) or forbid the block-at-a-time decode of table-map codes.");
   km.def("record_worker_spans", &k::record_worker_spans, nb::arg("on"),
          "Start (True) or stop and discard (False) recording per-thread busy spans of kernel calls.");
   km.def("drain_worker_spans", &k::drain_worker_spans,

@@ -44,6 +44,7 @@ CpuFeatures detect() {
     f.avx512dq = (ebx >> 17) & 1u;
     f.avx512bw = (ebx >> 30) & 1u;
     f.avx512vl = (ebx >> 31) & 1u;
+    f.avx512vbmi = (ecx >> 1) & 1u;
     if (max_subleaf >= 1) {
       __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx);
       f.avx512_bf16 = (eax >> 5) & 1u;

@@ -14,6 +14,7 @@ struct CpuFeatures {
   bool avx512vl = false;
   bool avx512dq = false;
   bool avx512_bf16 = false;
+  bool avx512vbmi = false;  // byte permutes across a register (VPERMB, VPERMI2B)
   // The OS saves YMM (XCR0 bits 1-2) / ZMM and opmask state (XCR0 bits 5-7) on
   // context switches; without that the instructions exist but must not be used.
   bool os_saves_ymm = false;
@@ -26,6 +27,7 @@ struct CpuFeatures {
     return avx512f && avx512bw && avx512vl && avx512dq && fma && f16c && os_saves_zmm;
   }
   bool can_run_avx512_bf16() const { return can_run_avx512() && avx512_bf16; }
+  bool can_run_avx512_vbmi() const { return can_run_avx512() && avx512vbmi; }
 };
 
 // Detected on first call; later calls return the same object.

@@ -263,6 +263,16 @@ void run_blocks(const Task& task, int64_t n, void (*kernel)(const Task&, int64_t
 enum class Lookup : int { kAuto = 0, kGather = 1, kLoads = 2 };
 std::atomic<int> g_lookup_mode{static_cast<int>(Lookup::kAuto)};
 
+// Whether a variant that can (KernelTable::has_row_decode) decodes a block's codes at once
+// by byte permutes (body.h TableCodec::decode_row) on a CPU with AVX512-VBMI. On unless
+// set_q8_row_decode(false) (tests: the per-vector decode must give the same bits).
+std::atomic<bool> g_row_decode{true};
+
+bool table_rows(const KernelTable& k, const QuantMapRef& map) {
+  return map.fp8_mantissa_bits == 0 && k.has_row_decode && g_row_decode.load(std::memory_order_relaxed) &&
+         cpu_features().can_run_avx512_vbmi();
+}
+
 bool time_gather_faster(const KernelTable& k, const QuantMapRef& map) {
   constexpr int64_t n = 16384, block = 256;
   std::vector<float> x(n), back(n), scale(n / block);
@@ -273,9 +283,10 @@ bool time_gather_faster(const KernelTable& k, const QuantMapRef& map) {
     v = std::ldexp(static_cast<float>(state >> 8) / 16777216.0f, -static_cast<int>(state & 15)) *
         ((state & 16) ? -1.0f : 1.0f);
   }
+  const bool rows = table_rows(k, map);  // then only the encoder's lookups differ
   return second_is_faster([&](int gather) {
-    k.quantize(QuantTask{x.data(), nullptr, codes.data(), scale.data(), block, map, gather == 1}, 0, n);
-    k.dequantize(QuantTask{nullptr, back.data(), codes.data(), scale.data(), block, map, gather == 1}, 0, n);
+    k.quantize(QuantTask{x.data(), nullptr, codes.data(), scale.data(), block, map, gather == 1, rows}, 0, n);
+    k.dequantize(QuantTask{nullptr, back.data(), codes.data(), scale.data(), block, map, gather == 1, rows}, 0, n);
   }, 5);
 }
 
@@ -358,6 +369,7 @@ void adam_q8_update(void* master, void* master_comp, const void* grad, uint8_t* 
   t.index_offset = p.index_offset;
   const KernelTable& k = table();
   t.table_gather = table_gather(k, m_map);
+  t.table_rows = table_rows(k, m_map);
   run_blocks(t, n, k.adam_q8);
 }
 
@@ -367,7 +379,7 @@ void quantize_blockwise(const float* x, uint8_t* codes, float* scale, int64_t n,
   if (n > 0 && (x == nullptr || codes == nullptr || scale == nullptr))
     throw std::invalid_argument("x, codes and scale must be non-null");
   const KernelTable& k = table();
-  const QuantTask t{x, nullptr, codes, scale, block_size, map, table_gather(k, map)};
+  const QuantTask t{x, nullptr, codes, scale, block_size, map, table_gather(k, map), table_rows(k, map)};
   run_blocks(t, n, k.quantize);
 }
 
@@ -378,7 +390,7 @@ void dequantize_blockwise(const uint8_t* codes, const float* scale, float* out, 
     throw std::invalid_argument("codes, scale and out must be non-null");
   const KernelTable& k = table();
   const QuantTask t{nullptr, out, const_cast<uint8_t*>(codes), const_cast<float*>(scale), block_size, map,
-                    table_gather(k, map)};
+                    table_gather(k, map), table_rows(k, map)};
   run_blocks(t, n, k.dequantize);
 }
 
@@ -443,6 +455,13 @@ void set_q8_table_lookup(const std::string& mode) {
   else throw std::invalid_argument("unknown table lookup '" + mode + "'; use 'auto', 'gather' or 'loads'");
   g_lookup_mode.store(static_cast<int>(m), std::memory_order_relaxed);
 }
+
+bool q8_row_decode() {
+  const QuantMapRef any_table_map{};  // fp8_mantissa_bits 0
+  return table_rows(table(), any_table_map);
+}
+
+void set_q8_row_decode(bool on) { g_row_decode.store(on, std::memory_order_relaxed); }
 
 void set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("num_threads must be >= 1");

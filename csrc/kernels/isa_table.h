@@ -112,6 +112,7 @@ struct AdamQ8Task {
   float neg_step_size_bc2, eps_bc2;  // as in AdamTask
   uint32_t sr_key, index_offset;
   bool table_gather;  // table maps: look codes up by gather (else a load per lane; body.h TableCodec)
+  bool table_rows;    // table maps: decode a block's codes at once where the ISA can (TableCodec::decode_row)
 };
 
 struct QuantTask {
@@ -122,6 +123,7 @@ struct QuantTask {
   int64_t block;
   QuantMapRef map;
   bool table_gather;  // as in AdamQ8Task
+  bool table_rows;    // as in AdamQ8Task
 };
 
 // Group-wise int8 / int4 weights (tierstate/generate/compress.py) widened to out_dtype.
@@ -150,6 +152,7 @@ struct KernelTable {
   // [begin, end) on group boundaries.
   void (*dequantize_groups)(const GroupDequantTask&, int64_t begin, int64_t end);
   bool has_gather;  // the table maps can look up by gather (QuantTask::table_gather)
+  bool has_row_decode;  // the table maps can decode a block at once (QuantTask::table_rows), given the CPU's VBMI
 };
 
 const KernelTable* scalar_table();

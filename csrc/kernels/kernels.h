@@ -160,6 +160,12 @@ int num_threads();
 // answers for the current variant: "gather", "loads", or "untimed" before that first call.
 std::string q8_table_lookup();
 void set_q8_table_lookup(const std::string& mode);  // "auto", "gather", "loads"; throws std::invalid_argument
+// Whether the current variant decodes the table maps' codes a block at a time by byte
+// permutes (AVX-512 variants on a CPU with AVX512-VBMI; body.h TableCodec) rather than per
+// vector as q8_table_lookup() says; same values either way. On where possible;
+// set_q8_row_decode(false) turns it off (the encoder's lookups are unaffected).
+bool q8_row_decode();
+void set_q8_row_decode(bool on);
 
 // Per-thread busy spans of kernel calls, for traces: (thread, start ns, end ns) with
 // CLOCK_MONOTONIC times; thread 0 is the caller.

@@ -16,6 +16,8 @@ namespace isa_avx2 {
 struct VecAvx2 {
   static constexpr int kWidth = 8;
   static constexpr bool kHasGather = true;  // decode_q8 / encode_q8 gather; the *_loads twins do not
+  // 256 table entries are 16 PSHUFB tables of 16 per byte plane: no faster than a gather.
+  static constexpr bool kHasRowDecode = false;
   __m256 v;
 
   static VecAvx2 set1(float x) { return {_mm256_set1_ps(x)}; }

@@ -24,10 +24,51 @@ inline __m256i bf16_bits_rne(__m512 x) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+// codes[0, n) (n a multiple of 64) -> out[0, n), the fp32 values of a 256-entry table held
+// as four byte planes (planes[p][c] is byte p of table[c]; body.h TableCodec). Per 64
+// codes: for each plane, VPERMI2B looks the low 7 bits up in each half of the plane and
+// the code's bit 7 picks the half; the planes' bytes are then interleaved into 64 floats.
+// The interleave (UNPCK within 128-bit lanes) would leave lane L of output register k
+// holding codes 16 L + 4 k + (0..3); the codes are permuted first so that it holds
+// codes 16 k + 4 L + (0..3), i.e. the outputs come out in order. Needs AVX512-VBMI
+// (dispatch.cpp asks cpu_features() before it enables this).
+__attribute__((target("avx512vbmi"))) void decode_q8_row_vbmi(const uint8_t* codes, int64_t n,
+                                                              const uint8_t (*planes)[256], float* out) {
+  alignas(64) static constexpr uint8_t kOrder[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+      4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+      8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i order = _mm512_load_si512(kOrder);
+  __m512i plane[4][4];  // 16 registers: the four planes, 64 codes' bytes a register
+  for (int p = 0; p < 4; ++p)
+    for (int q = 0; q < 4; ++q) plane[p][q] = _mm512_load_si512(planes[p] + 64 * q);
+  for (int64_t i = 0; i < n; i += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+    const __mmask64 upper = _mm512_movepi8_mask(c);  // bit 7: codes 128-255
+    __m512i b[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i first = _mm512_permutex2var_epi8(plane[p][0], c, plane[p][1]);
+      const __m512i second = _mm512_permutex2var_epi8(plane[p][2], c, plane[p][3]);
+      b[p] = _mm512_mask_blend_epi8(upper, first, second);
+    }
+    const __m512i w01_lo = _mm512_unpacklo_epi8(b[0], b[1]), w01_hi = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i w23_lo = _mm512_unpacklo_epi8(b[2], b[3]), w23_hi = _mm512_unpackhi_epi8(b[2], b[3]);
+    _mm512_storeu_si512(out + i, _mm512_unpacklo_epi16(w01_lo, w23_lo));
+    _mm512_storeu_si512(out + i + 16, _mm512_unpackhi_epi16(w01_lo, w23_lo));
+    _mm512_storeu_si512(out + i + 32, _mm512_unpacklo_epi16(w01_hi, w23_hi));
+    _mm512_storeu_si512(out + i + 48, _mm512_unpackhi_epi16(w01_hi, w23_hi));
+  }
+}
+
 template <bool kNativeBf16>
 struct VecAvx512 {
   static constexpr int kWidth = 16;
   static constexpr bool kHasGather = true;  // decode_q8 / encode_q8 gather; the *_loads twins do not
+  static constexpr bool kHasRowDecode = true;  // with VBMI: decode_q8_row_vbmi
+  static void decode_q8_row(const uint8_t* codes, int64_t n, const uint8_t (*planes)[256], float* out) {
+    decode_q8_row_vbmi(codes, n, planes, out);
+  }
   __m512 v;
 
   static VecAvx512 set1(float x) { return {_mm512_set1_ps(x)}; }

@@ -15,6 +15,7 @@ namespace isa_neon {
 struct VecNeon {
   static constexpr int kWidth = 4;
   static constexpr bool kHasGather = false;  // decode_q8 / encode_q8 load lane by lane already
+  static constexpr bool kHasRowDecode = false;  // body.h TableCodec::decode_row
   float32x4_t v;
 
   static VecNeon set1(float x) { return {vdupq_n_f32(x)}; }

@@ -169,6 +169,7 @@ inline uint8_t encode_fp8_one(float y) {
 struct VecScalar {
   static constexpr int kWidth = 1;
   static constexpr bool kHasGather = false;  // decode_q8 / encode_q8 load lane by lane already
+  static constexpr bool kHasRowDecode = false;  // body.h TableCodec::decode_row
   float v;
 
   static VecScalar set1(float x) { return {x}; }

@@ -14,3 +14,4 @@ def isa_and_threads():
     K.set_isa(isa)
     K.set_num_threads(threads)
     K.set_q8_table_lookup("auto")
+    K.set_q8_row_decode(True)

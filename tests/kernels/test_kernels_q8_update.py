@@ -246,17 +246,21 @@ def test_vector_isas_agree_bit_for_bit(isa_and_threads):
 
 @pytest.mark.parametrize("isa", GATHER_ISAS)
 def test_gather_and_loads_agree_bit_for_bit(isa, isa_and_threads):
-    """The table maps' two ways of looking codes up (a gather, a load per lane) give one
+    """The table maps' ways of looking codes up (a gather, a load per lane; the decode of a
+    block at once by byte permutes where the CPU has AVX512-VBMI, or per vector) give one
     state, every master mode, at both thread counts (the other tests run whichever
-    dispatch.cpp's timing chose)."""
+    dispatch.cpp's timing chose, with the block decode where it is possible). 2**16 + 5
+    values: the last block has 5, decoded past the byte permutes' 64 at a time."""
     K.set_isa(isa)
     for master in Q.MASTER_MODES:
         cfg = Q.QuantConfig(256, master, "dynamic")
         state = _warm_state(cfg, 2**16 + 5, seed=21)
         g = torch.randn(2**16 + 5, generator=torch.Generator().manual_seed(22)).bfloat16()
         outs = []
-        for lookup, threads in (("gather", 1), ("loads", 2), ("gather", 2)):
+        for lookup, threads, rows in (("gather", 1, False), ("loads", 2, False), ("gather", 2, True),
+                                      ("loads", 1, True)):
             K.set_q8_table_lookup(lookup)
+            K.set_q8_row_decode(rows)
             K.set_num_threads(threads)
             s, out = _clone(state), torch.empty(g.numel(), dtype=torch.bfloat16)
             K.adam_q8_update(s, g, out, config=cfg, **_hyper("adamw", 4), seed=1, step=4)

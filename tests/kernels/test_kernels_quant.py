@@ -49,11 +49,16 @@ def _assert_same(x: torch.Tensor, qmap: Q.QuantMap, block: int) -> None:
 @needs_native
 @pytest.mark.parametrize("isa,lookup,map_name", ISA_LOOKUP_MAPS)
 def test_codes_and_scales_bit_identical(isa, lookup, map_name, isa_and_threads):
+    """Against the reference, at both thread counts; the table maps also with the decode of
+    a block at once turned off (it is on where the CPU has AVX512-VBMI: q8_row_decode)."""
     K.set_isa(isa)
     K.set_q8_table_lookup(lookup)
     qmap = MAPS[map_name]()
-    for threads in (1, 2):
+    for threads, rows in ((1, True), (2, True), (2, False)):
+        if not rows and (qmap.fp8_mantissa_bits or not K.q8_row_decode()):
+            continue
         K.set_num_threads(threads)
+        K.set_q8_row_decode(rows)
         for n in SIZES:
             for block in (64, 256, 4096) if n < 2**20 else (256,):
                 x = _moment_like(n, seed=n + block)
@@ -213,3 +218,28 @@ def test_table_lookup_is_chosen_at_first_use_and_can_be_fixed(isa_and_threads):
     for bad in ("gathers", "", None, 1):
         with pytest.raises(ValueError, match="set_q8_table_lookup.*mode.*auto, gather, loads"):
             K.set_q8_table_lookup(bad)
+
+
+def _cpu_has_avx512_vbmi() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return "avx512vbmi" in flags
+
+
+@needs_native
+def test_row_decode_where_the_cpu_has_vbmi(isa_and_threads):
+    """The block-at-a-time decode is on for the AVX-512 variants exactly where /proc/cpuinfo
+    lists avx512vbmi, off for the others, can be turned off, and refuses a non-bool."""
+    for isa in NATIVE_ISAS:
+        K.set_isa(isa)
+        K.set_q8_row_decode(True)
+        expected = isa.startswith("avx512") and _cpu_has_avx512_vbmi()
+        assert K.q8_row_decode() is expected, isa
+        assert K.backend_info()["q8_row_decode"] is expected
+        K.set_q8_row_decode(False)
+        assert K.q8_row_decode() is False
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="set_q8_row_decode.*True or False"):
+            K.set_q8_row_decode(bad)

@@ -215,9 +215,30 @@ def set_q8_table_lookup(mode: str) -> None:
         kernels.set_q8_table_lookup(mode)
 
 
+def q8_row_decode() -> bool:
+    """Whether the current variant decodes the table maps' codes a block at a time, by byte
+    permutes through the table's four byte planes (the AVX-512 variants on a CPU with
+    AVX512-VBMI: Zen 4, Ice Lake and later Xeons), instead of per vector as
+    :func:`q8_table_lookup` says. The encoder's lookups are unaffected. Same values either way."""
+    kernels = native_kernels()
+    return bool(kernels.q8_row_decode()) if kernels is not None else False
+
+
+def set_q8_row_decode(on: bool) -> None:
+    """Allows (``True``, the default) or forbids the block-at-a-time decode of
+    :func:`q8_row_decode`; forbidding it is for comparisons and tests. A no-op without the
+    native module."""
+    if not isinstance(on, bool):
+        raise TypeError(f"set_q8_row_decode(on={on!r}): must be True or False")
+    kernels = native_kernels()
+    if kernels is not None:
+        kernels.set_q8_row_decode(on)
+
+
 def backend_info() -> dict[str, Any]:
     """What runs the kernels: ``{"native": bool, "isa": str, "threads": int,
-    "available_isas": [...], "q8_table_lookup": str, "native_error": str | None}``."""
+    "available_isas": [...], "q8_table_lookup": str, "q8_row_decode": bool,
+    "native_error": str | None}``."""
     loaded, error = native_status()
     return {
         "native": loaded and _kernel_module() is not None,
@@ -225,6 +246,7 @@ def backend_info() -> dict[str, Any]:
         "threads": get_num_threads(),
         "available_isas": available_isas(),
         "q8_table_lookup": q8_table_lookup(),
+        "q8_row_decode": q8_row_decode(),
         "native_error": error,
     }
 
