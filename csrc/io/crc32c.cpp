@@ -261,6 +261,9 @@ TIERSTATE_VPCLMUL_TARGET inline __m128i fold128(__m128i x, const uint64_t* k) {
 }
 
 
+// The zero-masked forms of the broadcast and the extracts below are the same instructions;
+// the unmasked intrinsics' "undefined" pass-through operand made GCC 12 warn
+// (-Wmaybe-uninitialized inside avx512fintrin.h).
 TIERSTATE_VPCLMUL_TARGET uint32_t crc_vpclmul(uint32_t crc, const void* data, size_t len) {
   if (len < 512) return crc_sse42(crc, data, len);
   const FoldConstants& k = fold_constants();
@@ -272,8 +275,8 @@ TIERSTATE_VPCLMUL_TARGET uint32_t crc_vpclmul(uint32_t crc, const void* data, si
   x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(~crc))));
   p += 256;
   len -= 256;
-  const __m512i k4 = _mm512_broadcast_i32x4(
-      _mm_set_epi64x(static_cast<long long>(k.k2048[1]), static_cast<long long>(k.k2048[0])));
+  const __m512i k4 = _mm512_maskz_broadcast_i32x4(
+      0xFFFF, _mm_set_epi64x(static_cast<long long>(k.k2048[1]), static_cast<long long>(k.k2048[0])));
   while (len >= 256) {
     x0 = fold512(x0, k4, _mm512_loadu_si512(p));
     x1 = fold512(x1, k4, _mm512_loadu_si512(p + 64));
@@ -282,8 +285,8 @@ TIERSTATE_VPCLMUL_TARGET uint32_t crc_vpclmul(uint32_t crc, const void* data, si
     p += 256;
     len -= 256;
   }
-  const __m512i k1 = _mm512_broadcast_i32x4(
-      _mm_set_epi64x(static_cast<long long>(k.k512[1]), static_cast<long long>(k.k512[0])));
+  const __m512i k1 = _mm512_maskz_broadcast_i32x4(
+      0xFFFF, _mm_set_epi64x(static_cast<long long>(k.k512[1]), static_cast<long long>(k.k512[0])));
   __m512i x = fold512(x0, k1, x1);
   x = fold512(x, k1, x2);
   x = fold512(x, k1, x3);
@@ -292,10 +295,10 @@ TIERSTATE_VPCLMUL_TARGET uint32_t crc_vpclmul(uint32_t crc, const void* data, si
     p += 64;
     len -= 64;
   }
-  __m128i v = _mm512_extracti32x4_epi32(x, 3);
-  v = _mm_xor_si128(v, fold128(_mm512_extracti32x4_epi32(x, 0), k.k384));
-  v = _mm_xor_si128(v, fold128(_mm512_extracti32x4_epi32(x, 1), k.k256));
-  v = _mm_xor_si128(v, fold128(_mm512_extracti32x4_epi32(x, 2), k.k128));
+  __m128i v = _mm512_maskz_extracti32x4_epi32(0xFF, x, 3);
+  v = _mm_xor_si128(v, fold128(_mm512_maskz_extracti32x4_epi32(0xFF, x, 0), k.k384));
+  v = _mm_xor_si128(v, fold128(_mm512_maskz_extracti32x4_epi32(0xFF, x, 1), k.k256));
+  v = _mm_xor_si128(v, fold128(_mm512_maskz_extracti32x4_epi32(0xFF, x, 2), k.k128));
   return finish_folded(v, p, len);
 }
 // ---- x86 with PCLMULQDQ (every x86-64 core since 2010): the same folding, 128 bits wide --
