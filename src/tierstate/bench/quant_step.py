@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             times[name].append(time.perf_counter() - t)
     K.set_q8_table_lookup("auto")
     print(f"{n / 1e6:g}M params, {args.threads} threads, ISA {K.current_isa()}, medians of {args.rounds} rounds; "
-          f"dynamic-map lookups under auto: {K.q8_table_lookup()}")
+          f"dynamic-map lookups under auto: {K.q8_table_lookup()}, "
+          f"block decode by byte permutes: {'on' if K.q8_row_decode() else 'off'}")
     base = statistics.median(times["fp32-moments"])
     copy_bw = 2 * src.numel() * 4 / statistics.median(times.pop("memory-copy"))
     kernel_bw = {k: variants[k][0] * n / statistics.median(times[k]) for k in ("fp32-moments", "bf16-moments")}

@@ -329,7 +329,8 @@ def _main_cpu(args: argparse.Namespace) -> int:
     load1, load5, _ = os.getloadavg()
     tables = args.json != JSON_STDOUT
     if tables:
-        lookup = f" q8-table-lookup={info['q8_table_lookup']}" if COMPRESSED_VARIANTS.keys() & set(variants) else ""
+        lookup = (f" q8-table-lookup={info['q8_table_lookup']} q8-row-decode={info['q8_row_decode']}"
+                  if COMPRESSED_VARIANTS.keys() & set(variants) else "")
         print(f"kernels: isa={info['isa']} native={info['native']}{lookup}; torch {torch.__version__} "
               f"(cpu capability {torch.backends.cpu.get_cpu_capability()}); load average {load1:.2f} {load5:.2f}; "
               f"{args.gap_ms:g} ms gap before each timed call")
