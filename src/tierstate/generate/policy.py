@@ -84,7 +84,7 @@ def measure_hardware(config, dtype: torch.dtype, nvme_dir=None, *, disk_bytes: i
         hid = torch.randn(1, 1, 64)
         pos = torch.zeros(1, 1, dtype=torch.long)
         pe = adapter.position_embeddings(hid, pos)
-        kv = torch.zeros(16, 1, adapter.kv_heads, adapter.head_dim)
+        kv = torch.zeros(1, adapter.kv_heads, 16, adapter.head_dim)
 
         def call():
             adapter.run_layer(0, hid, None, pos, pe, LayerCache(kv, kv.clone(), 8))
@@ -144,8 +144,8 @@ def _real_layer_rates(config, shape, dtype: torch.dtype, call_s: float, flops: f
     mb, q, T = _PROBE_MICRO_BATCH, _PROBE_PROMPT, _PROBE_CONTEXT
 
     def cache(past: int, max_len: int) -> LayerCache:
-        kv = torch.zeros(max_len, mb, adapter.kv_heads, adapter.head_dim, dtype=dtype)
-        return LayerCache(kv, kv.clone(), past)
+        kv = torch.zeros(mb, adapter.kv_heads, max_len, adapter.head_dim, dtype=dtype)
+        return LayerCache(kv, kv.clone(), past)  # head-major, as a cache in RAM
 
     def run(index: int, hid: torch.Tensor, first: int, layer_cache: LayerCache) -> None:
         adapter.layers[0] = layers[index]  # the adapter runs layer 0: point it at this copy
