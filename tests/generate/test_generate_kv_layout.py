@@ -25,38 +25,54 @@ def test_ram_records_are_head_major_and_nvme_records_token_major(tmp_path):
         assert keys.shape == values.shape == (MB, HEADS, MAX_LEN, DIM)
         # a (sequence, head) pair's tokens are contiguous: what attention reads as one run
         assert keys.stride()[2:] == values.stride()[2:] == (DIM, 1)
+        assert store.scratch(0) is None
         keys, values = store.acquire(1, past=0)
         assert keys.shape == values.shape == (MAX_LEN, MB, HEADS, DIM)
         assert keys.stride()[0] == MB * HEADS * DIM  # a token's rows are one run of bytes
+        sk, sv = store.scratch(1)
+        assert sk.shape == sv.shape == (MB, HEADS, MAX_LEN, DIM) and sk.stride()[2:] == (DIM, 1)
+        assert sk.data_ptr() != sv.data_ptr() and store.scratch_nbytes == 2 * store.region[0]
         store.commit(1, 0, 0)
     finally:
         store.close()
 
 
+def _zeros(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("steps", [[5, 1, 1, 1], [1] * 6, [MAX_LEN]])
-def test_both_layouts_give_attention_the_same_keys_and_values(steps):
-    """A prefill then decode steps appended to a head-major and a token-major cache: the
-    [mb, heads, tokens, dim] views a layer reads are equal, and so is torch's attention over
-    them, bit for bit."""
+def test_every_layout_gives_attention_the_same_keys_and_values(steps):
+    """A prefill then decode steps appended to a head-major cache, a token-major one, and a
+    token-major one read through a head-major scratch (an NVMe record's): the [mb, heads,
+    tokens, dim] views a layer reads are equal, and so is torch's attention over them, bit
+    for bit; the token-major rows (what goes to disk) hold every token appended."""
     gen = torch.Generator().manual_seed(0)
-    head = LayerCache(torch.zeros(MB, HEADS, MAX_LEN, DIM, dtype=torch.bfloat16),
-                      torch.zeros(MB, HEADS, MAX_LEN, DIM, dtype=torch.bfloat16), 0)
-    token = LayerCache(torch.zeros(MAX_LEN, MB, HEADS, DIM, dtype=torch.bfloat16),
-                       torch.zeros(MAX_LEN, MB, HEADS, DIM, dtype=torch.bfloat16), 0, token_major=True)
+    head = LayerCache(_zeros(MB, HEADS, MAX_LEN, DIM), _zeros(MB, HEADS, MAX_LEN, DIM), 0)
+    token = LayerCache(_zeros(MAX_LEN, MB, HEADS, DIM), _zeros(MAX_LEN, MB, HEADS, DIM), 0, token_major=True)
+    scratch = (_zeros(MB, HEADS, MAX_LEN, DIM), _zeros(MB, HEADS, MAX_LEN, DIM))
+    through = LayerCache(_zeros(MAX_LEN, MB, HEADS, DIM), _zeros(MAX_LEN, MB, HEADS, DIM), 0, token_major=True,
+                         scratch=scratch)
     past = 0
     for q in steps:
         key = torch.randn(MB, HEADS, q, DIM, generator=gen).bfloat16()
         value = torch.randn(MB, HEADS, q, DIM, generator=gen).bfloat16()
         query = torch.randn(MB, HEADS, q, DIM, generator=gen).bfloat16()
-        head.past = token.past = past
-        k1, v1 = head.update(key, value, 0)
-        k2, v2 = token.update(key, value, 0)
-        assert k1.shape == k2.shape == (MB, HEADS, past + q, DIM)
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        scratch[0].normal_()  # another record's rows were there: the scratch is shared
+        head.past = token.past = through.past = past
+        outs = [cache.update(key, value, 0) for cache in (head, token, through)]
+        k1, v1 = outs[0]
+        assert outs[2][0].data_ptr() == scratch[0].data_ptr()
+        for k, v in outs:
+            assert k.shape == v.shape == (MB, HEADS, past + q, DIM)
+            assert torch.equal(k, k1) and torch.equal(v, v1)
         a1 = torch.nn.functional.scaled_dot_product_attention(query, k1, v1)
-        a2 = torch.nn.functional.scaled_dot_product_attention(query, k2, v2)
-        assert torch.equal(a1.view(torch.int16), a2.view(torch.int16))
+        for k, v in outs[1:]:
+            a = torch.nn.functional.scaled_dot_product_attention(query, k, v)
+            assert torch.equal(a.view(torch.int16), a1.view(torch.int16))
         past += q
+    assert torch.equal(through.keys[:past].permute(1, 2, 0, 3), head.keys[:, :, :past])
+    assert torch.equal(through.values[:past].permute(1, 2, 0, 3), head.values[:, :, :past])
 
 
 def test_appending_past_the_end_is_refused_in_both_layouts():

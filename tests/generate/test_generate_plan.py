@@ -53,6 +53,7 @@ def test_memory_model_equals_what_offloadedlm_allocates(tmp_path):
         try:
             assert parts["kv_in_ram"] == kv.host_nbytes
             assert parts["kv_pool"] == kv.pool_nbytes
+            assert parts["kv_scratch"] == kv.scratch_nbytes > 0
             assert disk == lm.weights.nvme_nbytes + kv.nvme_nbytes
         finally:
             kv.close()

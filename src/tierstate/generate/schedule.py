@@ -98,7 +98,7 @@ def run_round(adapter: Adapter, weights: WeightStore, kv: KVStore, ids: Tensor, 
                     keys, values = kv.acquire(s, past)
                     if s + 1 < L * J:  # a no-op when read ahead above; else the read found no free buffer then
                         kv.prefetch(s + 1, past)
-                    cache = LayerCache(keys, values, past, token_major=kv.token_major(s))
+                    cache = LayerCache(keys, values, past, token_major=kv.token_major(s), scratch=kv.scratch(s))
                     hidden[j] = adapter.run_layer(layer, hidden[j], masks[j], pos[j], pe[j], cache)
                     kv.commit(s, past, q)
                 weights.release(layer)

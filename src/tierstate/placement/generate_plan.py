@@ -40,7 +40,8 @@ RAM = ``base`` (the process before any weight: Python, torch, transformers; meas
 + resident tensors (embeddings, final norm, head) + layers kept in RAM (their stored bytes)
 + the NVMe weight pool (``prefetch + 1`` buffers of the largest stored record) + with
 compression, the compute buffer (the largest layer in the compute dtype) + KV records in RAM
-+ the NVMe KV pool (:func:`kv_pool_records` buffers of the largest record) + activations (the
++ the NVMe KV pool (:func:`kv_pool_records` buffers of the largest record, and one more of
+its size: the head-major scratch the attention over an NVMe record reads) + activations (the
 hidden states of the whole round, and one micro-batch's largest temporaries at prefill:
 ``q x (6 hidden + 4 intermediate)`` elements and a float32 norm, plus the round's float32
 logits) + a runtime constant (first-use imports, thread pools; measured). Disk = the NVMe
@@ -265,6 +266,7 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
     kv_rec = [2 * _up(max_len * kv_row_bytes(shape, mb)) for mb in sizes]
     kv_host = m * sum(kv_rec)
     kv_pool = kv_pool_records(len(sizes), (L - m) * len(sizes)) * max(kv_rec) if m < L else 0
+    kv_scratch = max(kv_rec) if m < L else 0
     e = shape.dtype_bytes
     # the round's hidden states; one micro-batch's prefill temporaries (q, k, v, attention out,
     # residual, the float32 norm; gate, up, their product and the activation of the MLP); logits
@@ -272,7 +274,8 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
             + c.micro_batch * wl.prompt_len * ((6 * shape.hidden + 4 * shape.intermediate) * e + 4 * shape.hidden)
             + 2 * rows * shape.vocab * 4)
     parts = {"base": hw.base_rss, "resident": shape.resident_bytes, "weights_in_ram": host_w, "weight_pool": w_pool,
-             "compute_buffer": compute_buffer, "kv_in_ram": kv_host, "kv_pool": kv_pool, "activations": acts,
+             "compute_buffer": compute_buffer, "kv_in_ram": kv_host, "kv_pool": kv_pool, "kv_scratch": kv_scratch,
+             "activations": acts,
              "runtime": RUNTIME_OVERHEAD}
     disk = sum(nvme_records) + (L - m) * sum(kv_rec)
     return sum(parts.values()), disk, parts
