@@ -11,10 +11,10 @@ NVMe record's rows are copied into one head-major scratch (the size of the large
 shared by all: the layers and micro-batches run one at a time) for the layer's attention,
 which with the copy is still 2.3-2.7x faster than over the token-major rows. A record is
 the keys' region then the values' region, each 4 KiB-aligned, so both O_DIRECT reads (rows
-``[0, past)`` of each region) start on a page. A host-RAM record is used in place; an NVMe record is read into one of a pool of
-aligned buffers: the layer's records that run, the next layer's read ahead (asked for
-before that layer's weights), and one whose write may still be in flight
-(:func:`tierstate.placement.generate_plan.kv_pool_records`).
+``[0, past)`` of each region) start on a page. A host-RAM record is used in place; an NVMe
+record is read into one of a pool of aligned buffers: the layer's records that run, the
+next layer's read ahead (asked for before that layer's weights), and one whose write may
+still be in flight (:func:`tierstate.placement.generate_plan.kv_pool_records`).
 
 Every NVMe read is checked: a CRC-32C of the valid rows of each region, taken when the rows
 were written, is compared after the read (``WeightsLostError`` semantics: the file and the
