@@ -16,7 +16,10 @@ namespace isa_avx2 {
 struct VecAvx2 {
   static constexpr int kWidth = 8;
   static constexpr bool kHasGather = true;  // decode_q8 / encode_q8 gather; the *_loads twins do not
-  // 256 table entries are 16 PSHUFB tables of 16 per byte plane: no faster than a gather.
+  // No block decode (body.h TableCodec::decode_row): without VBMI a 256-entry byte plane is
+  // 16 PSHUFB lookups of 16 entries plus their selects (~48 operations per 8 values,
+  // counted, not run), and a scalar loop over the block measured within the drift of the
+  // per-vector lookups (benchmarks/README.md, 2026-12-06).
   static constexpr bool kHasRowDecode = false;
   __m256 v;
 
