@@ -101,15 +101,17 @@ class KVStore:
         self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
 
     def _views(self, s: int, buf: Tensor) -> tuple[Tensor, Tensor]:
-        j = s % self.J
+        return self._regions(s % self.J, buf, token_major=self.token_major(s))
+
+    def _regions(self, j: int, buf: Tensor, token_major: bool) -> tuple[Tensor, Tensor]:
+        """The keys' and the values' regions of ``buf`` as micro-batch ``j``'s tensors, in
+        either layout (the note)."""
         reg, shape = self.region[j], self.shape[j]
         n = shape[0] * self.row[j]
-        if not self.token_major(s):
+        if not token_major:
             max_len, mb, heads, dim = shape
             shape = (mb, heads, max_len, dim)
-        k = buf[:n].view(self.dtype).view(shape)
-        v = buf[reg:reg + n].view(self.dtype).view(shape)
-        return k, v
+        return buf[:n].view(self.dtype).view(shape), buf[reg:reg + n].view(self.dtype).view(shape)
 
     def token_major(self, s: int) -> bool:
         """Whether record ``s``'s views are token-major (on NVMe) or head-major (in RAM); see the note."""
@@ -120,12 +122,7 @@ class KVStore:
         over NVMe record ``s`` (overwritten by the next record's); None for a record in RAM."""
         if not self.on_nvme(s):
             return None
-        j = s % self.J
-        max_len, mb, heads, dim = self.shape[j]
-        n = max_len * self.row[j]
-        shape = (mb, heads, max_len, dim)
-        return (self._scratch[:n].view(self.dtype).view(shape),
-                self._scratch[self.region[j]:self.region[j] + n].view(self.dtype).view(shape))
+        return self._regions(s % self.J, self._scratch, token_major=False)
 
     def on_nvme(self, s: int) -> bool:
         return self.tiers[s // self.J] == "nvme"
