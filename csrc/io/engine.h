@@ -225,7 +225,8 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Splits [offset, offset + nbytes) into tasks and queues them; never blocks on I/O.
-  // checksum: the workers take the CRC-32C of the bytes moved (Request::crc()).
+  // checksum: the engine's checksum thread takes the CRC-32C of the bytes moved, task by
+  // task as each finishes (Request::crc()).
   std::shared_ptr<Request> submit(const std::shared_ptr<File>& file, bool write, void* buf,
                                   size_t nbytes, int64_t offset, bool checksum = false);
   // Finishes queued work, then stops the workers. Idempotent.
