@@ -59,9 +59,11 @@ def main() -> None:
         print(f"rank 0 {figures(local, steps, runtime)}")
         if not agree:
             raise SystemExit("replicas diverged")
-    # Leave the group together. (The abort at exit once seen here, SIGABRT with "terminate
-    # called without an active exception", was tierstate's fail-fast watchdog still inside the
-    # store's client while the interpreter finalized; tierstate now stops it at exit.)
+    # Leave the group together. (Two aborts at exit were seen here, SIGABRT with "terminate
+    # called without an active exception": tierstate's fail-fast watchdog still inside the
+    # store's client, and a gloo thread still dropping the last all_gather's tensors, while
+    # the interpreter finalized. tierstate now stops the one and waits for the other at exit:
+    # docs/distributed.md, "At exit".)
     dist.barrier()
     dist.destroy_process_group()
 

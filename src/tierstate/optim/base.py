@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import host_allocator, kernels
+from ..dist import exit_drain
 from ..dist import failure as fail_fast
 from ..dist import local_state, present_state
 from ..dist.zero import partition_group_of_caller
@@ -81,6 +82,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         refuse_nothing_to_train(type(self).__name__, self._all_params())
         self._engine = StepEngine(self, self.rule, self.offload, self._policy(), self.telemetry, self._counters)
         self._publish_all()
+        exit_drain.install()  # one rank of several: gloo's threads finish before Python ends
         fail_fast.arm()  # one rank of several: its failure ends the others, naming it
         # CPU training: keep freed host memory for reuse (see tierstate.host_allocator), the
         # policy actually in effect ("system" where the C library has no such knob).
