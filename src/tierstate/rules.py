@@ -72,8 +72,15 @@ def _check_number(name: str, value: Any, *, low: float | None = None, low_open: 
     if bad:
         lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
         hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
-        rng = f"{lo}, {hi}" if lo and hi else (f">{'' if low_open else '='} {low:g}" if lo else f"<{'' if high_open else '='} {high:g}")
-        raise ValueError(f"Invalid {name}: {value!r}; it must be a finite number {rng if not (lo and hi) else 'in ' + rng}{hint}")
+        if lo and hi:
+            rng = f" in {lo}, {hi}"
+        elif lo:
+            rng = f" >{'' if low_open else '='} {low:g}"
+        elif hi:
+            rng = f" <{'' if high_open else '='} {high:g}"
+        else:
+            rng = ""
+        raise ValueError(f"Invalid {name}: {value!r}; it must be a finite number{rng}{hint}")
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -205,7 +212,7 @@ class AdamRule(UpdateRule):
     def validate(self, group):
         super().validate(group)
         _check_betas(group["betas"])
-        _check_number("eps", group["eps"], low=0.0, low_open=True, hint=" (e.g. 1e-8)")
+        _check_number("eps", group["eps"], low=0.0, hint=" (e.g. 1e-8)")
         _check_number("weight_decay", group["weight_decay"], low=0.0)
         _check_flag("amsgrad", group["amsgrad"])
         if "decoupled_weight_decay" in group:
@@ -323,7 +330,7 @@ class SGDRule(UpdateRule):
     def validate(self, group):
         super().validate(group)
         _check_number("momentum", group["momentum"], low=0.0)
-        _check_number("dampening", group["dampening"], low=0.0, high=1.0)
+        _check_number("dampening", group["dampening"])  # any finite value, as torch (which checks none)
         _check_number("weight_decay", group["weight_decay"], low=0.0)
         _check_flag("nesterov", group["nesterov"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):

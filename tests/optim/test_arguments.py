@@ -18,7 +18,7 @@ def params():
         (ts.AdamW, dict(betas=(1.0, 0.9)), ValueError, r"betas\[0\].*\[0, 1\)"),
         (ts.AdamW, dict(betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
         (ts.AdamW, dict(betas=0.9), ValueError, r"betas.*tuple of 2"),
-        (ts.Adam, dict(eps=0.0), ValueError, r"eps: 0.0; it must be a finite number > 0"),
+        (ts.Adam, dict(eps=-1e-8), ValueError, r"eps: -1e-08; it must be a finite number >= 0"),
         (ts.AdamW, dict(weight_decay=-0.1), ValueError, r"weight_decay"),
         (ts.AdamW, dict(lr="fast"), TypeError, r"lr must be a real number"),
         (ts.AdamW, dict(offload="disk"), ValueError, r"offload='disk'.*'cpu', 'nvme', 'auto'"),

@@ -91,6 +91,10 @@ CASES = {
     "adamw": (ts.AdamW, torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1), dict(lr=3e-3, weight_decay=0.0)),
     "adamw_amsgrad": (ts.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05, amsgrad=True), dict(lr=2e-2)),
     "adam": (ts.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, eps=1e-6), dict(lr=5e-3, maximize=True)),
+    # the edges torch accepts: eps=0 (torch checks eps >= 0) and any dampening (torch checks none)
+    "adamw_eps_zero": (ts.AdamW, torch.optim.AdamW, dict(lr=1e-2, eps=0.0), dict(lr=3e-3, eps=1e-8)),
+    "adam_eps_zero": (ts.Adam, torch.optim.Adam, dict(lr=1e-2, eps=0.0, amsgrad=True), dict(lr=5e-3)),
+    "sgd_dampening_outside_0_1": (ts.SGD, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, dampening=1.5), dict(lr=1e-2, dampening=-0.5)),
     "sgd_momentum": (ts.SGD, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, dampening=0.1, weight_decay=0.01), dict(lr=1e-2)),
     "sgd_nesterov": (ts.SGD, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=1e-2)),
     "sgd_plain": (ts.SGD, torch.optim.SGD, dict(lr=5e-2, weight_decay=0.01), dict(lr=1e-1)),
