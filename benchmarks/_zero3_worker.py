@@ -53,7 +53,7 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 1e-8, 0.01
 
 def parser() -> argparse.ArgumentParser:
     """The options the orchestrator passes through (the model shape already resolved from ``--size``)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=MODES, required=True)
     p.add_argument("--out", required=True, help="where to write the result as JSON")
     p.add_argument("--nvme-dir", required=True,

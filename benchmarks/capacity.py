@@ -52,7 +52,8 @@ BENCH_IO_BYTES = 1 << 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="1b", help="the Llama shape (default 1b)")
     p.add_argument("--dir", required=True, type=Path,
                    help="folder on the NVMe drive: weights/ and state/ are made under it and removed at the end")

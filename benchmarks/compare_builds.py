@@ -73,7 +73,7 @@ BENCHES = {"cpu": cpu_step, "nvme": nvme_step, "e2e": e2e}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="python of the build to compare against")
     parser.add_argument("--after", required=True, help="python of the changed build")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running both builds (default 3)")

@@ -52,7 +52,8 @@ def build(wrap: str, width: int, layers: int) -> nn.Module:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--batch", type=int, default=32, help="rows per rank per step")

@@ -103,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python benchmarks/e2e.py", description=__doc__.split("\n\n")[0])
+    _parser = argparse.ArgumentParser(allow_abbrev=False,
+                                      prog="python benchmarks/e2e.py", description=__doc__.split("\n\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -95,7 +95,7 @@ def worker(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=sorted(SIZES), default="13b")
     p.add_argument("--dir", required=True, help="folder for the checkpoint and the NVMe files")
     p.add_argument("--ram-budget", default="8GiB", help="peak RSS the planner must keep under (default 8GiB)")

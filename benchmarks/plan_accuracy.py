@@ -265,7 +265,8 @@ def _print_table(title: str, rows: list[dict], columns: list[tuple[str, str]]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python benchmarks/plan_accuracy.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False,
+                                     prog="python benchmarks/plan_accuracy.py", description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--numel", default="48M", help="parameters per time configuration (default 48M)")
     parser.add_argument("--tensors", type=int, default=8)

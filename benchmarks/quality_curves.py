@@ -178,7 +178,7 @@ def _table(results: list[dict], kinds: list[str]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--models", default="demo,gpt2", help="comma-separated: demo, gpt2")

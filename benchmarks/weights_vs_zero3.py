@@ -442,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python benchmarks/weights_vs_zero3.py",
+    _parser = argparse.ArgumentParser(allow_abbrev=False, prog="python benchmarks/weights_vs_zero3.py",
                                       description=__doc__.split("\n\n")[0])
     add_arguments(_parser)
     _args = _parser.parse_args()

@@ -81,7 +81,7 @@ def train_data_parallel(model, opt, data, steps: int, device, first_epoch: int =
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=description)
     p.add_argument("--tiny", action="store_true", help="a tiny model and a few steps (CI)")
     p.add_argument("--model", choices=sorted(SIZES), default="gpt2")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 8 tiny, 200 full)")

@@ -30,7 +30,7 @@ FULL = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="a 0.3M-parameter model, checked against transformers")
     p.add_argument("--nvme-dir", default=None, help="folder for the checkpoint and the NVMe records")
     p.add_argument("--batch", type=int, default=8)

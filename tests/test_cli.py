@@ -1,4 +1,5 @@
 """The ``tierstate`` command line: help, subcommand dispatch, and how failures are reported."""
+import argparse
 import os
 import subprocess
 import sys
@@ -164,3 +165,33 @@ def test_every_command_help_prints_its_options(words, capsys):
     assert out.startswith("usage: tierstate"), out[:200]
     assert "options:" in out or "optional arguments:" in out
     assert err == ""
+
+
+def _parser_of(words):
+    command = next(c for c in cli.COMMANDS if c.words == tuple(words))
+    parser = cli._build_parser(command, cli._load(command))
+    sub = parser
+    for word in words:
+        sub = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return parser, sub
+
+
+@pytest.mark.parametrize("words", _leaf_commands(), ids=" ".join)
+def test_no_command_takes_an_abbreviated_option(words, capsys):
+    """argparse's default takes any unambiguous prefix: `tierstate plan 7B --offload nvme` ran as
+    --offload-weights nvme. Every option must be spelt out."""
+    parser, sub = _parser_of(words)
+    options = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    longest = max(options, key=len)
+    prefix = longest[:-2]
+    assert not any(o.startswith(prefix) and o != longest for o in options)
+    with pytest.raises(SystemExit) as exit:
+        parser.parse_args([*words, prefix, "1"])
+    assert exit.value.code == 2
+    assert f"unrecognized arguments: {prefix}" in capsys.readouterr().err
+
+
+def test_plan_offload_is_not_taken_for_offload_weights():
+    result = _run("plan", "7B", "--offload", "nvme")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "unrecognized arguments: --offload nvme" in result.stderr

@@ -104,24 +104,28 @@ def _load(command: Command) -> ModuleType:
 
 def _build_parser(chosen: Command | None, module: ModuleType | None) -> argparse.ArgumentParser:
     """The full parser; only ``chosen``'s sub-parser gets its real arguments (from ``module``)."""
+    # No abbreviations: `tierstate plan 7B --offload nvme` would silently mean --offload-weights.
     parser = argparse.ArgumentParser(
         prog="tierstate",
         description="Train PyTorch models whose optimizer state lives in host RAM and on NVMe.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"tierstate {_version()}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for command in COMMANDS:
         if len(command.words) == 1:
-            sub = top.add_parser(command.words[0], help=command.summary, description=command.summary)
+            sub = top.add_parser(command.words[0], help=command.summary, description=command.summary,
+                                 allow_abbrev=False)
         else:
             group_word, leaf_word = command.words
             if group_word not in groups:
                 group = top.add_parser(group_word, help=_GROUP_SUMMARIES[group_word],
-                                       description=_GROUP_SUMMARIES[group_word])
+                                       description=_GROUP_SUMMARIES[group_word], allow_abbrev=False)
                 groups[group_word] = group.add_subparsers(dest=f"{group_word}_command", metavar="COMMAND",
                                                           required=True)
-            sub = groups[group_word].add_parser(leaf_word, help=command.summary, description=command.summary)
+            sub = groups[group_word].add_parser(leaf_word, help=command.summary, description=command.summary,
+                                                allow_abbrev=False)
         if command == chosen and module is not None:
             module.add_arguments(sub)
     return parser

@@ -425,6 +425,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="tierstate plan", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(allow_abbrev=False, prog="tierstate plan", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

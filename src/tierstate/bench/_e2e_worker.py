@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def worker_parser(modes: tuple[str, ...], description: str) -> argparse.ArgumentParser:
     """The options a worker process takes (the orchestrator passes them through), ``--mode`` among ``modes``."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=description)
     parser.add_argument("--mode", choices=modes, required=True)
     parser.add_argument("--out", required=True, help="where to write the result as JSON")
     parser.add_argument("--steps", type=int, default=6, help="timed steps")

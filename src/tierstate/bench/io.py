@@ -330,7 +330,7 @@ def _print_table(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m tierstate.bench.io", description=__doc__,
+    _parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tierstate.bench.io", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

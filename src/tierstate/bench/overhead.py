@@ -219,6 +219,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m tierstate.bench.overhead", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                prog="python -m tierstate.bench.overhead", description=__doc__.split("\n")[0])
     add_arguments(p)
     raise SystemExit(main(p.parse_args()))

@@ -513,6 +513,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="tierstate probe", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(allow_abbrev=False, prog="tierstate probe", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

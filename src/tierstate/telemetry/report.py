@@ -377,7 +377,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tierstate.telemetry.report",
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tierstate.telemetry.report",
                                      description=__doc__.split("\n")[0])
     add_arguments(parser)
     return main(parser.parse_args(argv))
