@@ -38,29 +38,28 @@ def _launch(out: Path, mib: int, **env_extra) -> subprocess.CompletedProcess:
                            str(WORKER), str(out), str(mib)], env=env, capture_output=True, text=True, timeout=180)
 
 
+# (hashed MiB, TIERSTATE_EXIT_DRAIN_S, whether the thread finishes). With the wait, a cap well
+# above the thread's 0.2 s of hashing, so that a loaded machine does not fail it. The control,
+# the wait off: a hash long enough (2 GiB, 1.6 s) that the rank's exit surely comes first on
+# a loaded machine ends the thread before it writes.
+LAUNCHES = [(256, "20", True), (2048, "0", False)]
+
+
 @needs_gloo
 @linux_only
 @pytest.mark.timeout(400)
-def test_a_busy_gloo_worker_finishes_before_the_rank_exits(tmp_path):
-    # the cap well above the thread's 0.2 s of hashing, so that a loaded machine does not fail it
-    done = _launch(tmp_path, 256, TIERSTATE_EXIT_DRAIN_S="20")
+@pytest.mark.parametrize("mib, cap, finishes", LAUNCHES, ids=["wait", "wait-off"])
+def test_a_busy_gloo_worker_finishes_before_the_rank_exits(tmp_path, mib, cap, finishes):
+    done = _launch(tmp_path, mib, TIERSTATE_EXIT_DRAIN_S=cap)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    expected = hashlib.sha256(bytes(256 << 20)).hexdigest()  # the worker's whole hash, not a part
-    for rank in (0, 1):
-        finished = tmp_path / f"finished-{rank}"
+    written = [tmp_path / f"finished-{rank}" for rank in (0, 1)]
+    if not finishes:
+        assert not any(f.exists() for f in written)
+        return
+    expected = hashlib.sha256(bytes(mib << 20)).hexdigest()  # the worker's whole hash, not a part
+    for rank, finished in enumerate(written):
         assert finished.exists(), f"rank {rank}'s gloo-named thread was ended by the exit\n" + done.stderr[-3000:]
         assert finished.read_text() == expected
-
-
-@needs_gloo
-@linux_only
-@pytest.mark.timeout(400)
-def test_the_wait_at_exit_can_be_turned_off(tmp_path):
-    # the control: the same script, with a hash long enough (2 GiB, 1.6 s) that the rank's
-    # exit surely comes first on a loaded machine, ends the thread before it writes
-    done = _launch(tmp_path, 2048, TIERSTATE_EXIT_DRAIN_S="0")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert not any((tmp_path / f"finished-{rank}").exists() for rank in (0, 1))
 
 
 def _named_thread(name: bytes, work, started: threading.Event) -> threading.Thread:
