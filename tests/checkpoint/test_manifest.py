@@ -201,7 +201,7 @@ MUTATIONS = [
     ("betas-out-of-range", _set(["param_groups", 0, "betas"], [1.5, 0.95]), ValueError,
      r"param_groups\[0\].*betas\[0\]"),
     ("betas-three", _set(["param_groups", 0, "betas"], [0.9, 0.95, 0.99]), ValueError, r"param_groups\[0\].*betas"),
-    ("eps-zero", _set(["param_groups", 0, "eps"], 0.0), ValueError, r"param_groups\[0\].*eps"),
+    ("eps-negative", _set(["param_groups", 0, "eps"], -1e-8), ValueError, r"param_groups\[0\].*eps"),
     ("weight-decay-negative", _set(["param_groups", 0, "weight_decay"], -0.1), ValueError,
      r"param_groups\[0\].*weight_decay"),
     ("hyper-parameter-missing", _delete(["param_groups", 0, "eps"]), ValueError, r"param_groups\[0\].*'eps'"),
