@@ -82,24 +82,12 @@ is active on most steps pays about the plain step, not twice it.
   and written when next evicted (a step cannot refuse to start: its updates ran during
   backward); once a record is found lost (``StateLostError``) every later backward
   updates nothing and ``step()`` raises it, until a checkpoint is loaded.
-
-[Note: the worker at interpreter exit]
-A script that ends (or raises) right after ``backward()`` leaves the worker inside a
-native kernel, which releases the GIL. When the kernel returns into a finalizing
-interpreter the thread is ended inside a C++ destructor, and the process aborts
-("terminate called without an active exception", exit status 134 instead of 0 or the
-traceback's 1): 10 of 10 runs of tests/optim/_backward_exit_script.py. So the first
-worker started registers an ``atexit`` hook that stops every live worker while Python is
-whole: the updates still queued are dropped (the state of a process that is ending is
-not kept), the one running finishes, the thread is joined (at most EXIT_JOIN_S).
 """
 from __future__ import annotations
 
-import atexit
 import math
 import queue
 import threading
-import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -112,6 +100,7 @@ from . import grad_mark
 from .decision import Scaling
 from .loop import run_subgroups, update_planned
 from .speculation import Speculation
+from .worker_exit import watch_at_exit
 
 if TYPE_CHECKING:
     from .engine import StepEngine, StepResult
@@ -123,26 +112,6 @@ STREAMED_WAITING = 4
 # (see [Note: speculative updates and rollback]): with clipping active on every step (GPT-2 124M
 # early in training, max_grad_norm=1.0) each rollback cost more than the update it undid.
 _MAX_HOLD = 16
-# How long the exit hook waits for a worker to finish the update it is running (see [Note:
-# the worker at interpreter exit]): one sub-group, milliseconds to a second or two.
-EXIT_JOIN_S = 30.0
-_live_workers: "weakref.WeakSet[BackwardDriver]" = weakref.WeakSet()
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def _stop_workers_at_exit() -> None:
-    for driver in list(_live_workers):
-        driver.stop_worker(drop_queued=True, timeout=EXIT_JOIN_S)
-
-
-def _watch_at_exit(driver: "BackwardDriver") -> None:
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        _live_workers.add(driver)
-        if not _exit_hook_registered:
-            atexit.register(_stop_workers_at_exit)
-            _exit_hook_registered = True
 
 
 class BackwardDriver(Speculation):
@@ -285,7 +254,7 @@ class BackwardDriver(Speculation):
         if not self.inline:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tierstate-backward-update", daemon=True)
-                _watch_at_exit(self)
+                watch_at_exit(self)
                 self._thread.start()
             self._queue.put((s, grad, ready, landed))
             return
@@ -602,15 +571,12 @@ class BackwardDriver(Speculation):
         self.stop_worker()
 
     def stop_worker(self, drop_queued: bool = False, timeout: float | None = None) -> None:
-        """End the worker thread once it has taken what is queued (``drop_queued``: once the
-        update it is running is done; the rest is dropped, as at interpreter exit)."""
-        thread = self._thread
-        if thread is None or not thread.is_alive():
-            return
-        if drop_queued:
-            self.stopped = True  # _run skips every item it takes from here
-        self._queue.put(None)
-        thread.join(timeout)
+        """End the worker once it took what is queued (``drop_queued``: its running update only;
+        see :mod:`.worker_exit`)."""
+        if self._thread is not None and self._thread.is_alive():
+            self.stopped = self.stopped or drop_queued  # _run skips every item it takes from then on
+            self._queue.put(None)
+            self._thread.join(timeout)
 
 
 class _Saving:
