@@ -64,7 +64,14 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
             raise ValueError(f"params[{i}] is not a leaf tensor (it was computed from others); optimize the leaf "
                              "tensors (nn.Parameter) instead")
         if p.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16")
+            if p.is_floating_point():
+                fix = ("cast the model with model.float() (or .bfloat16()), or give these parameters to a "
+                       "torch.optim optimizer")
+            elif p.is_complex():
+                fix = "give complex parameters to a torch.optim optimizer of their own"
+            else:
+                fix = "only floating-point parameters are trained; leave this tensor out of the optimizer"
+            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16 ({fix})")
         # torch warns on a duplicate in one group and refuses one in two; tierstate refuses both:
         # one tensor updated twice per step with one state differs from torch's result (3e-3 after
         # 3 Adam steps), and a parameter must have one slot of state
