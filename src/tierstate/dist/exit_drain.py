@@ -34,6 +34,8 @@ import os
 import threading
 import time
 
+from .ranks import group_world_size
+
 #: the names torch gives the gloo threads that run collectives and drop their work
 GLOO_WORKER_NAMES = ("pt_gloo_runloop",)
 POLL_S = 0.001
@@ -106,9 +108,7 @@ def install() -> bool:
     """Register :func:`drain` to run at exit, once per process, when this process is one rank
     of several; True if registered (now or before)."""
     global _registered
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if group_world_size() < 2:
         return _registered
     cap_from_env()  # a bad value is refused now, not at exit where nobody reads it
     with _lock:

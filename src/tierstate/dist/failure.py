@@ -41,6 +41,8 @@ import sys
 import threading
 import time
 
+from .ranks import group_world_size
+
 POLL_S = 0.5
 ACK_WAIT_S = 5.0  # the watchdogs answer within POLL_S; this bounds the wait on a lost store
 EXIT_STATUS = 75  # EX_TEMPFAIL: this rank did not fail itself, a peer did
@@ -68,9 +70,7 @@ def _enabled() -> bool:
 
 
 def _default_store():
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    if group_world_size() < 2:
         return None
     try:
         from torch.distributed.distributed_c10d import _get_default_store

@@ -22,6 +22,13 @@ def _env_int(name: str, default: int) -> int:
                          f"{name.lower()}: unset it or give a whole number") from None
 
 
+def group_world_size() -> int:
+    """The size of the default process group; 1 when there is none (or torch.distributed is absent)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def rank_fields() -> dict[str, int]:
     """This process's ``rank``, ``local_rank``, ``world_size`` and ``local_world_size``.
 
@@ -58,4 +65,4 @@ def expand_rank_template(text: str, what: str = "nvme_dir") -> str:
     return text.format(**rank_fields())
 
 
-__all__ = ["FIELDS", "expand_rank_template", "rank_fields"]
+__all__ = ["FIELDS", "expand_rank_template", "group_world_size", "rank_fields"]

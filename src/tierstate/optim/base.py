@@ -18,6 +18,7 @@ from .. import host_allocator, kernels
 from ..dist import exit_drain
 from ..dist import failure as fail_fast
 from ..dist import local_state, present_state
+from ..dist.ranks import group_world_size
 from ..dist.zero import partition_group_of_caller
 from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
@@ -60,12 +61,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"on_nonfinite={on_nonfinite!r}: must be one of {NONFINITE_POLICIES}")
         if not isinstance(step_in_backward, bool):
             raise TypeError(f"step_in_backward must be True or False, got {step_in_backward!r}")
-        if step_in_backward and torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if step_in_backward and group_world_size() > 1:
             # DDP and FSDP reduce gradients across ranks after the per-parameter hooks this mode
             # runs on, so an update there would use this rank's unreduced gradient.
             raise ValueError(
-                f"step_in_backward=True in a process group of {torch.distributed.get_world_size()} ranks: "
+                f"step_in_backward=True in a process group of {group_world_size()} ranks: "
                 "data-parallel wrappers reduce gradients after the hooks this mode updates in, so each rank "
                 "would step on its own gradient; use step_in_backward=False with DDP/FSDP")
         self.step_in_backward = step_in_backward
