@@ -5,15 +5,14 @@ A script that ends (or raises) right after ``backward()`` leaves the worker insi
 native kernel, which releases the GIL. When the kernel returns into a finalizing
 interpreter the thread is ended inside a C++ destructor, and the process aborts
 ("terminate called without an active exception", exit status 134 instead of 0 or the
-traceback's 1): 10 of 10 runs of tests/optim/_backward_exit_script.py. So the first
-worker started registers an ``atexit`` hook that stops every live worker while Python is
+traceback's 1): 10 of 10 runs of tests/optim/_backward_exit_script.py. So an ``atexit``
+hook, registered when this module is imported, stops every live worker while Python is
 whole: the updates still queued are dropped (the state of a process that is ending is
 not kept), the one running finishes, the thread is joined (at most EXIT_JOIN_S).
 """
 from __future__ import annotations
 
 import atexit
-import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -24,22 +23,17 @@ if TYPE_CHECKING:
 # the worker at interpreter exit]): one sub-group, milliseconds to a second or two.
 EXIT_JOIN_S = 30.0
 _live_workers: "weakref.WeakSet[BackwardDriver]" = weakref.WeakSet()
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
 
 
+@atexit.register  # with no worker started, a loop over nothing
 def _stop_workers_at_exit() -> None:
     for driver in list(_live_workers):
         driver.stop_worker(drop_queued=True, timeout=EXIT_JOIN_S)
 
 
 def watch_at_exit(driver: "BackwardDriver") -> None:
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        _live_workers.add(driver)
-        if not _exit_hook_registered:
-            atexit.register(_stop_workers_at_exit)
-            _exit_hook_registered = True
+    """Stop ``driver``'s worker at interpreter exit, if it is still alive then."""
+    _live_workers.add(driver)
 
 
 __all__ = ["EXIT_JOIN_S", "watch_at_exit"]
