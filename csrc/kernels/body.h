@@ -400,6 +400,7 @@ struct TableCodec {
     }
     W::encode_q8(out, y, map);
   }
+  static constexpr bool kEncodesPairs = false;  // a lookup per vector: nothing to share
 };
 
 template <int M, bool kSigned>
@@ -411,6 +412,10 @@ struct Fp8Codec {
   W decode(const uint8_t* codes) const { return W::template decode_fp8<M, kSigned>(codes); }
   template <class W>
   void encode(uint8_t* out, W y) const { W::template encode_fp8<M, kSigned>(out, y); }
+  // 2 x W::kWidth codes at once, where W can (kHasFp8Pair): encode_row.
+  static constexpr bool kEncodesPairs = true;
+  template <class W>
+  void encode_pair(uint8_t* out, W y0, W y1) const { W::template encode_fp8_pair<M, kSigned>(out, y0, y1); }
 };
 using Fp8SignedCodec = Fp8Codec<kFp8SignedMantissaBits, true>;
 using Fp8UnsignedCodec = Fp8Codec<kFp8UnsignedMantissaBits, false>;
@@ -496,7 +501,14 @@ inline float block_scale(float absmax, float top, float& inv, bool& finite) {
 template <class W, class C>
 inline void encode_row(const float* row, uint8_t* codes, int64_t i0, int64_t i1, float inv, const C& codec) {
   const W winv = W::set1(inv);
-  for (int64_t i = i0; i < i1; i += W::kWidth) codec.template encode<W>(codes + i, W::load(row + (i - i0)) * winv);
+  int64_t i = i0;
+  if constexpr (C::kEncodesPairs && W::kHasFp8Pair) {
+    for (; i + 2 * W::kWidth <= i1; i += 2 * W::kWidth) {
+      codec.template encode_pair<W>(codes + i, W::load(row + (i - i0)) * winv,
+                                    W::load(row + (i - i0) + W::kWidth) * winv);
+    }
+  }
+  for (; i < i1; i += W::kWidth) codec.template encode<W>(codes + i, W::load(row + (i - i0)) * winv);
 }
 
 template <class V, class S, class C>

@@ -21,6 +21,7 @@ struct VecAvx2 {
   // counted, not run), and a scalar loop over the block measured within the drift of the
   // per-vector lookups (benchmarks/README.md, 2026-12-06).
   static constexpr bool kHasRowDecode = false;
+  static constexpr bool kHasFp8Pair = true;  // encode_fp8_pair: 2 x kWidth codes at once
   __m256 v;
 
   static VecAvx2 set1(float x) { return {_mm256_set1_ps(x)}; }
@@ -138,25 +139,47 @@ struct VecAvx2 {
     }
     return {_mm256_cvtph_ps(h)};
   }
+  // encode_fp8_one through the fp16 that holds the code, as in kernels_avx512.cpp (its
+  // fp8_f16_bits says why the rounding is exact); the sign goes into the fp32 first, when
+  // y < 0, so the fp16 carries it to bit 15. The pair form shifts, clamps and packs 16.
+  template <int M, bool kSigned>
+  static __m128i fp8_f16_bits(__m256 y) {
+    const __m256i a = _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i e = _mm256_max_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7F800000)),
+                                       _mm256_set1_epi32(113 << 23));
+    const __m256 c = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32((23 - M) << 23)));
+    __m256 r = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(a), c), c);
+    if (kSigned) {
+      const __m256 neg = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_LT_OQ);
+      r = _mm256_or_ps(r, _mm256_and_ps(neg, _mm256_set1_ps(-0.0f)));
+    }
+    return _mm256_cvtps_ph(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  // fp16 bits -> codes in 16-bit lanes: the magnitude shifted down and clamped, the sign to bit 7.
+  template <int M, bool kSigned>
+  static __m128i fp8_codes(__m128i h) {
+    if (!kSigned) return _mm_min_epu16(_mm_srli_epi16(h, 10 - M), _mm_set1_epi16(255));
+    const __m128i mag = _mm_min_epu16(_mm_srli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), 10 - M),
+                                      _mm_set1_epi16(127));
+    return _mm_or_si128(mag, _mm_and_si128(_mm_srli_epi16(h, 8), _mm_set1_epi16(0x80)));
+  }
+  template <int M, bool kSigned>
+  static __m256i fp8_codes(__m256i h) {
+    if (!kSigned) return _mm256_min_epu16(_mm256_srli_epi16(h, 10 - M), _mm256_set1_epi16(255));
+    const __m256i mag = _mm256_min_epu16(_mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), 10 - M),
+                                         _mm256_set1_epi16(127));
+    return _mm256_or_si256(mag, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80)));
+  }
   template <int M, bool kSigned>
   static void encode_fp8(uint8_t* out, VecAvx2 y) {
-    const __m256i bits = _mm256_and_si256(_mm256_castps_si256(y.v), _mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 23 - M), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32((1 << (22 - M)) - 1)), lsb);
-    const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 23 - M), _mm256_set1_epi32(112 << M));
-    // The subnormal products are below 2**M (< 2**31 for every lane), and cvtps rounds to
-    // nearest even under the default MXCSR mode, as rint does in the scalar definition.
-    const __m256i sub = _mm256_cvtps_epi32(
-        _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(static_cast<float>(1u << (14 + M)))));
-    const __m256i is_normal = _mm256_cmpgt_epi32(bits, _mm256_set1_epi32((113 << 23) - 1));
-    __m256i c = _mm256_blendv_epi8(sub, normal, is_normal);
-    c = _mm256_min_epi32(c, _mm256_set1_epi32(kSigned ? 127 : 255));
-    if (kSigned) {
-      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(y.v, _mm256_setzero_ps(), _CMP_LT_OQ));
-      c = _mm256_or_si256(c, _mm256_and_si256(neg, _mm256_set1_epi32(0x80)));
-    }
-    const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w16, w16));
+    const __m128i c = fp8_codes<M, kSigned>(fp8_f16_bits<M, kSigned>(y.v));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(c, c));
+  }
+  template <int M, bool kSigned>
+  static void encode_fp8_pair(uint8_t* out, VecAvx2 y0, VecAvx2 y1) {
+    const __m256i c = fp8_codes<M, kSigned>(_mm256_set_m128i(fp8_f16_bits<M, kSigned>(y1.v), fp8_f16_bits<M, kSigned>(y0.v)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_packus_epi16(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
   }
   static __m256i lowbias32(__m256i x) {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));

@@ -16,6 +16,7 @@ struct VecNeon {
   static constexpr int kWidth = 4;
   static constexpr bool kHasGather = false;  // decode_q8 / encode_q8 load lane by lane already
   static constexpr bool kHasRowDecode = false;  // body.h TableCodec::decode_row
+  static constexpr bool kHasFp8Pair = false;  // one code at a time (body.h encode_row)
   float32x4_t v;
 
   static VecNeon set1(float x) { return {vdupq_n_f32(x)}; }

@@ -170,6 +170,7 @@ struct VecScalar {
   static constexpr int kWidth = 1;
   static constexpr bool kHasGather = false;  // decode_q8 / encode_q8 load lane by lane already
   static constexpr bool kHasRowDecode = false;  // body.h TableCodec::decode_row
+  static constexpr bool kHasFp8Pair = false;  // one code at a time (body.h encode_row)
   float v;
 
   static VecScalar set1(float x) { return {x}; }
