@@ -19,7 +19,7 @@ from tierstate.placement.planner import choose
     (dict(moment_dtype="int8"), ValueError, r"moment_dtype='int8'.*'q8'"),
     (dict(moment_dtype=torch.float16), ValueError, r"moment_dtype=torch.float16"),
     (dict(master_dtype=torch.bfloat16, moment_dtype="q8"), ValueError, r"choose 'bf16_kahan'.*'bf16_sr'"),
-    (dict(master_dtype="bf16"), ValueError, r"master_dtype='bf16'.*'bf16_kahan' or 'bf16_sr'"),
+    (dict(master_dtype="bf8"), ValueError, r"master_dtype='bf8'.*'bf16_kahan' or 'bf16_sr'"),
     (dict(master_dtype="bf16_sr"), ValueError, r"add moment_dtype='q8'"),
     (dict(moment_dtype="q8", quant_block=100), ValueError, r"quant_block=100.*power of two in \[64, 4096\]"),
     (dict(moment_dtype="q8", quant_block=8192), ValueError, r"quant_block=8192"),
@@ -31,6 +31,22 @@ from tierstate.placement.planner import choose
 def test_offload_refuses_bad_compression_options(kwargs, error, match):
     with pytest.raises(error, match=match):
         ts.Offload(**kwargs)
+
+
+@pytest.mark.parametrize("spelling, dtype", [("fp32", torch.float32), ("float32", torch.float32),
+                                             ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16)])
+def test_dtype_names_as_the_cli_spells_them(spelling, dtype):
+    """``tierstate bench step --moment-dtype bf16 --master-dtype fp32`` spells dtypes as strings:
+    the same strings work in ``Offload``, stored as the torch dtype (so equal options compare
+    equal and the planner, the state dict and the checkpoints see one value)."""
+    o = ts.Offload(moment_dtype=spelling)
+    assert o.moment_dtype is dtype and o == ts.Offload(moment_dtype=dtype)
+    if dtype is torch.float32:
+        m = ts.Offload(moment_dtype="q8", master_dtype=spelling)
+        assert m.master_dtype is torch.float32 and m.master_mode == "fp32"
+    else:  # a plain bf16 master is refused with its reason, whichever way it is spelled
+        with pytest.raises(ValueError, match=rf"master_dtype='{spelling}'.*loses updates.*'bf16_kahan'"):
+            ts.Offload(moment_dtype="q8", master_dtype=spelling)
 
 
 def test_offload_compression_properties():

@@ -17,6 +17,8 @@ PathLike = Union[str, os.PathLike]
 
 OFFLOAD_MODES = ("cpu", "nvme", "auto")
 HOST_ALLOCATOR_POLICIES = ("retain", "system")
+# The dtype names the CLI takes (`--moment-dtype bf16`), accepted for the torch dtypes they name.
+DTYPE_SPELLINGS = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 def dtype_name(dtype) -> str:
@@ -65,11 +67,12 @@ class Offload:
             for a Llama-2-7B layer with bf16 moments, 1.75 GiB), so one block's state is read
             while the one before is updated.
         moment_dtype: how the Adam moments are stored: ``torch.float32``, ``torch.bfloat16``
+            (also spelled ``"fp32"``/``"float32"``, ``"bf16"``/``"bfloat16"``, as on the CLI)
             (saves 4 B/param of memory traffic and storage) or ``"q8"``: blockwise 8-bit codes
             with an fp32 scale per ``quant_block`` elements (2.03 B/param for both moments
             instead of 8; format and maps in ``docs/compressed_state.md``). ``"q8"`` is for
             ``ts.AdamW``/``ts.Adam`` without amsgrad, on the host and NVMe tiers.
-        master_dtype: how the master weight is stored: ``torch.float32``, ``"bf16_kahan"``
+        master_dtype: how the master weight is stored: ``torch.float32`` (or ``"fp32"``), ``"bf16_kahan"``
             (bf16 plus an int16 compensation term: the fp32 weight to 24 significant bits, 4
             B, and the stored master is a ready bf16 weight) or ``"bf16_sr"`` (bf16 with
             seeded stochastic rounding, 2 B). The 16-bit modes need ``moment_dtype="q8"``.
@@ -173,16 +176,22 @@ class Offload:
         object.__setattr__(self, "nvme_dirs", nvme_dirs_of(self.nvme_dir))
 
     def _check_compression(self) -> None:
+        # the strings the CLI takes (`--moment-dtype bf16`), stored as the torch dtype they name
+        for name in ("moment_dtype", "master_dtype"):
+            spelled = getattr(self, name)
+            dtype = DTYPE_SPELLINGS.get(spelled) if isinstance(spelled, str) else None
+            if dtype is not None and not (name == "master_dtype" and dtype is torch.bfloat16):
+                object.__setattr__(self, name, dtype)
         if not any(self.moment_dtype is d or self.moment_dtype == d for d in (torch.float32, torch.bfloat16, Q8)):
-            raise ValueError(f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32, torch.bfloat16 "
-                             "or 'q8' (blockwise 8-bit moments)")
-        if self.master_dtype == torch.bfloat16:
-            raise ValueError("Offload(master_dtype=torch.bfloat16): a plain bf16 master loses updates below its "
-                             "resolution; choose 'bf16_kahan' (bf16 + compensation, 4 B) or 'bf16_sr' (stochastic "
-                             "rounding, 2 B), or torch.float32")
+            raise ValueError(f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32 (or 'fp32'), "
+                             "torch.bfloat16 (or 'bf16') or 'q8' (blockwise 8-bit moments)")
+        if self.master_dtype == torch.bfloat16 or DTYPE_SPELLINGS.get(self.master_dtype) is torch.bfloat16:
+            raise ValueError(f"Offload(master_dtype={self.master_dtype!r}): a plain bf16 master loses updates below "
+                             "its resolution; choose 'bf16_kahan' (bf16 + compensation, 4 B) or 'bf16_sr' "
+                             "(stochastic rounding, 2 B), or torch.float32")
         if not (self.master_dtype == torch.float32 or self.master_dtype in MASTER_DTYPES[1:]):
-            raise ValueError(f"Offload(master_dtype={self.master_dtype!r}): must be torch.float32, 'bf16_kahan' "
-                             "or 'bf16_sr'")
+            raise ValueError(f"Offload(master_dtype={self.master_dtype!r}): must be torch.float32 (or 'fp32'), "
+                             "'bf16_kahan' or 'bf16_sr'")
         if self.master_dtype != torch.float32 and self.moment_dtype != Q8:
             raise ValueError(f"Offload(master_dtype={self.master_dtype!r}, moment_dtype={self.moment_dtype!r}): a "
                              "16-bit master runs in the fused 8-bit kernels only; add moment_dtype='q8'")
