@@ -10,6 +10,7 @@ namespace nb = nanobind;
 
 // ---- kernels section ------------------------------------------------------
 #include <cstdint>
+#include <stdexcept>
 
 #include "kernels/kernels.h"
 
@@ -38,6 +39,36 @@ static void bind_kernels(nb::module_& m) {
                        n, as_dtype(grad_dtype), as_dtype(moment_dtype), as_dtype(out_dtype), p);
       },
       "Adam/AdamW over n elements at raw addresses (see tierstate.kernels.adam_update).");
+
+  // One row of int64 per job: weight, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_out
+  // (addresses, 0 = absent), n, grad dtype, moment dtype, out dtype, and the index of its
+  // row in `params`; one row of 10 floats per distinct hyper-parameter set: lr, beta1,
+  // beta2, eps, weight_decay, decoupled, bias_correction1, bias_correction2, maximize,
+  // grad_scale. Flat lists: the engine builds them per step (tierstate.kernels.adam_update_many).
+  km.def(
+      "adam_update_many",
+      [as_dtype](const std::vector<int64_t>& jobs, const std::vector<double>& params) {
+        constexpr size_t kJob = 11, kParams = 10;
+        if (jobs.size() % kJob != 0 || params.size() % kParams != 0)
+          throw std::invalid_argument("adam_update_many: jobs must hold rows of 11 ints, params rows of 10 floats");
+        std::vector<k::AdamJob> out(jobs.size() / kJob);
+        const size_t n_params = params.size() / kParams;
+        for (size_t j = 0; j < out.size(); ++j) {
+          const int64_t* r = jobs.data() + j * kJob;
+          if (r[10] < 0 || static_cast<size_t>(r[10]) >= n_params)
+            throw std::invalid_argument("adam_update_many: a job names a params row that does not exist");
+          const double* q = params.data() + static_cast<size_t>(r[10]) * kParams;
+          out[j] = k::AdamJob{reinterpret_cast<float*>(r[0]), reinterpret_cast<const void*>(r[1]),
+                              reinterpret_cast<void*>(r[2]), reinterpret_cast<void*>(r[3]),
+                              reinterpret_cast<void*>(r[4]), reinterpret_cast<void*>(r[5]), r[6],
+                              as_dtype(static_cast<int>(r[7])), as_dtype(static_cast<int>(r[8])),
+                              as_dtype(static_cast<int>(r[9])),
+                              k::AdamParams{q[0], q[1], q[2], q[3], q[4], q[5] != 0.0, q[6], q[7], q[8] != 0.0, q[9]}};
+        }
+        nb::gil_scoped_release release;
+        k::adam_update_many(out.data(), static_cast<int64_t>(out.size()));
+      },
+      "adam_update over many buffers in one pass of the thread pool (see tierstate.kernels.adam_update_many).");
 
   km.def(
       "lion_update",

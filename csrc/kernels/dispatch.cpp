@@ -88,14 +88,19 @@ int64_t update_task_elements(int64_t n) {
   return std::min(kMaxTaskElements, std::max(kMinTaskElements, rounded));
 }
 
-// Chunks align to weight_out's lines when there is one, so that its streaming stores
-// (see body.h) are aligned in every chunk; else to the weight's.
+// The chunks of one update task. They align to weight_out's lines when there is one, so
+// that its streaming stores (see body.h) are aligned in every chunk; else to the weight's.
+template <class Task>
+ChunkPlan update_plan(const Task& task, int64_t n) {
+  const int64_t chunk = update_task_elements(n);
+  return task.weight_out != nullptr ? plan_chunks(task.weight_out, n, 2, chunk)
+                                    : plan_chunks(task.weight, n, sizeof(float), chunk);
+}
+
 template <class Task>
 void run_chunked(const Task& task, int64_t n, void (*kernel)(const Task&, int64_t, int64_t)) {
   if (n <= 0) return;
-  const int64_t chunk = update_task_elements(n);
-  const ChunkPlan plan = task.weight_out != nullptr ? plan_chunks(task.weight_out, n, 2, chunk)
-                                                    : plan_chunks(task.weight, n, sizeof(float), chunk);
+  const ChunkPlan plan = update_plan(task, n);
   auto body = [&](int64_t i) { kernel(task, plan.begin(i), plan.end(i)); };
   ThreadPool::instance().parallel_for(plan.n_tasks, body);
 }
@@ -133,9 +138,11 @@ void set_common(Task& t, float* weight, const void* grad, void* weight_out, DTyp
 
 }  // namespace
 
-void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq,
-                 void* max_exp_avg_sq, void* weight_out, int64_t n, DType grad_dtype,
-                 DType moment_dtype, DType out_dtype, const AdamParams& p) {
+namespace {
+
+AdamTask adam_task(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq, void* max_exp_avg_sq,
+                   void* weight_out, int64_t n, DType grad_dtype, DType moment_dtype, DType out_dtype,
+                   const AdamParams& p) {
   check_common(weight, grad, n, grad_dtype, moment_dtype, out_dtype);
   if (n > 0 && (exp_avg == nullptr || exp_avg_sq == nullptr))
     throw std::invalid_argument("exp_avg and exp_avg_sq must be non-null");
@@ -154,7 +161,39 @@ void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_s
   const double bc2_sqrt = std::sqrt(p.bias_correction2);
   t.neg_step_size_bc2 = static_cast<float>(-(p.lr / p.bias_correction1) * bc2_sqrt);
   t.eps_bc2 = static_cast<float>(p.eps * bc2_sqrt);
+  return t;
+}
+
+}  // namespace
+
+void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq,
+                 void* max_exp_avg_sq, void* weight_out, int64_t n, DType grad_dtype,
+                 DType moment_dtype, DType out_dtype, const AdamParams& p) {
+  const AdamTask t = adam_task(weight, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_out, n, grad_dtype,
+                               moment_dtype, out_dtype, p);
   run_chunked(t, n, table().adam);
+}
+
+void adam_update_many(const AdamJob* jobs, int64_t count) {
+  if (count < 0) throw std::invalid_argument("count must be >= 0");
+  std::vector<AdamTask> tasks;
+  std::vector<ChunkPlan> plans;
+  std::vector<std::pair<int64_t, int64_t>> units;  // (job, chunk of that job)
+  tasks.reserve(static_cast<size_t>(count));
+  plans.reserve(static_cast<size_t>(count));
+  for (int64_t j = 0; j < count; ++j) {  // every job is checked before any is run
+    const AdamJob& b = jobs[j];
+    tasks.push_back(adam_task(b.weight, b.grad, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, b.weight_out, b.n,
+                              b.grad_dtype, b.moment_dtype, b.out_dtype, b.p));
+    plans.push_back(b.n > 0 ? update_plan(tasks.back(), b.n) : ChunkPlan{0, 0, 0, 1});
+    for (int64_t c = 0; c < plans.back().n_tasks; ++c) units.emplace_back(j, c);
+  }
+  const auto kernel = table().adam;
+  auto body = [&](int64_t i) {
+    const auto [j, c] = units[static_cast<size_t>(i)];
+    kernel(tasks[static_cast<size_t>(j)], plans[static_cast<size_t>(j)].begin(c), plans[static_cast<size_t>(j)].end(c));
+  };
+  ThreadPool::instance().parallel_for(static_cast<int64_t>(units.size()), body);
 }
 
 void lion_update(float* weight, const void* grad, void* exp_avg, void* weight_out, int64_t n,

@@ -51,6 +51,23 @@ void adam_update(float* weight, const void* grad, void* exp_avg, void* exp_avg_s
                  void* max_exp_avg_sq, void* weight_out, int64_t n, DType grad_dtype,
                  DType moment_dtype, DType out_dtype, const AdamParams& p);
 
+// One adam_update per job, all in one parallel pass of the thread pool: a model of many
+// small tensors pays one dispatch per step instead of one per tensor (each job's chunks
+// are those adam_update would cut, so every element is updated exactly as there). Jobs
+// must not overlap one another's writes.
+struct AdamJob {
+  float* weight;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;
+  void* weight_out;
+  int64_t n;
+  DType grad_dtype, moment_dtype, out_dtype;
+  AdamParams p;
+};
+void adam_update_many(const AdamJob* jobs, int64_t count);
+
 void lion_update(float* weight, const void* grad, void* exp_avg, void* weight_out, int64_t n,
                  DType grad_dtype, DType moment_dtype, DType out_dtype, const LionParams& p);
 

@@ -225,16 +225,25 @@ class AdamRule(UpdateRule):
         specs = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
         return specs + ((StateSpec("max_exp_avg_sq"),) if group["amsgrad"] else ())
 
-    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
+    def _hyper(self, group, step, grad_scale) -> dict:
         beta1, beta2 = (_as_float(b) for b in group["betas"])
-        ops.adam_update(
-            weight, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), weight_out,
-            lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=_as_float(group["eps"]),
-            weight_decay=_as_float(group["weight_decay"]), decoupled=self.is_decoupled(group),
-            # float64 bias corrections, as torch's single-tensor and fused paths compute them
-            bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
-            maximize=bool(group["maximize"]), grad_scale=grad_scale,
-        )
+        return dict(lr=_as_float(group["lr"]), beta1=beta1, beta2=beta2, eps=_as_float(group["eps"]),
+                    weight_decay=_as_float(group["weight_decay"]), decoupled=self.is_decoupled(group),
+                    # float64 bias corrections, as torch's single-tensor and fused paths compute them
+                    bias_correction1=1 - beta1**step, bias_correction2=1 - beta2**step,
+                    maximize=bool(group["maximize"]), grad_scale=grad_scale)
+
+    def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
+        ops.adam_update(weight, grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"), weight_out,
+                        **self._hyper(group, step, grad_scale))
+
+    def batch_params(self, group, step, grad_scale) -> list[float]:
+        """The hyper-parameter row of :func:`tierstate.kernels.adam_update_many` for a piece
+        ``update`` would update with these arguments (the same floats)."""
+        h = self._hyper(group, step, grad_scale)
+        return [float(h["lr"]), float(h["beta1"]), float(h["beta2"]), float(h["eps"]), float(h["weight_decay"]),
+                float(bool(h["decoupled"])), float(h["bias_correction1"]), float(h["bias_correction2"]),
+                float(h["maximize"]), float(h["grad_scale"])]
 
     def update_q8(self, *, state, grad, weight_out, group, step, grad_scale, config, seed, index_offset,
                   reference_path: bool = False):

@@ -150,7 +150,7 @@ def test_parity_with_torch(case: str, placement: str, tmp_path) -> None:
 def test_reference_kernels_are_bit_identical_to_torch(case: str, monkeypatch) -> None:
     """The pure-torch reference replays torch's single-tensor arithmetic op by op."""
     from tierstate.kernels import reference
-    for name in ("adam_update", "lion_update", "sgd_update", "adagrad_update", "grad_sumsq"):
+    for name in ("adam_update", "adam_update_many", "lion_update", "sgd_update", "adagrad_update", "grad_sumsq"):
         monkeypatch.setattr(kernels, name, getattr(reference, name))
     ts_cls, torch_cls, kw, second = CASES[case]
     net_ours, net_ref = make_net(), make_net()

@@ -27,6 +27,7 @@ from .ops import (
     adagrad_update,
     adam_q8_update,
     adam_update,
+    adam_update_many,
     dequantize_blockwise,
     grad_sumsq,
     lion_update,
@@ -36,6 +37,7 @@ from .ops import (
 
 __all__ = [
     "adam_update",
+    "adam_update_many",
     "lion_update",
     "sgd_update",
     "adagrad_update",

@@ -134,6 +134,40 @@ def adam_update(
     )
 
 
+ADAM_JOB_FIELDS = 11    # adam_update_many: ints per job
+ADAM_PARAM_FIELDS = 10  # floats per hyper-parameter row
+
+
+def adam_update_many(jobs: list[int], params: list[float]) -> bool:
+    """Many :func:`adam_update` calls in one native call and one pass of the thread pool, or
+    nothing (False) where the native kernels do not run (the caller then makes the calls one
+    by one, through the reference).
+
+    The step engine's face for models of many tensors, where a call per tensor cost more than
+    its update (``benchmarks/many_tensors.py``). It takes raw addresses, so it checks no tensor:
+    the caller builds ``jobs`` from tensors it has already checked and holds during the call.
+    ``jobs``: per update, ``[weight, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (0: none),
+    weight_out (0: none), n, grad dtype code, moment dtype code, out dtype code, row of params]``;
+    ``params``: per hyper-parameter set, ``[lr, beta1, beta2, eps, weight_decay, decoupled,
+    bias_correction1, bias_correction2, maximize, grad_scale]`` (flags as 0.0 / 1.0). The
+    updates are those of :func:`adam_update` bit for bit; they must not overlap.
+    """
+    if len(jobs) % ADAM_JOB_FIELDS or len(params) % ADAM_PARAM_FIELDS:
+        raise ValueError(f"adam_update_many: jobs holds {len(jobs)} ints and params {len(params)} floats; "
+                         f"rows are {ADAM_JOB_FIELDS} ints and {ADAM_PARAM_FIELDS} floats")
+    kernels = native_kernels()
+    if kernels is None:
+        return False
+    if jobs:
+        kernels.adam_update_many(jobs, params)
+    return True
+
+
+# The dtype codes of adam_update_many's jobs: a gradient (fp32/bf16/fp16), the moments
+# (fp32/bf16), the rounded weight (bf16/fp16, or NO_OUT).
+GRAD_DTYPE_CODES, MOMENT_DTYPE_CODES, OUT_DTYPE_CODES, NO_OUT = _GRAD_DTYPES, _MOMENT_DTYPES, _OUT_DTYPES, _NONE
+
+
 def lion_update(
     weight: Tensor,
     grad: Tensor,

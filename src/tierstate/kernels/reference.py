@@ -48,6 +48,12 @@ def _write_out(weight: Tensor, weight_out: Tensor | None) -> None:
         weight_out.copy_(weight)
 
 
+def adam_update_many(jobs: list[int], params: list[float]) -> bool:
+    """The batched face takes raw addresses, which the reference cannot read: it declines
+    (False), and the caller makes the same updates one by one through :func:`adam_update`."""
+    return False
+
+
 def adam_update(
     weight: Tensor,
     grad: Tensor,

@@ -188,10 +188,12 @@ class StepEngine:
         self.parts.grads.reset(set_to_none)
 
     # -- the step ------------------------------------------------------------------------------
-    def prepare(self, s: Slot, grad: Tensor | None) -> bool:
+    def prepare(self, s: Slot, grad: Tensor | None, traffic: HostTraffic | None = None) -> bool:
         """Make a parameter ready for its update (state, master, step count); True if its state is new.
 
         ``grad``: the part of its gradient the host kernels read (None: it is wholly on the device).
+        ``traffic``: where to add the bytes the update will move (booked by the caller once for
+        many parameters); without it they go to the telemetry at once.
         """
         fresh = not s.has_state
         if fresh:
@@ -200,14 +202,15 @@ class StepEngine:
         s.life = StateLife.LIVE
         s.step += 1
         if grad is not None:
-            read, written = self._kernel_traffic(s, grad)
-            self.telemetry.add_bytes("host", "read", read)
-            self.telemetry.add_bytes("host", "write", written)
+            book = traffic if traffic is not None else HostTraffic()
+            book.add(self._kernel_traffic(s, grad, book.per_element))
+            if traffic is None:
+                book.report(self.telemetry)
         return fresh
 
     def host_executor(self, grads: dict, fresh: set, grad_scale: float, lane: str | None = None) -> HostExecutor:
         return HostExecutor(self.store, self.rule, self.groups, grads, fresh, grad_scale,
-                            self.parts.weights.out_view, self.telemetry, lane=lane)
+                            self.parts.weights.out_view, self.telemetry, lane=lane, resident=self.parts.weights.resident)
 
     def work(self, grads_by_place, skip: set[int] = frozenset()) -> list[tuple]:
         """(sub-group, its segments with a gradient) for every sub-group not in ``skip``, in layout
@@ -296,12 +299,14 @@ class StepEngine:
     def _run(self, active: list, host_grads: dict, device_grads: dict, decision: Decision) -> StepResult:
         grads: dict[int, Tensor] = {}
         fresh: set[int] = set()
+        traffic = HostTraffic()
         for s, g in active:
             host = host_grads.get(s.trainable)
-            if self.prepare(s, None if host is None else host[0][host[1]:]):
+            if self.prepare(s, None if host is None else host[0][host[1]:], traffic):
                 fresh.add(s.trainable)
             if host is not None:
                 grads[s.trainable] = host[0]
+        traffic.report(self.telemetry)
         host_exec = self.host_executor(grads, fresh, decision.grad_scale)
         device_exec = DeviceExecutor(self.store, self.rule, self.groups, device_grads, fresh,
                                      decision.device_grad_scale, self.telemetry) if device_grads else None
@@ -337,14 +342,39 @@ class StepEngine:
         """Page-locked host memory held (arenas, gradient arena, staging, I/O pools)."""
         return self.store.pinned_nbytes + self.parts.grads.pinned_nbytes + self.parts.weights.pinned_nbytes
 
-    def _kernel_traffic(self, s: Slot, grad: Tensor) -> tuple[int, int]:
-        """Host-memory bytes the update of (the host part of) one parameter reads and writes (one fused pass)."""
+    def _kernel_traffic(self, s: Slot, grad: Tensor, per_element: dict | None = None) -> tuple[int, int]:
+        """Host-memory bytes the update of (the host part of) one parameter reads and writes (one
+        fused pass). ``per_element``: the stored bytes per element already looked up in this
+        step, by (group, needs_master), which is all they depend on while a step runs."""
         n = grad.numel()
-        state, master = self.store.bytes_per_element(s)  # a block's scale counts 4 / block
+        key = (s.group, s.needs_master)
+        found = per_element.get(key) if per_element is not None else None
+        state, master = found or self.store.bytes_per_element(s)  # a block's scale counts 4 / block
+        if per_element is not None and found is None:
+            per_element[key] = (state, master)
         # the stored master, or the parameter itself (its own master; a bf16 one keeps its compensation)
         weight = master if s.needs_master else s.local.element_size() + master
         out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
         return round(n * (grad.element_size() + state + weight)), round(n * (state + weight + out))
 
 
-__all__ = ["StepCounters", "StepEngine", "StepPolicy", "StepResult"]
+class HostTraffic:
+    """The host-memory bytes of a step's updates, added up and booked once (``prepare``)."""
+
+    def __init__(self) -> None:
+        self.read = self.written = 0
+        self.updates = 0
+        self.per_element: dict = {}  # (group, needs_master) -> the store's bytes per element
+
+    def add(self, read_written: tuple[int, int]) -> None:
+        self.read += read_written[0]
+        self.written += read_written[1]
+        self.updates += 1
+
+    def report(self, telemetry) -> None:
+        if self.updates:  # no host update: nothing booked, as before there were any
+            telemetry.add_bytes("host", "read", self.read)
+            telemetry.add_bytes("host", "write", self.written)
+
+
+__all__ = ["HostTraffic", "StepCounters", "StepEngine", "StepPolicy", "StepResult"]

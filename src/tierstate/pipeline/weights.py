@@ -55,6 +55,11 @@ class WeightsOut:
             return resident_values(s, write)
         return handle.for_update() if write else handle.for_reading()
 
+    def resident(self, s: Slot) -> bool:
+        """``values_of(s, ...)`` is the parameter itself (its weights do not stream): nothing to
+        lend or write back around an update."""
+        return (self.streamed.get(s.trainable) if s.trainable is not None else weights_of(s.param)) is None
+
     def out_view(self, s: Slot, first: int, end: int, values: Tensor) -> Tensor | None:
         """Where the kernels write the rounded weight of elements ``[first, end)`` of a
         parameter with a master: the parameter's values (``values``: itself on the CPU, its
