@@ -157,13 +157,6 @@ struct VecAvx2 {
   }
   // fp16 bits -> codes in 16-bit lanes: the magnitude shifted down and clamped, the sign to bit 7.
   template <int M, bool kSigned>
-  static __m128i fp8_codes(__m128i h) {
-    if (!kSigned) return _mm_min_epu16(_mm_srli_epi16(h, 10 - M), _mm_set1_epi16(255));
-    const __m128i mag = _mm_min_epu16(_mm_srli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), 10 - M),
-                                      _mm_set1_epi16(127));
-    return _mm_or_si128(mag, _mm_and_si128(_mm_srli_epi16(h, 8), _mm_set1_epi16(0x80)));
-  }
-  template <int M, bool kSigned>
   static __m256i fp8_codes(__m256i h) {
     if (!kSigned) return _mm256_min_epu16(_mm256_srli_epi16(h, 10 - M), _mm256_set1_epi16(255));
     const __m256i mag = _mm256_min_epu16(_mm256_srli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)), 10 - M),
@@ -171,8 +164,9 @@ struct VecAvx2 {
     return _mm256_or_si256(mag, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80)));
   }
   template <int M, bool kSigned>
-  static void encode_fp8(uint8_t* out, VecAvx2 y) {
-    const __m128i c = fp8_codes<M, kSigned>(fp8_f16_bits<M, kSigned>(y.v));
+  static void encode_fp8(uint8_t* out, VecAvx2 y) {  // the pair's arithmetic on one half
+    const __m128i c = _mm256_castsi256_si128(
+        fp8_codes<M, kSigned>(_mm256_set_m128i(_mm_setzero_si128(), fp8_f16_bits<M, kSigned>(y.v))));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(c, c));
   }
   template <int M, bool kSigned>
