@@ -124,8 +124,8 @@ class HostExecutor:
             grad = self.grads[seg.param_index]
             grad_code = GRAD_DTYPE_CODES.get(grad.dtype)
             local = s.local
-            if (s.pending_pieces or grad_code is None or grad.device.type != "cpu" or not grad.is_contiguous()
-                    or not self.resident(s)):
+            if (s.pending_pieces or grad_code is None or grad.device.type != "cpu" or grad.dim() != 1
+                    or not grad.is_contiguous() or not self.resident(s)):
                 rest.append(seg)
                 continue
             lo, plo, n = seg.subgroup_offset, seg.param_offset, seg.numel
