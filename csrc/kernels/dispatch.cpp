@@ -136,10 +136,6 @@ void set_common(Task& t, float* weight, const void* grad, void* weight_out, DTyp
   t.grad_mul = grad_multiplier(grad_scale, maximize);
 }
 
-}  // namespace
-
-namespace {
-
 AdamTask adam_task(float* weight, const void* grad, void* exp_avg, void* exp_avg_sq, void* max_exp_avg_sq,
                    void* weight_out, int64_t n, DType grad_dtype, DType moment_dtype, DType out_dtype,
                    const AdamParams& p) {
