@@ -180,19 +180,16 @@ def _params(n: int, per: int, dtype: torch.dtype, seed: int) -> list[torch.nn.Pa
 _BASE_BYTES = 512 << 20
 
 
-def _dtypes(args: argparse.Namespace) -> tuple[torch.dtype, "torch.dtype | str"]:
-    """(parameter dtype, moment dtype: a torch dtype or "q8") from ``--dtype`` and ``--moment-dtype``."""
-    named = {"fp32": torch.float32, "bf16": torch.bfloat16, "q8": "q8"}
-    return named[args.dtype], named[args.moment_dtype]
+def _param_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The parameters' dtype from ``--dtype``."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
 
 def _moment_offload(args: argparse.Namespace) -> dict:
-    """The Offload keyword arguments of the moments' format."""
-    _, moment = _dtypes(args)
-    if moment != "q8":
-        return dict(moment_dtype=moment)
-    master = torch.float32 if args.master_dtype == "fp32" else args.master_dtype
-    return dict(moment_dtype=moment, quant_map=args.quant_map, master_dtype=master)
+    """The Offload keyword arguments of the moments' format (the options' names are Offload's spellings)."""
+    if args.moment_dtype != "q8":
+        return dict(moment_dtype=args.moment_dtype)
+    return dict(moment_dtype="q8", quant_map=args.quant_map, master_dtype=args.master_dtype)
 
 
 def _state_table(args: argparse.Namespace) -> dict[str, float]:
@@ -200,7 +197,7 @@ def _state_table(args: argparse.Namespace) -> dict[str, float]:
     from ..placement.defaults import is_own_master, state_bytes_per_element
     from ..placement.offload import dtype_name
 
-    dtype, _ = _dtypes(args)
+    dtype = _param_dtype(args)
     master = args.master_dtype if args.moment_dtype == "q8" else "fp32"
     return state_bytes_per_element(args.moment_dtype, master, needs_master=not is_own_master(dtype_name(dtype), master))
 
@@ -226,7 +223,7 @@ def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
     """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
     optimizer's state (moments, and a master where the parameters are not their own), the
     NVMe tier's pool (records of the same state), and the interpreter's own."""
-    dtype, _ = _dtypes(args)
+    dtype = _param_dtype(args)
     state = sum(_state_table(args).values())
     record = args.subgroup_numel * state
     return int(params * (4 * dtype.itemsize + state) + default_pool_records(args) * record + _BASE_BYTES)
@@ -274,7 +271,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
     from ..kernels import backend_info
     from ..placement import default_nvme_root
 
-    dtype, _ = _dtypes(args)
+    dtype = _param_dtype(args)
     root = Path(args.nvme_dir) if args.nvme_dir else default_nvme_root()
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-step-", dir=root))

@@ -116,10 +116,8 @@ def offload_from_plan(plan) -> Offload:
     p, req = plan.placement, plan.request
     compression = {}
     if req.moment_dtype != "fp32" or req.master_dtype != "fp32":  # the request's state format, kept
-        import torch  # noqa: PLC0415 - only where the plan asks for another state format
-
-        compression = dict(moment_dtype={"bf16": torch.bfloat16, "q8": "q8"}[req.moment_dtype],
-                           master_dtype=torch.float32 if req.master_dtype == "fp32" else req.master_dtype,
+        # the request's names ("bf16", "q8", "fp32", "bf16_kahan", ...) are Offload's own spellings
+        compression = dict(moment_dtype=req.moment_dtype, master_dtype=req.master_dtype,
                            quant_block=req.quant_block, **({"quant_map": req.quant_map}
                                                            if req.moment_dtype == "q8" else {}))
     if p.nvme == 0 and p.gpu == 0:

@@ -67,11 +67,11 @@ class Offload:
             for a Llama-2-7B layer with bf16 moments, 1.75 GiB), so one block's state is read
             while the one before is updated.
         moment_dtype: how the Adam moments are stored: ``torch.float32``, ``torch.bfloat16``
-            (also spelled ``"fp32"``/``"float32"``, ``"bf16"``/``"bfloat16"``, as on the CLI)
             (saves 4 B/param of memory traffic and storage) or ``"q8"``: blockwise 8-bit codes
             with an fp32 scale per ``quant_block`` elements (2.03 B/param for both moments
             instead of 8; format and maps in ``docs/compressed_state.md``). ``"q8"`` is for
-            ``ts.AdamW``/``ts.Adam`` without amsgrad, on the host and NVMe tiers.
+            ``ts.AdamW``/``ts.Adam`` without amsgrad, on the host and NVMe tiers. The torch
+            dtypes may be spelled as on the CLI: ``"fp32"``/``"float32"``, ``"bf16"``/``"bfloat16"``.
         master_dtype: how the master weight is stored: ``torch.float32`` (or ``"fp32"``), ``"bf16_kahan"``
             (bf16 plus an int16 compensation term: the fp32 weight to 24 significant bits, 4
             B, and the stored master is a ready bf16 weight) or ``"bf16_sr"`` (bf16 with
@@ -165,6 +165,12 @@ class Offload:
             raise ValueError(f"Offload(buffer_count={self.buffer_count!r}): must be an int >= 2, or None for the "
                              f"default ({DEFAULT_BUFFER_COUNT} records of fp32 state, more of compressed state "
                              f"and for weights streamed per block)")
+        # the strings the CLI takes (`--moment-dtype bf16`), stored as the torch dtype they name
+        for name in ("moment_dtype", "master_dtype"):
+            spelled = getattr(self, name)
+            dtype = DTYPE_SPELLINGS.get(spelled) if isinstance(spelled, str) else None
+            if dtype is not None and not (name == "master_dtype" and dtype is torch.bfloat16):
+                object.__setattr__(self, name, dtype)
         self._check_compression()
         for name in ("pin_memory", "keep_device_grads") + (("grad_streaming",) if self.grad_streaming is not None else ()):
             if not isinstance(getattr(self, name), bool):
@@ -176,12 +182,6 @@ class Offload:
         object.__setattr__(self, "nvme_dirs", nvme_dirs_of(self.nvme_dir))
 
     def _check_compression(self) -> None:
-        # the strings the CLI takes (`--moment-dtype bf16`), stored as the torch dtype they name
-        for name in ("moment_dtype", "master_dtype"):
-            spelled = getattr(self, name)
-            dtype = DTYPE_SPELLINGS.get(spelled) if isinstance(spelled, str) else None
-            if dtype is not None and not (name == "master_dtype" and dtype is torch.bfloat16):
-                object.__setattr__(self, name, dtype)
         if not any(self.moment_dtype is d or self.moment_dtype == d for d in (torch.float32, torch.bfloat16, Q8)):
             raise ValueError(f"Offload(moment_dtype={self.moment_dtype!r}): must be torch.float32 (or 'fp32'), "
                              "torch.bfloat16 (or 'bf16') or 'q8' (blockwise 8-bit moments)")
