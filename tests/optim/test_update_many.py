@@ -15,6 +15,7 @@ import torch
 
 import tierstate as ts
 import tierstate.kernels as K
+from test_step_in_backward import assert_same_state
 from tierstate.kernels import reference
 
 pytestmark = pytest.mark.skipif(K.current_isa() == "reference", reason="needs the native kernels")
@@ -73,12 +74,8 @@ def test_batched_updates_are_the_one_by_one_updates(dtype, place, tmp_path, monk
 
     for i, (a, b) in enumerate(zip(batched_params, single_params)):
         assert torch.equal(a, b), f"parameter {i}"
-    sa, sb = batched.state_dict()["state"], single.state_dict()["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        assert sa[i].keys() == sb[i].keys()
-        for key in sa[i]:
-            assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
-    assert sa[7]["step"] == 4 and sa[0]["step"] == 8
+    assert_same_state(batched, single)
+    state = batched.state_dict()["state"]
+    assert state[7]["step"] == 4 and state[0]["step"] == 8
     batched.close()
     single.close()
