@@ -32,6 +32,11 @@ the rest are read from disk for every generated token:
                        is reported beside the comparison, not as it, with the disk floor of
                        its own bytes. Not in the default modes
 ``tierstate_int4``     the same with ``compress="int4"``: about 0.28x the bytes of bf16
+``tierstate_lossless`` ``tierstate`` with ``compress="lossless"``: the offloaded layers'
+                       bf16 matrices stored with their exponents in 4 bits, about 0.75x the
+                       bytes read per token, decoded to the same bits: the same model, so
+                       its tokens must be Accelerate's (``same_tokens``); with the disk floor
+                       of its own bytes beside the one of the bf16 bytes
 =====================  ===================================================================
 
 Each run is a process of its own (this file with ``--worker``); the modes alternate over
@@ -59,8 +64,8 @@ from pathlib import Path
 from tierstate.bench.e2e import modes_option  # the --modes check of bench e2e
 
 
-MODES = ("tierstate", "accelerate_cold", "accelerate_warm", "tierstate_int8", "tierstate_int4")
-COMPRESSED = {"tierstate_int8": "int8", "tierstate_int4": "int4"}
+MODES = ("tierstate", "accelerate_cold", "accelerate_warm", "tierstate_int8", "tierstate_int4", "tierstate_lossless")
+COMPRESSED = {"tierstate_int8": "int8", "tierstate_int4": "int4", "tierstate_lossless": "lossless"}
 
 
 def _config(args):
@@ -245,7 +250,7 @@ def main(argv=None) -> int:
     m = summary["modes"]
     if "tierstate" in m:
         for other in modes:
-            if other != "tierstate":
+            if other != "tierstate" and other != "tierstate_lossless":
                 m[other]["tierstate_speedup"] = m["tierstate"]["tokens_per_s_median"] / m[other]["tokens_per_s_median"]
                 m[other]["same_tokens"] = m[other]["tokens_sha1"] == m["tierstate"]["tokens_sha1"]
     for mode in COMPRESSED:
@@ -257,6 +262,7 @@ def main(argv=None) -> int:
         if "accelerate_cold" in m:
             m[mode]["speedup_over_accelerate_cold"] = (m[mode]["tokens_per_s_median"]
                                                        / m["accelerate_cold"]["tokens_per_s_median"])
+            m[mode]["same_tokens_as_accelerate_cold"] = m[mode]["tokens_sha1"] == m["accelerate_cold"]["tokens_sha1"]
     summary["runs"] = runs
     text = json.dumps(summary, indent=2)
     if args.json:

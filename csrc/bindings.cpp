@@ -180,6 +180,17 @@ static void bind_kernels(nb::module_& m) {
       },
       "Group-wise int8 / int4 weight codes times their fp32 scales (see tierstate.generate.compress).");
 
+  km.def(
+      "decode_exp4_bf16",
+      [](ptr sign_mantissa, ptr codes, uint32_t base, ptr out, int64_t n, ptr escape_index, ptr escape_exponent,
+         int64_t escapes) {
+        nb::gil_scoped_release release;
+        k::decode_exp4_bf16(reinterpret_cast<const uint8_t*>(sign_mantissa), reinterpret_cast<const uint8_t*>(codes),
+                            base, reinterpret_cast<uint16_t*>(out), n, reinterpret_cast<const uint32_t*>(escape_index),
+                            reinterpret_cast<const uint8_t*>(escape_exponent), escapes);
+      },
+      "bf16 values from sign+mantissa bytes and 4-bit exponent codes (see tierstate.generate.lossless).");
+
   km.def("available_isas", &k::available_isas, "ISA variants this CPU and build can run, widest first.");
   km.def("current_isa", &k::current_isa, "The ISA variant the kernels use now.");
   km.def("set_isa", &k::set_isa, nb::arg("name"),

@@ -450,6 +450,33 @@ void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int6
   ThreadPool::instance().parallel_for(n_tasks, body);
 }
 
+// Tasks of 64 Ki values (1,024 blocks): 96 KiB in, 128 KiB out, so a 51.4M-value layer
+// makes ~785 tasks that the threads share evenly. The escapes (~1.5e-4 of the values of a
+// normally distributed matrix) are patched by the caller's thread after the decode.
+void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
+                      int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (escapes < 0) throw std::invalid_argument("escapes must be >= 0");
+  if (base > 255) throw std::invalid_argument("base must be an exponent byte (0-255)");
+  if (n == 0) return;
+  if (sign_mantissa == nullptr || codes == nullptr || out == nullptr)
+    throw std::invalid_argument("sign_mantissa, codes and out must be non-null");
+  if (escapes > 0 && (escape_index == nullptr || escape_exponent == nullptr))
+    throw std::invalid_argument("escape_index and escape_exponent must be non-null when escapes > 0");
+  for (int64_t k = 0; k < escapes; ++k)  // before any write: a bad index leaves out untouched
+    if (static_cast<int64_t>(escape_index[k]) >= n) throw std::invalid_argument("an escape index is >= n");
+  const Exp4Task t{sign_mantissa, codes, out, n, base};
+  constexpr int64_t chunk = int64_t{1} << 16;
+  const int64_t n_tasks = (n + chunk - 1) / chunk;
+  const auto kernel = table().decode_exp4;
+  auto body = [&](int64_t i) { kernel(t, i * chunk, std::min(n, (i + 1) * chunk)); };
+  ThreadPool::instance().parallel_for(n_tasks, body);
+  for (int64_t k = 0; k < escapes; ++k) {
+    uint16_t& v = out[escape_index[k]];
+    v = static_cast<uint16_t>((v & 0x807Fu) | (static_cast<uint32_t>(escape_exponent[k]) << 7));
+  }
+}
+
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
   for (const Variant& v : variants())

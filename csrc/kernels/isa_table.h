@@ -136,6 +136,19 @@ struct GroupDequantTask {
   bool int4;
 };
 
+// bf16 weights with 4-bit exponent codes (tierstate/generate/lossless.py), decoded to bf16
+// bits. Per block of 64 values: 64 bytes of sign and mantissa (sign in bit 7, mantissa in
+// bits 0-6) and 32 code bytes (byte j: value j's code in its low nibble, value j + 32's in
+// its high one; a last, partial block keeps that layout). Exponent = (base + code) & 0xFF;
+// code 15 marks an escape whose exponent dispatch.cpp patches in afterwards.
+struct Exp4Task {
+  const uint8_t* sign_mantissa;
+  const uint8_t* codes;
+  uint16_t* out;
+  int64_t n;
+  uint32_t base;
+};
+
 // Each entry processes elements [begin, end) of its task: a vector loop over the
 // widest multiple of the vector width, then the same body over a 1-wide type.
 struct KernelTable {
@@ -151,6 +164,8 @@ struct KernelTable {
   void (*dequantize)(const QuantTask&, int64_t begin, int64_t end);
   // [begin, end) on group boundaries.
   void (*dequantize_groups)(const GroupDequantTask&, int64_t begin, int64_t end);
+  // [begin, end) with begin on a 64-value block boundary.
+  void (*decode_exp4)(const Exp4Task&, int64_t begin, int64_t end);
   bool has_gather;  // the table maps can look up by gather (QuantTask::table_gather)
   bool has_row_decode;  // the table maps can decode a block at once (QuantTask::table_rows), given the CPU's VBMI
 };

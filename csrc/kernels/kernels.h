@@ -163,6 +163,14 @@ void dequantize_blockwise(const uint8_t* codes, const float* scale, float* out, 
 void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int64_t n, int64_t group,
                        int bits, DType out_dtype);
 
+// n bf16 values stored as sign+mantissa bytes and 4-bit exponent codes
+// (tierstate/generate/lossless.py; layout in isa_table.h Exp4Task) written to out as bf16
+// bits: exponent (base + code) & 0xFF, then the `escapes` values whose code is 15 get
+// their exponent bytes: out[escape_index[k]] takes escape_exponent[k]. Indices must be
+// < n; they are checked.
+void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
+                      int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes);
+
 // ---- ISA selection and threads ----
 // Variants, widest first: "avx512_bf16" (AVX-512 with native bf16 rounding),
 // "avx512", "avx2", "neon", "scalar".

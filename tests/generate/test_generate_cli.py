@@ -110,3 +110,25 @@ def test_generate_compressed_from_the_command_line(tmp_path):
         full.generate(prompts[:1], max_new_tokens=4)
         # int8 matrices at group 16: 1 + 4/16 bytes per fp32 value's 4
         assert got["stats"]["weight_read_bytes"] < 0.4 * full.stats()["weight_read_bytes"]
+
+
+def test_lossless_from_the_command_line(tmp_path, capsys):
+    """``--compress lossless`` (with ``--dtype bf16``): the tokens of the uncompressed model from
+    fewer bytes read; refused with ``--group``; planned with the coded bytes read from NVMe."""
+    model = tiny("llama")
+    folder = tmp_path / "m"
+    prompts = save_with_tokenizer(model, folder)
+    common = ("generate", str(folder), "--prompt", prompts[0], "--max-new-tokens", "4", "--weights", "nvme",
+              "--dtype", "bf16", "--json", "--quiet")
+    coded = _run(*common, "--nvme-dir", str(tmp_path / "a"), "--compress", "lossless")
+    plain = _run(*common, "--nvme-dir", str(tmp_path / "b"))
+    assert coded.returncode == 0 and plain.returncode == 0, coded.stderr + plain.stderr
+    c, p = json.loads(coded.stdout), json.loads(plain.stdout)
+    assert c["completions"] == p["completions"]
+    assert c["stats"]["weight_read_bytes"] < 0.8 * p["stats"]["weight_read_bytes"]
+    code, out, err = _main(capsys, *common, "--nvme-dir", str(tmp_path / "c"), "--compress", "lossless",
+                           "--group", "16")
+    assert code == 2 and "lossless has no groups" in err
+    code, out, err = _main(capsys, "plan", "llama-13b", "--generate", "--compress", "lossless", "--host-mem", "12GiB",
+                           "--disk", "100GiB")
+    assert code == 0 and "as the lossless code reads them from NVMe" in out, out + err

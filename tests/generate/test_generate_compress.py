@@ -154,7 +154,7 @@ def test_bad_compress_arguments(tmp_path):
     with pytest.raises(ValueError, match="group=3"):
         OffloadedLM.from_pretrained(tmp_path, weights="cpu", kv="cpu", compress="int8", group=3)
     # options that would do nothing are refused, not ignored
-    with pytest.raises(ValueError, match="group=32 applies to compressed layers"):
+    with pytest.raises(ValueError, match="group=32 applies to quantized layers"):
         OffloadedLM.from_pretrained(tmp_path, weights="cpu", kv="cpu", group=32)
     from tierstate.placement.generate_plan import GenerateBudget, GenerateWorkload
     with pytest.raises(ValueError, match="budget, workload: the planner's inputs"):

@@ -81,6 +81,32 @@ def test_memory_model_of_compressed_layers_equals_what_offloadedlm_allocates(tmp
         assert disk == lm.weights.nvme_nbytes
 
 
+def test_memory_model_of_lossless_layers_equals_what_offloadedlm_allocates(tmp_path):
+    """Lossless: RAM layers as they are, NVMe records and pool buffers with the room of the
+    uncoded layer, one compute buffer; the planner's estimate of the coded bytes is an upper
+    bound of what the store's reads move (normally distributed bf16 matrices)."""
+    import torch
+
+    from tierstate.generate.weight_store import layer_sizes
+    model = tiny("llama", layers=4).to(torch.bfloat16)
+    folder = tmp_path / "m"
+    model.save_pretrained(folder)
+    ids, _ = padded_batch()
+    wl = GenerateWorkload(batch=5, prompt_len=ids.shape[1], new_tokens=4)
+    with OffloadedLM.from_pretrained(folder, weights=["cpu", "cpu", "nvme", "nvme"], kv="cpu",
+                                     nvme_dir=tmp_path / "nv", compress="lossless") as lm:
+        full, est = layer_sizes(lm.adapter.layers, lm.dtype, "lossless")
+        assert full == [n for _, n in lm.weights.layouts]
+        home = lm.weights.nvme
+        for i in (2, 3):
+            assert home.used_nbytes(i) <= -(-est[i] // 4096) * 4096 and est[i] < 0.8 * full[i]
+        shape = shape_from_config(model.config, 2, full, est, lossless=True)
+        ram, disk, parts = memory(shape, wl, HW, Choice(2, 4, 5, 1))
+        assert parts["weights_in_ram"] == lm.weights.host_nbytes == sum(full[:2])
+        assert parts["weight_pool"] + parts["compute_buffer"] == lm.weights.pool_nbytes
+        assert disk == lm.weights.nvme_nbytes
+
+
 def test_compressed_layers_are_priced_by_their_stored_bytes():
     """A RAM budget holds more compressed layers than bf16 ones, and the same placement runs
     faster for the fewer bytes read, but less than in their ratio: the RAM-resident layers are

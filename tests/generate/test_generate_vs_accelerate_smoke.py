@@ -17,7 +17,7 @@ def test_tiny_run_same_tokens_and_floor(tmp_path):
     r = subprocess.run([sys.executable, str(SCRIPT), "--layers", "4", "--hidden", "256", "--intermediate", "512",
                         "--heads", "4", "--batch", "2", "--prompt-len", "4", "--new-tokens", "3", "--ram-layers", "1",
                         "--repeats", "1", "--json", str(out),
-                        "--modes", "tierstate,accelerate_cold,accelerate_warm,tierstate_int8"],
+                        "--modes", "tierstate,accelerate_cold,accelerate_warm,tierstate_int8,tierstate_lossless"],
                        capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -34,6 +34,10 @@ def test_tiny_run_same_tokens_and_floor(tmp_path):
     int8_per_step = runs["tierstate_int8"]["stats"]["weight_read_bytes"] / 3
     assert int8_per_step <= 0.6 * per_step
     assert modes["tierstate_int8"]["speedup_over_accelerate_cold"] > 0
+    # lossless layers: the same model, so Accelerate's tokens, from ~0.75x of the bytes
+    assert modes["tierstate_lossless"]["same_tokens_as_accelerate_cold"]
+    lossless_per_step = runs["tierstate_lossless"]["stats"]["weight_read_bytes"] / 3
+    assert lossless_per_step <= 0.8 * per_step
 
 
 def test_an_unknown_mode_is_refused_before_anything_is_written(tmp_path):

@@ -64,17 +64,19 @@ def _placement(text: str, what: str):
 
 def add_compress_arguments(parser) -> None:
     """``--compress`` / ``--group``, shared by ``tierstate generate`` and ``tierstate plan --generate``."""
-    parser.add_argument("--compress", choices=["int8", "int4"],
-                        help="store the layers' matrices group-wise int8 or int4 (about 0.53x / 0.28x of bf16); "
-                             "the tokens may differ from the uncompressed model's")
-    parser.add_argument("--group", type=int, help=f"values per quantization scale (default {DEFAULT_GROUP}; with --compress)")
+    parser.add_argument("--compress", choices=["int8", "int4", "lossless"],
+                        help="store the layers' matrices group-wise int8 or int4 (about 0.53x / 0.28x of bf16; "
+                             "the tokens may differ from the uncompressed model's), or, for bf16 layers on NVMe, "
+                             "lossless (exponents in 4 bits: about 0.75x of the bytes read, the same tokens)")
+    parser.add_argument("--group", type=int,
+                        help=f"values per quantization scale (default {DEFAULT_GROUP}; with --compress int8 or int4)")
 
 
 def compress_options(args) -> tuple[str | None, int | None]:
     """(compress, group) from ``--compress`` / ``--group`` (None: ``DEFAULT_GROUP``); ValueError
     for a --group without --compress."""
-    if args.group is not None and args.compress is None:
-        raise ValueError(f"--group {args.group}: give --compress int8 or int4 with it")
+    if args.group is not None and args.compress in (None, "lossless"):
+        raise ValueError(f"--group {args.group}: give --compress int8 or int4 with it (lossless has no groups)")
     return args.compress, args.group
 
 
@@ -195,7 +197,7 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
             dtype = getattr(torch, DTYPES[args.param_dtype or "bf16"])
             full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress,
                                        DEFAULT_GROUP if group is None else group)
-            shape = shape_from_config(config, dtype_bytes, full, stored)
+            shape = shape_from_config(config, dtype_bytes, full, stored, lossless=compress == "lossless")
         else:
             shape = shape_from_config(config, dtype_bytes)
         hw_rates, _ = load_hardware(args.profile)
@@ -214,7 +216,9 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
         return 0
     print(f"tierstate plan {args.model} --generate: {wl.batch} prompts x {wl.prompt_len} tokens, "
           f"{wl.new_tokens} new tokens each, {args.param_dtype or 'bf16'}")
-    stored = (f" ({sum(shape.stored_bytes) / 2**30:.2f} GiB stored as {args.compress})" if args.compress else "")
+    stored = (f" (~{sum(shape.stored_bytes) / 2**30:.2f} GiB as the lossless code reads them from NVMe)"
+              if args.compress == "lossless" else
+              f" ({sum(shape.stored_bytes) / 2**30:.2f} GiB stored as {args.compress})" if args.compress else "")
     print(f"  model: {shape.n_layers} layers, {sum(shape.layer_bytes) / 2**30:.2f} GiB of layer weights{stored}, "
           f"{shape.resident_bytes / 2**30:.2f} GiB resident")
     print(f"  budget: RAM {budget.ram / 2**30:.1f} GiB, disk {budget.disk / 2**30:.1f} GiB "

@@ -18,10 +18,15 @@ _CHUNK = 1 << 22  # values dequantized at a time: 16 MiB of float32 temporaries 
 _QMAX = {"int8": 127, "int4": 7}
 
 
+LOSSLESS = "lossless"  # bf16 exponents in 4 bits (tierstate.generate.lossless): the same bits back
+ALL_MODES = MODES + (LOSSLESS,)
+
+
 def check_options(compress: str | None, group: int) -> None:
     """ValueError naming the argument when ``compress`` / ``group`` are not a format."""
-    if compress is not None and compress not in MODES:
-        raise ValueError(f"compress={compress!r}: expected None, 'int8' or 'int4'")
+    if compress is not None and compress not in ALL_MODES:
+        raise ValueError(f"compress={compress!r}: expected None, 'int8', 'int4' (quantized: other tokens) or "
+                         "'lossless' (bf16 layers on NVMe at 0.75x their bytes, the same tokens)")
     if not isinstance(group, int) or isinstance(group, bool) or group < 2 or group % 2:
         raise ValueError(f"group={group!r}: expected an even int >= 2 (values per quantization scale, e.g. 64)")
 

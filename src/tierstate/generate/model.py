@@ -127,6 +127,10 @@ class OffloadedLM:
                 when a layer is fetched (:mod:`tierstate.generate.compress`); None: as loaded.
                 The planner and ``Offload`` fractions count the stored (compressed) bytes; the
                 planner adds the compute buffer and the dequantization time.
+                ``"lossless"`` (bf16 only): the layers kept on NVMe store each matrix's exponents
+                in 4 bits (:mod:`tierstate.generate.lossless`): ~0.75x of their bytes read per
+                step, decoded to the same bits, so the tokens are the uncompressed model's.
+                Layers in RAM stay as they are; ``Offload`` fractions count the bf16 bytes.
         """
         from transformers import AutoConfig, PreTrainedModel  # noqa: PLC0415
 
@@ -135,8 +139,9 @@ class OffloadedLM:
         _positive("prefetch", prefetch, allow_none=False)
         if group is None:
             group = DEFAULT_GROUP
-        elif compress is None:
-            raise ValueError(f"group={group!r} applies to compressed layers: pass compress='int8' or 'int4' with it")
+        elif compress is None or compress == "lossless":
+            raise ValueError(f"group={group!r} applies to quantized layers: pass compress='int8' or 'int4' with it "
+                             f"(compress={compress!r} has no groups)")
         if weights != "auto" and kv != "auto":  # what only the planner reads, given without it
             planner_inputs = (("budget", budget), ("workload", workload), ("hardware", hardware))
             given = [n for n, v in planner_inputs if v is not None]
@@ -195,14 +200,17 @@ class OffloadedLM:
 
             plan = plan_for_model(config, dtype, layer_nbytes, stored_nbytes, budget=budget, nvme_dir=nvme_dir,
                                   micro_batch=micro_batch, num_micro_batches=None if micro_batch is None
-                                  else num_micro_batches, workload=workload, hardware=hardware, prefetch=prefetch)
+                                  else num_micro_batches, workload=workload, hardware=hardware, prefetch=prefetch,
+                                  lossless=compress == "lossless")
             if weights == "auto":
                 weights = plan.weight_tiers
             if kv == "auto":
                 kv = plan.kv_tiers
             if micro_batch is None:
                 micro_batch, num_micro_batches = plan.micro_batch, plan.num_micro_batches
-        w_tiers = _tiers(weights, stored_nbytes or layer_nbytes, "weights")
+        # lossless layers sit in RAM uncoded: fractions of RAM count their bf16 bytes
+        w_tiers = _tiers(weights, layer_nbytes if compress == "lossless" else stored_nbytes or layer_nbytes,
+                         "weights")
         kv_tiers = _tiers(kv, [1] * len(layer_nbytes), "kv")
         if nvme_dir is None and isinstance(weights, Offload) and weights.nvme_dir is not None:
             nvme_dir = weights.nvme_dirs[0]

@@ -192,10 +192,13 @@ def saved_hardware() -> GenerateHardware:
 
 def plan_for_model(config, dtype: torch.dtype, layer_nbytes, stored_nbytes=None, *, budget=None, nvme_dir=None,
                    micro_batch=None, num_micro_batches=None, workload: GenerateWorkload | None = None,
-                   hardware: GenerateHardware | None = None, prefetch: int = DEFAULT_PREFETCH) -> GeneratePlan:
+                   hardware: GenerateHardware | None = None, prefetch: int = DEFAULT_PREFETCH,
+                   lossless: bool = False) -> GeneratePlan:
     """The plan for a model whose layers' images are ``layer_nbytes`` (and, compressed,
-    ``stored_nbytes``: :func:`tierstate.generate.weight_store.layer_sizes`)."""
-    shape = shape_from_config(config, torch.empty(0, dtype=dtype).element_size(), layer_nbytes, stored_nbytes)
+    ``stored_nbytes``: :func:`tierstate.generate.weight_store.layer_sizes`; ``lossless``: as
+    ``compress="lossless"`` stores them, coded on NVMe only)."""
+    shape = shape_from_config(config, torch.empty(0, dtype=dtype).element_size(), layer_nbytes, stored_nbytes,
+                              lossless)
     return plan_generate(shape, workload or DEFAULT_WORKLOAD, hardware or saved_hardware(),
                          budget if budget is not None else default_budget(nvme_dir),
                          micro_batch=micro_batch, num_micro_batches=num_micro_batches, prefetch=prefetch)

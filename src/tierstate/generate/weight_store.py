@@ -27,6 +27,7 @@ from ..placement.generate_plan import DEFAULT_PREFETCH
 from ..weights.blocks import PARAM_ALIGN, align_up
 from ..weights.homes import RECORD_ALIGN, HostHome, NvmeHome
 from . import compress as cq
+from . import lossless as ll
 
 
 @dataclass(frozen=True)
@@ -84,16 +85,43 @@ def stored_layout(slots: list[Slot], mode: str, group: int) -> tuple[list[Stored
     return out, align_up(max(cursor, 1), PARAM_ALIGN)
 
 
+def lossless_estimate(slots: list[Slot]) -> int:
+    """A layer's bytes as ``compress="lossless"`` stores it, before its values are known:
+    :func:`tierstate.generate.lossless.estimated_nbytes` per codable matrix, the rest as it is."""
+    cursor = 0
+    for s in slots:
+        cursor = align_up(cursor, PARAM_ALIGN)
+        numel = s.nbytes // torch.empty(0, dtype=s.dtype).element_size()
+        cursor += ll.estimated_nbytes(numel) if ll.codable(s.shape, s.dtype) else s.nbytes
+    return align_up(max(cursor, 1), PARAM_ALIGN)
+
+
 def layer_sizes(layers: Sequence[torch.nn.Module], dtype: torch.dtype, compress: str | None = None,
                 group: int = cq.DEFAULT_GROUP) -> tuple[list[int], list[int] | None]:
     """Each layer's image in the compute dtype, and as stored when ``compress`` is given (else
-    None): the sizes the planner prices and the store allocates."""
+    None): the sizes the planner prices and the store allocates (``"lossless"``: an estimate,
+    the bytes an NVMe layer reads; the store sizes its homes by the first list)."""
     cq.check_options(compress, group)
+    if compress == cq.LOSSLESS and dtype != torch.bfloat16:
+        raise ValueError(f"compress='lossless' codes bfloat16 layers; dtype={dtype}: pass dtype=torch.bfloat16 "
+                         "or compress=None")
     layouts = [layer_layout(m, dtype) for m in layers]
     full = [n for _, n in layouts]
     if compress is None:
         return full, None
+    if compress == cq.LOSSLESS:
+        return full, [lossless_estimate(slots) for slots, _ in layouts]
     return full, [stored_layout(slots, compress, group)[1] for slots, _ in layouts]
+
+
+@dataclass(frozen=True)
+class Coded:
+    """Where one parameter sits in an NVMe layer stored ``compress="lossless"``: its coded parts
+    (``exp4``) or, when coding would not save bytes or it is not a bf16 matrix, its raw bytes."""
+
+    slot: Slot
+    offset: int
+    exp4: ll.Exp4 | None
 
 
 class WeightStore:
@@ -104,15 +132,22 @@ class WeightStore:
                  group: int = cq.DEFAULT_GROUP) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
-        cq.check_options(compress, group)
+        layer_sizes([], dtype, compress, group)  # the options' checks
         self.layers = list(layers)
         self.tiers = list(tiers)
         self.layouts = [layer_layout(m, dtype) for m in self.layers]
         self.compress, self.group = compress, group
-        self.stored = [stored_layout(slots, compress, group) for slots, _ in self.layouts] if compress else None
+        # lossless: NVMe layers are coded as fill() reads them, each in a record sized for its
+        # uncoded image (a coded layer is smaller: reads move what it filled); RAM layers stay
+        # as they are. int8/int4: every layer quantized, in a record of its stored size.
+        self.lossless = compress == cq.LOSSLESS
+        self.coded: dict[int, list[Coded]] = {}
+        quantized = compress is not None and not self.lossless
+        self.stored = [stored_layout(slots, compress, group) for slots, _ in self.layouts] if quantized else None
         sizes = {i: n for i, (_, n) in enumerate(self.stored or self.layouts)}
-        # the layer that runs, dequantized (compress only): one buffer, layers run one at a time
-        self._compute = (torch.empty(max(n for _, n in self.layouts), dtype=torch.uint8) if compress else None)
+        # the layer that runs, decoded: one buffer, layers run one at a time
+        decoded = quantized or (self.lossless and "nvme" in self.tiers)
+        self._compute = torch.empty(max(n for _, n in self.layouts), dtype=torch.uint8) if decoded else None
         cpu = {i: n for i, n in sizes.items() if self.tiers[i] == "cpu"}
         nvme = {i: n for i, n in sizes.items() if self.tiers[i] == "nvme"}
         self.host = HostHome(cpu, pin=False)
@@ -129,7 +164,7 @@ class WeightStore:
             record = max(self.nvme.record_nbytes.values())
             for _ in range(min(self.prefetch_depth + 1, len(nvme))):
                 self._free.append(tio.aligned_empty(record, RECORD_ALIGN))
-        self.pool_nbytes = sum(b.numel() for b in self._free) + (self._compute.numel() if compress else 0)
+        self.pool_nbytes = sum(b.numel() for b in self._free) + (self._compute.numel() if decoded else 0)
         self.host_nbytes = self.host.nbytes
         self.nvme_nbytes = self.nvme.nbytes if self.nvme is not None else 0
 
@@ -147,7 +182,9 @@ class WeightStore:
                     scratch = self._free.pop()
                 image = scratch
                 image.zero_()  # the padding is part of the checksummed record
-            if self.compress:
+            if self.lossless and self.tiers[i] == "nvme":
+                used = self._fill_coded(i, source, prefix, image)
+            elif self.stored is not None:
                 for st in self.stored[i][0]:
                     s = st.slot
                     if st.scales_nbytes:
@@ -164,9 +201,29 @@ class WeightStore:
                 for s in slots:
                     source.read_into(f"{prefix}.{s.name}", typed(image, s))
             if self.tiers[i] == "nvme":
-                self.nvme.write(i, image).get()
+                self.nvme.write(i, image, used if self.lossless else None).get()
         if scratch is not None:
             self._free.append(scratch)
+
+    def _fill_coded(self, i: int, source, prefix: str, image: Tensor) -> int:
+        """Layer ``i``'s tensors into ``image``, bf16 matrices coded; the bytes filled."""
+        entries, cursor = [], 0
+        for s in self.layouts[i][0]:
+            cursor = align_up(cursor, PARAM_ALIGN)
+            exp4 = None
+            if ll.codable(s.shape, s.dtype):
+                full = torch.empty(s.shape, dtype=s.dtype)
+                source.read_into(f"{prefix}.{s.name}", full)
+                exp4 = ll.encode_into(full, image[cursor:])
+                if exp4 is None:  # coding would not save bytes: the values as they are
+                    image[cursor:cursor + s.nbytes].view(s.dtype).view(s.shape).copy_(full)
+                del full
+            else:
+                source.read_into(f"{prefix}.{s.name}", image[cursor:cursor + s.nbytes].view(s.dtype).view(s.shape))
+            entries.append(Coded(s, cursor, exp4))
+            cursor += exp4.nbytes if exp4 is not None else s.nbytes
+        self.coded[i] = entries
+        return max(cursor, 1)
 
     # -- fetching ------------------------------------------------------------------------------
     def prefetch(self, order: Sequence[int]) -> None:
@@ -181,15 +238,25 @@ class WeightStore:
 
     def acquire(self, i: int) -> Tensor:
         """Layer ``i``'s image in the compute layout (read now if no read-ahead brought it;
-        dequantized into the compute buffer when the weights are stored compressed)."""
-        if self.compress or self.tiers[i] == "nvme":
+        decoded into the compute buffer when stored quantized, or coded on NVMe)."""
+        if self.stored is not None or self.tiers[i] == "nvme":
             # the layer before ran on torch's OpenMP workers, which still spin: give their cores
             # to the native work of this one, the CRC-32C of its record and its dequantization
             # (kernels/omp_handover.py; once per layer)
             hand_over_cores()
         image = self._stored_image(i)
-        if not self.compress:
+        if self.lossless and self.tiers[i] == "nvme":
+            out = self._decode(i, image)
+        elif self.stored is None:
             return image
+        else:
+            out = self._dequantize(i, image)
+        # decoded into the compute buffer: the record's buffer can take the next read now,
+        # while this layer computes, not after it
+        self.release(i)
+        return out
+
+    def _dequantize(self, i: int, image: Tensor) -> Tensor:
         out = self._compute
         for st in self.stored[i][0]:
             s = st.slot
@@ -200,6 +267,16 @@ class WeightStore:
                                    dst, self.compress, self.group)
             else:
                 dst.copy_(image[st.offset:st.offset + st.nbytes].view(s.dtype).view(s.shape))
+        return out
+
+    def _decode(self, i: int, image: Tensor) -> Tensor:
+        out = self._compute
+        for c in self.coded[i]:
+            dst = typed(out, c.slot)
+            if c.exp4 is not None:
+                ll.decode_into(image[c.offset:c.offset + c.exp4.nbytes], c.exp4, dst)
+            else:
+                dst.copy_(image[c.offset:c.offset + c.slot.nbytes].view(c.slot.dtype).view(c.slot.shape))
         return out
 
     def _stored_image(self, i: int) -> Tensor:
@@ -221,7 +298,7 @@ class WeightStore:
                 raise
             finally:
                 self.stall_seconds += time.perf_counter() - t0
-            self.read_bytes += self.nvme.record_nbytes[i]
+            self.read_bytes += self.nvme.used_nbytes(i)
             self._loaded[i] = (buf, None)
         return buf
 

@@ -33,7 +33,9 @@ and is dequantized once per step into the compute buffer before its micro-batche
 compute dtype written, at the measured rate of the native kernel; ``ram_bw`` when none was
 measured. On a 2-vCPU Xeon it moved 17 GB/s of that traffic for a 51.4M-value layer, and
 36-42 GB/s for a 12.8M-value one, which the CPU's 480 MB L3 held),
-and its ``io_l`` reads ``stored_bytes_l`` instead of ``weight_bytes_l``.
+and its ``io_l`` reads ``stored_bytes_l`` instead of ``weight_bytes_l``. A ``"lossless"``
+store (:mod:`tierstate.generate.lossless`) codes only its NVMe layers: those read and decode
+their stored bytes as above, while layers in RAM keep ``weight_bytes_l`` and no decode.
 
 [Note: the memory model]
 RAM = ``base`` (the process before any weight: Python, torch, transformers; measured)
@@ -91,6 +93,9 @@ class GenerateShape:
     # each layer as stored in its tier when compressed (codes, scales, the vectors as they
     # are); None: as layer_bytes (not compressed)
     stored_layer_bytes: tuple[int, ...] | None = None
+    # compress="lossless": only NVMe layers are coded; RAM layers, the weight pool and the
+    # NVMe records keep layer_bytes (a coded record fills part of its room)
+    lossless: bool = False
 
     @property
     def layer_params(self) -> tuple[int, ...]:
@@ -107,7 +112,7 @@ class GenerateShape:
 
 
 def shape_from_config(config, dtype_bytes: int, layer_bytes: Sequence[int] | None = None,
-                      stored_layer_bytes: Sequence[int] | None = None) -> GenerateShape:
+                      stored_layer_bytes: Sequence[int] | None = None, lossless: bool = False) -> GenerateShape:
     """A :class:`GenerateShape` from a transformers GPT-2 or Llama config (arithmetic only);
     ``stored_layer_bytes``: each layer's compressed size
     (:func:`tierstate.generate.weight_store.layer_sizes` computes both lists from the model)."""
@@ -135,9 +140,11 @@ def shape_from_config(config, dtype_bytes: int, layer_bytes: Sequence[int] | Non
         layer_bytes = [per_layer * dtype_bytes] * L
     if stored_layer_bytes is not None and len(stored_layer_bytes) != len(layer_bytes):
         raise ValueError(f"stored_layer_bytes: {len(stored_layer_bytes)} entries for {len(layer_bytes)} layers")
+    if lossless and stored_layer_bytes is None:
+        raise ValueError("lossless=True needs stored_layer_bytes (the coded layers' estimated sizes)")
     stored = None if stored_layer_bytes is None else tuple(int(b) for b in stored_layer_bytes)
     return GenerateShape(mt, L, h, inter, vocab, nh, kvh, hd, tuple(int(b) for b in layer_bytes), int(resident),
-                         dtype_bytes, stored)
+                         dtype_bytes, stored, bool(lossless))
 
 
 @dataclass(frozen=True)
@@ -259,10 +266,12 @@ def memory(shape: GenerateShape, wl: GenerateWorkload, hw: GenerateHardware, c: 
     rows = min(c.micro_batch * c.num_micro_batches, wl.batch)
     sizes = _cut(rows, c.micro_batch)
     max_len = wl.prompt_len + wl.new_tokens
-    host_w = sum(shape.stored_bytes[:k])
-    nvme_records = [_up(b) for b in shape.stored_bytes[k:]]
+    room = shape.layer_bytes if shape.lossless else shape.stored_bytes  # RAM images and NVMe records
+    host_w = sum(room[:k])
+    nvme_records = [_up(b) for b in room[k:]]
     w_pool = min(prefetch + 1, len(nvme_records)) * max(nvme_records, default=0)
-    compute_buffer = max(shape.layer_bytes, default=0) if shape.compressed else 0
+    decoded = shape.compressed and (k < L or not shape.lossless)
+    compute_buffer = max(shape.layer_bytes, default=0) if decoded else 0
     kv_rec = [2 * _up(max_len * kv_row_bytes(shape, mb)) for mb in sizes]
     kv_host = m * sum(kv_rec)
     kv_pool = kv_pool_records(len(sizes), (L - m) * len(sizes)) * max(kv_rec) if m < L else 0
@@ -299,7 +308,7 @@ def _step(shape: GenerateShape, hw: GenerateHardware, classes, sizes: list[int],
     total = 0.0
     for (wb, sb, params, w_nvme, kv_nvme), count in classes.items():
         comp = calls = ram = kv_io = 0.0
-        if shape.compressed:  # dequantized once per step, before the micro-batches
+        if shape.compressed and (w_nvme or not shape.lossless):  # decoded once per step, before the micro-batches
             comp += (sb + wb) / (hw.dequant_bandwidth or hw.ram_bandwidth)
         for mb, n in counts.items():
             row = kv_row_bytes(shape, mb)

@@ -90,21 +90,33 @@ class NvmeHome:
             raise
         self.file: "tio.File | None" = self.file
         self.crc: dict[int, int] = {}  # block -> CRC-32C of its record as last written
+        self.used: dict[int, int] = {}  # block -> bytes its last write filled (absent: the whole record)
 
     @property
     def folder(self) -> Path:
         return self._folders[0].path
 
-    def read(self, b: int, image: Tensor) -> "tio.IOFuture":
-        return self.file.pread(image, self.offsets[b], self.record_nbytes[b])
+    def used_nbytes(self, b: int) -> int:
+        """Bytes of record ``b`` that reads move: what its last write filled (4 KiB-aligned)."""
+        return self.used.get(b, self.record_nbytes[b])
 
-    def write(self, b: int, image: Tensor) -> "tio.IOFuture":
-        n = self.record_nbytes[b]
+    def read(self, b: int, image: Tensor) -> "tio.IOFuture":
+        return self.file.pread(image, self.offsets[b], self.used_nbytes(b))
+
+    def write(self, b: int, image: Tensor, nbytes: int | None = None) -> "tio.IOFuture":
+        """Write ``image``'s first ``nbytes`` (default: the whole record, as sized at
+        construction) as record ``b``; later reads move just those bytes (a layer stored coded
+        fills less than the room its record keeps)."""
+        room = self.record_nbytes[b]
+        n = room if nbytes is None else _align(int(nbytes))
+        if not 0 < n <= room:
+            raise ValueError(f"nbytes={nbytes}: record {b} holds 1 to {room} bytes")
+        self.used[b] = n
         self.crc[b] = tio.crc32c(image[:n])
         return self.file.pwrite(image, self.offsets[b], n)
 
     def verify(self, b: int, image: Tensor) -> None:
-        n = self.record_nbytes[b]
+        n = self.used_nbytes(b)
         want = self.crc.get(b)
         got = tio.crc32c(image[:n])
         if want is None or got != want:
