@@ -194,9 +194,11 @@ SYNOPSES = {
         "--micro-batch 1 --seq-len 2048 --activation-checkpointing --host-mem 12GiB --disk 200GiB --json"],
     "tierstate bench step [--offload nvme]": ["tierstate bench step", "tierstate bench step --offload nvme"],
     "tierstate report TRACE": ["tierstate report trace.json"],
-    'tierstate generate DIR --prompt "..." [--compress int8]': [
+    'tierstate generate DIR --prompt "..." [--compress int8|int4] [--dtype bf16 --compress lossless]': [
         'tierstate generate /tmp/ts-tiny-llama --prompt "Hello"',
-        'tierstate generate /tmp/ts-tiny-llama --prompt "Hello" --compress int8'],
+        'tierstate generate /tmp/ts-tiny-llama --prompt "Hello" --compress int8',
+        'tierstate generate /tmp/ts-tiny-llama --prompt "Hello" --compress int4',
+        'tierstate generate /tmp/ts-tiny-llama --prompt "Hello" --dtype bf16 --compress lossless'],
     "python benchmarks/compare_builds.py --before OLD/.venv/bin/python --after .venv/bin/python": [
         "python benchmarks/compare_builds.py --before /opt/old/.venv/bin/python --after .venv/bin/python"],
     "python benchmarks/e2e.py --steps 6 --warmup 2 --repeats 2 [--modes torch,cpu,nvme,ds_z2_cpu,ds_z3_nvme]": [
