@@ -110,8 +110,9 @@ def choose_base(src: Tensor) -> tuple[int, int]:
 
 
 def encode_into(src: Tensor, dst: Tensor) -> Exp4 | None:
-    """Code the bf16 matrix ``src`` into the uint8 bytes ``dst`` (at least its coded size: see
-    :func:`encode_plan`); None, writing nothing, when coding would not save bytes."""
+    """Code the bf16 matrix ``src`` into the uint8 bytes ``dst`` (at least its coded size,
+    :func:`coded_nbytes` of its escapes; the uncoded size always suffices); None, writing
+    nothing, when coding would not save bytes."""
     if src.dtype != torch.bfloat16:
         raise ValueError(f"lossless coding takes bfloat16 values; got {src.dtype}")
     n = src.numel()
@@ -146,7 +147,8 @@ def encode_into(src: Tensor, dst: Tensor) -> Exp4 | None:
             code = torch.cat([code, torch.zeros(pad, dtype=code.dtype)])
         pairs = code.view(-1, 2, 32).to(torch.uint8)
         codes[start // 2:start // 2 + pairs.shape[0] * 32] = (pairs[:, 0, :] | (pairs[:, 1, :] << 4)).reshape(-1)
-    assert found == escapes, (found, escapes)
+    if found != escapes:  # the histogram and the codes disagree: src changed while it was coded
+        raise RuntimeError(f"lossless coding found {found} escapes where its histogram counted {escapes}")
     return layout
 
 
