@@ -680,8 +680,24 @@ inline void decode_exp4_block(const uint8_t* __restrict sm, const uint8_t* __res
   for (int j = 0; j < 32; ++j) out[32 + j] = exp4_bits(sm[32 + j], base + (codes[j] >> 4));
 }
 
+// The decoded weights are written once and read by the layer's matrix products after the
+// whole layer is decoded (100+ MB, beyond any cache), so each block goes through a 128-byte
+// buffer in L1 and out with streaming stores: no read-for-ownership of the output's lines
+// ([Note: streaming stores for weight_out]).
+template <class V>
 void decode_exp4_range(const Exp4Task& t, int64_t begin, int64_t end) {
   int64_t b = begin;
+  if constexpr (V::kWidth > 1) {
+    // begin is a whole number of 64-value blocks (128 bytes): every block keeps out's alignment
+    if (reinterpret_cast<uintptr_t>(t.out + begin) % 64 == 0 && b + 64 <= end) {
+      alignas(64) uint16_t block[64];
+      for (; b + 64 <= end; b += 64) {
+        decode_exp4_block(t.sign_mantissa + b, t.codes + b / 2, t.base, block);
+        V::stream_block128(t.out + b, block);
+      }
+      V::stream_fence();
+    }
+  }
   for (; b + 64 <= end; b += 64) decode_exp4_block(t.sign_mantissa + b, t.codes + b / 2, t.base, t.out + b);
   for (int64_t i = b; i < end; ++i) {  // the last, partial block (same layout)
     const int64_t j = i - b;
@@ -725,7 +741,7 @@ struct KernelSet {
   static const KernelTable* table(const char* name) {
     static const KernelTable t{name, &adam, &lion, &sgd, &adagrad, &sumsq,
                                &adam_q8_range<V, S>, &quantize_range<V, S>, &dequantize_range<V, S>,
-                               &dequantize_groups_range<V, S>, &decode_exp4_range, V::kHasGather,
+                               &dequantize_groups_range<V, S>, &decode_exp4_range<V>, V::kHasGather,
                                V::kHasRowDecode};
     return &t;
   }

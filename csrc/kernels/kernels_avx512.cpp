@@ -113,6 +113,10 @@ struct VecAvx512 {
                         _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   static void stream_fence() { _mm_sfence(); }
+  static void stream_block128(uint16_t* dst, const uint16_t* src) {  // both 64-byte aligned
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_load_si512(src));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 32), _mm512_load_si512(src + 32));
+  }
 
   friend VecAvx512 operator+(VecAvx512 a, VecAvx512 b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend VecAvx512 operator-(VecAvx512 a, VecAvx512 b) { return {_mm512_sub_ps(a.v, b.v)}; }

@@ -39,6 +39,7 @@ struct VecNeon {
   static void stream_bf16(uint16_t* p, VecNeon x) { store_bf16(p, x); }
   static void stream_f16(uint16_t* p, VecNeon x) { store_f16(p, x); }
   static void stream_fence() {}
+  static void stream_block128(uint16_t* dst, const uint16_t* src) { std::memcpy(dst, src, 128); }
   static VecNeon load_f16(const uint16_t* p) {
     return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))};
   }
