@@ -191,6 +191,26 @@ static void bind_kernels(nb::module_& m) {
       },
       "bf16 values from sign+mantissa bytes and 4-bit exponent codes (see tierstate.generate.lossless).");
 
+  km.def(
+      "exponent_histogram_bf16",
+      [](ptr src, int64_t n, ptr hist) {
+        nb::gil_scoped_release release;
+        k::exponent_histogram_bf16(reinterpret_cast<const uint16_t*>(src), n, reinterpret_cast<int64_t*>(hist));
+      },
+      "How many of n bf16 values have each exponent byte (256 int64 counts; see tierstate.generate.lossless).");
+  km.def(
+      "encode_exp4_bf16",
+      [](ptr src, int64_t n, uint32_t base, ptr sign_mantissa, ptr codes, ptr escape_index, ptr escape_exponent,
+         int64_t escape_room) {
+        nb::gil_scoped_release release;
+        return k::encode_exp4_bf16(reinterpret_cast<const uint16_t*>(src), n, base,
+                                   reinterpret_cast<uint8_t*>(sign_mantissa), reinterpret_cast<uint8_t*>(codes),
+                                   reinterpret_cast<uint32_t*>(escape_index),
+                                   reinterpret_cast<uint8_t*>(escape_exponent), escape_room);
+      },
+      "Sign+mantissa bytes, 4-bit exponent codes and escapes of n bf16 values; returns the escapes found "
+      "(see tierstate.generate.lossless).");
+
   km.def("available_isas", &k::available_isas, "ISA variants this CPU and build can run, widest first.");
   km.def("current_isa", &k::current_isa, "The ISA variant the kernels use now.");
   km.def("set_isa", &k::set_isa, nb::arg("name"),

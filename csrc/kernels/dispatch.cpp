@@ -477,6 +477,84 @@ void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32
   }
 }
 
+// The encoder runs once per matrix, at load: plain loops on the thread pool over tasks of
+// 64 Ki values (whole blocks), no ISA variants. It writes what lossless.py's torch path
+// writes, byte for byte (tests/generate/test_generate_lossless.py).
+namespace {
+constexpr int64_t kExp4Task = int64_t{1} << 16;
+
+inline uint32_t exponent_of(uint16_t v) { return (v >> 7) & 0xFFu; }
+}  // namespace
+
+void exponent_histogram_bf16(const uint16_t* src, int64_t n, int64_t* hist) {
+  if (n < 0) throw std::invalid_argument("n must be >= 0");
+  if (hist == nullptr || (n > 0 && src == nullptr)) throw std::invalid_argument("src and hist must be non-null");
+  const int64_t n_tasks = (n + kExp4Task - 1) / kExp4Task;
+  std::vector<int64_t> partial(static_cast<size_t>(n_tasks) * 256, 0);
+  auto count = [&](int64_t t) {
+    int64_t* h = partial.data() + t * 256;
+    const int64_t end = std::min(n, (t + 1) * kExp4Task);
+    for (int64_t i = t * kExp4Task; i < end; ++i) ++h[exponent_of(src[i])];
+  };
+  ThreadPool::instance().parallel_for(n_tasks, count);
+  for (int e = 0; e < 256; ++e) hist[e] = 0;
+  for (int64_t t = 0; t < n_tasks; ++t)
+    for (int e = 0; e < 256; ++e) hist[e] += partial[static_cast<size_t>(t * 256 + e)];
+}
+
+int64_t encode_exp4_bf16(const uint16_t* src, int64_t n, uint32_t base, uint8_t* sign_mantissa, uint8_t* codes,
+                         uint32_t* escape_index, uint8_t* escape_exponent, int64_t escape_room) {
+  if (n < 0 || escape_room < 0) throw std::invalid_argument("n and escape_room must be >= 0");
+  if (n >= (int64_t{1} << 32)) throw std::invalid_argument("n must be < 2**32 (escape indices are uint32)");
+  if (base > 255) throw std::invalid_argument("base must be an exponent byte (0-255)");
+  if (n == 0) return 0;
+  if (src == nullptr || sign_mantissa == nullptr || codes == nullptr)
+    throw std::invalid_argument("src, sign_mantissa and codes must be non-null");
+  const int64_t n_tasks = (n + kExp4Task - 1) / kExp4Task;
+  std::vector<int64_t> found(static_cast<size_t>(n_tasks), 0);
+  auto code_task = [&](int64_t t) {
+    const int64_t begin = t * kExp4Task, end = std::min(n, begin + kExp4Task);
+    int64_t escapes = 0;
+    for (int64_t b = begin; b < end; b += 64) {
+      uint8_t* c = codes + b / 2;
+      for (int j = 0; j < 32; ++j) c[j] = 0;
+      for (int64_t i = b; i < std::min(end, b + 64); ++i) {
+        const uint16_t v = src[i];
+        sign_mantissa[i] = static_cast<uint8_t>(((v >> 8) & 0x80u) | (v & 0x7Fu));
+        const uint32_t d = (exponent_of(v) - base) & 0xFFu;  // exponent - base, mod 256
+        const uint32_t code = d < 15u ? d : 15u;
+        escapes += code == 15u;
+        const int64_t j = i - b;
+        c[j & 31] |= static_cast<uint8_t>(j < 32 ? code : code << 4);
+      }
+    }
+    found[static_cast<size_t>(t)] = escapes;
+  };
+  ThreadPool::instance().parallel_for(n_tasks, code_task);
+  int64_t total = 0;
+  for (int64_t f : found) total += f;
+  if (total > escape_room) throw std::length_error("more escapes than escape_room");
+  if (total > 0 && (escape_index == nullptr || escape_exponent == nullptr))
+    throw std::invalid_argument("escape_index and escape_exponent must be non-null when there are escapes");
+  std::vector<int64_t> first(static_cast<size_t>(n_tasks), 0);  // each task's first escape slot
+  for (int64_t t = 1; t < n_tasks; ++t) first[t] = first[t - 1] + found[t - 1];
+  auto list_escapes = [&](int64_t t) {
+    if (found[static_cast<size_t>(t)] == 0) return;
+    int64_t k = first[static_cast<size_t>(t)];
+    const int64_t end = std::min(n, (t + 1) * kExp4Task);
+    for (int64_t i = t * kExp4Task; i < end; ++i) {
+      const uint32_t e = exponent_of(src[i]);
+      if (((e - base) & 0xFFu) >= 15u) {
+        escape_index[k] = static_cast<uint32_t>(i);
+        escape_exponent[k] = static_cast<uint8_t>(e);
+        ++k;
+      }
+    }
+  };
+  ThreadPool::instance().parallel_for(n_tasks, list_escapes);
+  return total;
+}
+
 std::vector<std::string> available_isas() {
   std::vector<std::string> names;
   for (const Variant& v : variants())

@@ -171,6 +171,16 @@ void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int6
 void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
                       int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes);
 
+// The encoder's two passes (tierstate/generate/lossless.py chooses base between them):
+// hist[e] (256 int64, overwritten) counts the n bf16 values whose exponent byte is e; then
+// encode_exp4_bf16 writes sign_mantissa (n bytes), codes (32 per started 64-value block,
+// layout in isa_table.h Exp4Task, a partial last block padded with code 0) and the escapes
+// in index order; it returns how many escapes it found and throws std::length_error,
+// having written no escape, when there are more than escape_room.
+void exponent_histogram_bf16(const uint16_t* src, int64_t n, int64_t* hist);
+int64_t encode_exp4_bf16(const uint16_t* src, int64_t n, uint32_t base, uint8_t* sign_mantissa, uint8_t* codes,
+                         uint32_t* escape_index, uint8_t* escape_exponent, int64_t escape_room);
+
 // ---- ISA selection and threads ----
 // Variants, widest first: "avx512_bf16" (AVX-512 with native bf16 rounding),
 // "avx512", "avx2", "neon", "scalar".

@@ -120,6 +120,30 @@ def test_native_decoder_is_the_torch_path_bit_for_bit_on_every_isa():
             assert torch.equal(_bits(got), _bits(w)), isa
 
 
+@pytest.mark.parametrize("n", [1000, 40 * 64 + 7, 64 * 1024 * 3 + 100])
+def test_native_encoder_writes_the_torch_paths_bytes(n):
+    from tierstate.kernels import use_isa
+    w = _specials(n, seed=n + 1)
+    native = ll.encode(w)
+    with use_isa("reference"):
+        reference = ll.encode(w)
+    assert native[0] == reference[0] and native[0].escapes > 0
+    assert torch.equal(native[1], reference[1])
+
+
+def test_native_encoder_refuses_more_escapes_than_room():
+    from tierstate.kernels.backend import native_kernels
+    k = native_kernels()
+    w = _specials(1000)
+    base, escapes = ll.choose_base(w)
+    parts = [torch.zeros(1000, dtype=torch.uint8), torch.zeros(512, dtype=torch.uint8),
+             torch.zeros(escapes, dtype=torch.int32), torch.zeros(escapes, dtype=torch.uint8)]
+    with pytest.raises(Exception, match="escape_room"):
+        k.encode_exp4_bf16(w.data_ptr(), 1000, base, *(p.data_ptr() for p in parts), escapes - 1)
+    assert not parts[2].any() and not parts[3].any()  # no escape written
+    assert k.encode_exp4_bf16(w.data_ptr(), 1000, base, *(p.data_ptr() for p in parts), escapes) == escapes
+
+
 def test_decoder_refuses_bad_input_and_leaves_out_untouched():
     w = _specials(1000)
     layout, data = ll.encode(w)
