@@ -506,7 +506,8 @@ int64_t encode_exp4_bf16(const uint16_t* src, int64_t n, uint32_t base, uint8_t*
                          uint32_t* escape_index, uint8_t* escape_exponent, int64_t escape_room) {
   if (n < 0 || escape_room < 0) throw std::invalid_argument("n and escape_room must be >= 0");
   if (n >= (int64_t{1} << 32)) throw std::invalid_argument("n must be < 2**32 (escape indices are uint32)");
-  if (base > 255) throw std::invalid_argument("base must be an exponent byte (0-255)");
+  // base + 14 <= 255: the window never wraps, so "outside it" means what lossless.py's torch path says
+  if (base > 241) throw std::invalid_argument("base must be 0-241 (the first of 15 exponents)");
   if (n == 0) return 0;
   if (src == nullptr || sign_mantissa == nullptr || codes == nullptr)
     throw std::invalid_argument("src, sign_mantissa and codes must be non-null");

@@ -142,6 +142,8 @@ def test_native_encoder_refuses_more_escapes_than_room():
         k.encode_exp4_bf16(w.data_ptr(), 1000, base, *(p.data_ptr() for p in parts), escapes - 1)
     assert not parts[2].any() and not parts[3].any()  # no escape written
     assert k.encode_exp4_bf16(w.data_ptr(), 1000, base, *(p.data_ptr() for p in parts), escapes) == escapes
+    with pytest.raises(ValueError, match="base must be 0-241"):
+        k.encode_exp4_bf16(w.data_ptr(), 1000, 242, *(p.data_ptr() for p in parts), escapes)
 
 
 def test_decoder_refuses_bad_input_and_leaves_out_untouched():
