@@ -450,9 +450,32 @@ void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int6
   ThreadPool::instance().parallel_for(n_tasks, body);
 }
 
-// Tasks of 64 Ki values (1,024 blocks): 96 KiB in, 128 KiB out, so a 51.4M-value layer
-// makes ~785 tasks that the threads share evenly. The escapes (~1.5e-4 of the values of a
-// normally distributed matrix) are patched by the caller's thread after the decode.
+// The 4-bit exponent codes' ops run on tasks of 64 Ki values (1,024 blocks; decoding one is
+// 96 KiB in, 128 KiB out), so a 51.4M-value layer makes ~785 tasks that the threads share
+// evenly.
+namespace {
+constexpr int64_t kExp4Task = int64_t{1} << 16;
+
+int64_t exp4_tasks(int64_t n) { return (n + kExp4Task - 1) / kExp4Task; }
+
+// fn(task, begin, end) for each of the exp4_tasks(n) tasks of [0, n), on the thread pool.
+template <class Fn>
+void for_exp4_tasks(int64_t n, Fn&& fn) {
+  auto body = [&](int64_t t) { fn(t, t * kExp4Task, std::min(n, (t + 1) * kExp4Task)); };
+  ThreadPool::instance().parallel_for(exp4_tasks(n), body);
+}
+
+inline uint32_t exponent_of(uint16_t v) { return (v >> 7) & 0xFFu; }
+
+// v's code for the window [base, base + 15): exponent - base, or 15 (an escape) outside it
+inline uint32_t exp4_code(uint16_t v, uint32_t base) {
+  const uint32_t d = (exponent_of(v) - base) & 0xFFu;  // exponent - base, mod 256
+  return d < 15u ? d : 15u;
+}
+}  // namespace
+
+// The escapes (~1.5e-4 of the values of a normally distributed matrix) are patched by the
+// caller's thread after the decode.
 void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
                       int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes) {
   if (n < 0) throw std::invalid_argument("n must be >= 0");
@@ -466,37 +489,25 @@ void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32
   for (int64_t k = 0; k < escapes; ++k)  // before any write: a bad index leaves out untouched
     if (static_cast<int64_t>(escape_index[k]) >= n) throw std::invalid_argument("an escape index is >= n");
   const Exp4Task t{sign_mantissa, codes, out, n, base};
-  constexpr int64_t chunk = int64_t{1} << 16;
-  const int64_t n_tasks = (n + chunk - 1) / chunk;
   const auto kernel = table().decode_exp4;
-  auto body = [&](int64_t i) { kernel(t, i * chunk, std::min(n, (i + 1) * chunk)); };
-  ThreadPool::instance().parallel_for(n_tasks, body);
+  for_exp4_tasks(n, [&](int64_t, int64_t begin, int64_t end) { kernel(t, begin, end); });
   for (int64_t k = 0; k < escapes; ++k) {
     uint16_t& v = out[escape_index[k]];
     v = static_cast<uint16_t>((v & 0x807Fu) | (static_cast<uint32_t>(escape_exponent[k]) << 7));
   }
 }
 
-// The encoder runs once per matrix, at load: plain loops on the thread pool over tasks of
-// 64 Ki values (whole blocks), no ISA variants. It writes what lossless.py's torch path
-// writes, byte for byte (tests/generate/test_generate_lossless.py).
-namespace {
-constexpr int64_t kExp4Task = int64_t{1} << 16;
-
-inline uint32_t exponent_of(uint16_t v) { return (v >> 7) & 0xFFu; }
-}  // namespace
-
+// The encoder runs once per matrix, at load: plain loops, no ISA variants. It writes what
+// lossless.py's torch path writes, byte for byte (tests/generate/test_generate_lossless.py).
 void exponent_histogram_bf16(const uint16_t* src, int64_t n, int64_t* hist) {
   if (n < 0) throw std::invalid_argument("n must be >= 0");
   if (hist == nullptr || (n > 0 && src == nullptr)) throw std::invalid_argument("src and hist must be non-null");
-  const int64_t n_tasks = (n + kExp4Task - 1) / kExp4Task;
+  const int64_t n_tasks = exp4_tasks(n);
   std::vector<int64_t> partial(static_cast<size_t>(n_tasks) * 256, 0);
-  auto count = [&](int64_t t) {
+  for_exp4_tasks(n, [&](int64_t t, int64_t begin, int64_t end) {
     int64_t* h = partial.data() + t * 256;
-    const int64_t end = std::min(n, (t + 1) * kExp4Task);
-    for (int64_t i = t * kExp4Task; i < end; ++i) ++h[exponent_of(src[i])];
-  };
-  ThreadPool::instance().parallel_for(n_tasks, count);
+    for (int64_t i = begin; i < end; ++i) ++h[exponent_of(src[i])];
+  });
   for (int e = 0; e < 256; ++e) hist[e] = 0;
   for (int64_t t = 0; t < n_tasks; ++t)
     for (int e = 0; e < 256; ++e) hist[e] += partial[static_cast<size_t>(t * 256 + e)];
@@ -511,10 +522,9 @@ int64_t encode_exp4_bf16(const uint16_t* src, int64_t n, uint32_t base, uint8_t*
   if (n == 0) return 0;
   if (src == nullptr || sign_mantissa == nullptr || codes == nullptr)
     throw std::invalid_argument("src, sign_mantissa and codes must be non-null");
-  const int64_t n_tasks = (n + kExp4Task - 1) / kExp4Task;
+  const int64_t n_tasks = exp4_tasks(n);
   std::vector<int64_t> found(static_cast<size_t>(n_tasks), 0);
-  auto code_task = [&](int64_t t) {
-    const int64_t begin = t * kExp4Task, end = std::min(n, begin + kExp4Task);
+  for_exp4_tasks(n, [&](int64_t t, int64_t begin, int64_t end) {
     int64_t escapes = 0;
     for (int64_t b = begin; b < end; b += 64) {
       uint8_t* c = codes + b / 2;
@@ -522,16 +532,14 @@ int64_t encode_exp4_bf16(const uint16_t* src, int64_t n, uint32_t base, uint8_t*
       for (int64_t i = b; i < std::min(end, b + 64); ++i) {
         const uint16_t v = src[i];
         sign_mantissa[i] = static_cast<uint8_t>(((v >> 8) & 0x80u) | (v & 0x7Fu));
-        const uint32_t d = (exponent_of(v) - base) & 0xFFu;  // exponent - base, mod 256
-        const uint32_t code = d < 15u ? d : 15u;
+        const uint32_t code = exp4_code(v, base);
         escapes += code == 15u;
         const int64_t j = i - b;
         c[j & 31] |= static_cast<uint8_t>(j < 32 ? code : code << 4);
       }
     }
     found[static_cast<size_t>(t)] = escapes;
-  };
-  ThreadPool::instance().parallel_for(n_tasks, code_task);
+  });
   int64_t total = 0;
   for (int64_t f : found) total += f;
   if (total > escape_room) throw std::length_error("more escapes than escape_room");
@@ -539,20 +547,17 @@ int64_t encode_exp4_bf16(const uint16_t* src, int64_t n, uint32_t base, uint8_t*
     throw std::invalid_argument("escape_index and escape_exponent must be non-null when there are escapes");
   std::vector<int64_t> first(static_cast<size_t>(n_tasks), 0);  // each task's first escape slot
   for (int64_t t = 1; t < n_tasks; ++t) first[t] = first[t - 1] + found[t - 1];
-  auto list_escapes = [&](int64_t t) {
+  for_exp4_tasks(n, [&](int64_t t, int64_t begin, int64_t end) {
     if (found[static_cast<size_t>(t)] == 0) return;
     int64_t k = first[static_cast<size_t>(t)];
-    const int64_t end = std::min(n, (t + 1) * kExp4Task);
-    for (int64_t i = t * kExp4Task; i < end; ++i) {
-      const uint32_t e = exponent_of(src[i]);
-      if (((e - base) & 0xFFu) >= 15u) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (exp4_code(src[i], base) == 15u) {
         escape_index[k] = static_cast<uint32_t>(i);
-        escape_exponent[k] = static_cast<uint8_t>(e);
+        escape_exponent[k] = static_cast<uint8_t>(exponent_of(src[i]));
         ++k;
       }
     }
-  };
-  ThreadPool::instance().parallel_for(n_tasks, list_escapes);
+  });
   return total;
 }
 

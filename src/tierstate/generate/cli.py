@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .compress import DEFAULT_GROUP
+from .compress import ALL_MODES, DEFAULT_GROUP, LOSSLESS
 
 # built-in shapes for `tierstate plan NAME --generate` (transformers config fields)
 BUILTIN = {
@@ -64,7 +64,7 @@ def _placement(text: str, what: str):
 
 def add_compress_arguments(parser) -> None:
     """``--compress`` / ``--group``, shared by ``tierstate generate`` and ``tierstate plan --generate``."""
-    parser.add_argument("--compress", choices=["int8", "int4", "lossless"],
+    parser.add_argument("--compress", choices=list(ALL_MODES),
                         help="store the layers' matrices group-wise int8 or int4 (about 0.53x / 0.28x of bf16; "
                              "the tokens may differ from the uncompressed model's), or, for bf16 layers on NVMe, "
                              "lossless (exponents in 4 bits: about 0.75x of the bytes read, the same tokens)")
@@ -75,7 +75,7 @@ def add_compress_arguments(parser) -> None:
 def compress_options(args) -> tuple[str | None, int | None]:
     """(compress, group) from ``--compress`` / ``--group`` (None: ``DEFAULT_GROUP``); ValueError
     for a --group without --compress."""
-    if args.group is not None and args.compress in (None, "lossless"):
+    if args.group is not None and args.compress in (None, LOSSLESS):
         raise ValueError(f"--group {args.group}: give --compress int8 or int4 with it (lossless has no groups)")
     return args.compress, args.group
 
@@ -197,7 +197,7 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
             dtype = getattr(torch, DTYPES[args.param_dtype or "bf16"])
             full, stored = layer_sizes(build_meta(config, None).layers, dtype, compress,
                                        DEFAULT_GROUP if group is None else group)
-            shape = shape_from_config(config, dtype_bytes, full, stored, lossless=compress == "lossless")
+            shape = shape_from_config(config, dtype_bytes, full, stored, lossless=compress == LOSSLESS)
         else:
             shape = shape_from_config(config, dtype_bytes)
         hw_rates, _ = load_hardware(args.profile)
@@ -217,7 +217,7 @@ def plan_main(args: argparse.Namespace, load_hardware, parse_size) -> int:
     print(f"tierstate plan {args.model} --generate: {wl.batch} prompts x {wl.prompt_len} tokens, "
           f"{wl.new_tokens} new tokens each, {args.param_dtype or 'bf16'}")
     stored = (f" (~{sum(shape.stored_bytes) / 2**30:.2f} GiB as the lossless code reads them from NVMe)"
-              if args.compress == "lossless" else
+              if args.compress == LOSSLESS else
               f" ({sum(shape.stored_bytes) / 2**30:.2f} GiB stored as {args.compress})" if args.compress else "")
     print(f"  model: {shape.n_layers} layers, {sum(shape.layer_bytes) / 2**30:.2f} GiB of layer weights{stored}, "
           f"{shape.resident_bytes / 2**30:.2f} GiB resident")

@@ -126,6 +126,17 @@ def choose_base(src: Tensor) -> tuple[int, int]:
     return base, flat.numel() - int(held[base])
 
 
+def _plan(src: Tensor) -> tuple[Tensor, Exp4] | None:
+    """``src``'s values flat and contiguous, and where their coded parts go; None when coding
+    would not save bytes."""
+    if src.dtype != torch.bfloat16:
+        raise ValueError(f"lossless coding takes bfloat16 values; got {src.dtype}")
+    flat = src.detach().reshape(-1).contiguous()
+    base, escapes = choose_base(flat)
+    layout = Exp4(flat.numel(), base, escapes)
+    return None if layout.nbytes >= 2 * layout.n else (flat, layout)
+
+
 def encode_into(src: Tensor, dst: Tensor) -> Exp4 | None:
     """Code the bf16 matrix ``src`` into the uint8 bytes ``dst`` (at least its coded size,
     :func:`coded_nbytes` of its escapes; the uncoded size always suffices); None, writing
@@ -136,16 +147,29 @@ def encode_into(src: Tensor, dst: Tensor) -> Exp4 | None:
     ``set_isa("reference")``. A 51.4M-value matrix, 2-vCPU Zen 4: 111-204 ms against 450-658
     with the torch path (3 alternating rounds); the 14 NVMe layers of the 16-layer Llama of
     docs/generate.md (720M values) had added 5.8 s to its load with the torch path."""
-    if src.dtype != torch.bfloat16:
-        raise ValueError(f"lossless coding takes bfloat16 values; got {src.dtype}")
-    n = src.numel()
-    flat = src.detach().reshape(-1).contiguous()
-    base, escapes = choose_base(flat)
-    layout = Exp4(n, base, escapes)
-    if layout.nbytes >= 2 * n:
+    planned = _plan(src)
+    if planned is None:
         return None
+    flat, layout = planned
     if dst.dtype != torch.uint8 or dst.numel() < layout.nbytes or not dst.is_contiguous():
         raise ValueError(f"dst: {layout.nbytes} contiguous uint8 bytes needed, got {dst.numel()} of {dst.dtype}")
+    _write(flat, layout, dst)
+    return layout
+
+
+def encode(src: Tensor) -> tuple[Exp4, Tensor] | None:
+    """``src`` coded into a new uint8 tensor of its coded size (None when coding would not save bytes)."""
+    planned = _plan(src)
+    if planned is None:
+        return None
+    flat, layout = planned
+    dst = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    _write(flat, layout, dst)
+    return layout, dst
+
+
+def _write(flat: Tensor, layout: Exp4, dst: Tensor) -> None:
+    n, base, escapes = layout.n, layout.base, layout.escapes
     sm = dst[:n]
     codes = dst[layout.codes_offset:layout.codes_offset + codes_nbytes(n)]
     index = dst[layout.index_offset:layout.index_offset + 4 * escapes].view(torch.int32)
@@ -158,7 +182,6 @@ def encode_into(src: Tensor, dst: Tensor) -> Exp4 | None:
         found = _encode_torch(flat, base, sm, codes, index, exps)
     if found != escapes:  # the histogram and the codes disagree: src changed while it was coded
         raise RuntimeError(f"lossless coding found {found} escapes where its histogram counted {escapes}")
-    return layout
 
 
 def _encode_torch(flat: Tensor, base: int, sm: Tensor, codes: Tensor, index: Tensor, exps: Tensor) -> int:
@@ -185,17 +208,6 @@ def _encode_torch(flat: Tensor, base: int, sm: Tensor, codes: Tensor, index: Ten
         pairs = code.view(-1, 2, 32).to(torch.uint8)
         codes[start // 2:start // 2 + pairs.shape[0] * 32] = (pairs[:, 0, :] | (pairs[:, 1, :] << 4)).reshape(-1)
     return found
-
-
-def encode(src: Tensor) -> tuple[Exp4, Tensor] | None:
-    """``src`` coded into a new uint8 tensor of its coded size (None when coding would not save bytes)."""
-    base, escapes = choose_base(src)
-    n = src.numel()
-    if coded_nbytes(n, escapes) >= 2 * n:
-        return None
-    dst = torch.zeros(coded_nbytes(n, escapes), dtype=torch.uint8)
-    layout = encode_into(src, dst)
-    return layout, dst
 
 
 def decode_into(coded: Tensor, layout: Exp4, out: Tensor) -> None:

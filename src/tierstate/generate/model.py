@@ -13,7 +13,7 @@ from ..placement.generate_plan import DEFAULT_PREFETCH
 from ..placement.offload import Offload
 from ..weights.homes import split_by_fraction
 from .adapters import build_meta
-from .compress import DEFAULT_GROUP
+from .compress import DEFAULT_GROUP, LOSSLESS
 from .kv_store import KVStore
 from .sampling import Sampler
 from .schedule import RoundStats, run_round
@@ -139,7 +139,7 @@ class OffloadedLM:
         _positive("prefetch", prefetch, allow_none=False)
         if group is None:
             group = DEFAULT_GROUP
-        elif compress is None or compress == "lossless":
+        elif compress is None or compress == LOSSLESS:
             raise ValueError(f"group={group!r} applies to quantized layers: pass compress='int8' or 'int4' with it "
                              f"(compress={compress!r} has no groups)")
         if weights != "auto" and kv != "auto":  # what only the planner reads, given without it
@@ -201,7 +201,7 @@ class OffloadedLM:
             plan = plan_for_model(config, dtype, layer_nbytes, stored_nbytes, budget=budget, nvme_dir=nvme_dir,
                                   micro_batch=micro_batch, num_micro_batches=None if micro_batch is None
                                   else num_micro_batches, workload=workload, hardware=hardware, prefetch=prefetch,
-                                  lossless=compress == "lossless")
+                                  lossless=compress == LOSSLESS)
             if weights == "auto":
                 weights = plan.weight_tiers
             if kv == "auto":
@@ -209,7 +209,7 @@ class OffloadedLM:
             if micro_batch is None:
                 micro_batch, num_micro_batches = plan.micro_batch, plan.num_micro_batches
         # lossless layers sit in RAM uncoded: fractions of RAM count their bf16 bytes
-        w_tiers = _tiers(weights, layer_nbytes if compress == "lossless" else stored_nbytes or layer_nbytes,
+        w_tiers = _tiers(weights, layer_nbytes if compress == LOSSLESS else stored_nbytes or layer_nbytes,
                          "weights")
         kv_tiers = _tiers(kv, [1] * len(layer_nbytes), "kv")
         if nvme_dir is None and isinstance(weights, Offload) and weights.nvme_dir is not None:

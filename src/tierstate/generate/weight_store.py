@@ -96,15 +96,21 @@ def lossless_estimate(slots: list[Slot]) -> int:
     return align_up(max(cursor, 1), PARAM_ALIGN)
 
 
+def check_options(compress: str | None, group: int, dtype: torch.dtype) -> None:
+    """ValueError naming the argument when ``compress`` / ``group`` are not a format, or the
+    format cannot store ``dtype`` layers."""
+    cq.check_options(compress, group)
+    if compress == cq.LOSSLESS and dtype != torch.bfloat16:
+        raise ValueError(f"compress='lossless' codes bfloat16 layers; dtype={dtype}: pass dtype=torch.bfloat16 "
+                         "or compress=None")
+
+
 def layer_sizes(layers: Sequence[torch.nn.Module], dtype: torch.dtype, compress: str | None = None,
                 group: int = cq.DEFAULT_GROUP) -> tuple[list[int], list[int] | None]:
     """Each layer's image in the compute dtype, and as stored when ``compress`` is given (else
     None): the sizes the planner prices and the store allocates (``"lossless"``: an estimate,
     the bytes an NVMe layer reads; the store sizes its homes by the first list)."""
-    cq.check_options(compress, group)
-    if compress == cq.LOSSLESS and dtype != torch.bfloat16:
-        raise ValueError(f"compress='lossless' codes bfloat16 layers; dtype={dtype}: pass dtype=torch.bfloat16 "
-                         "or compress=None")
+    check_options(compress, group, dtype)
     layouts = [layer_layout(m, dtype) for m in layers]
     full = [n for _, n in layouts]
     if compress is None:
@@ -132,7 +138,7 @@ class WeightStore:
                  group: int = cq.DEFAULT_GROUP) -> None:
         if len(tiers) != len(layers):
             raise ValueError(f"tiers: {len(tiers)} entries for {len(layers)} layers")
-        layer_sizes([], dtype, compress, group)  # the options' checks
+        check_options(compress, group, dtype)
         self.layers = list(layers)
         self.tiers = list(tiers)
         self.layouts = [layer_layout(m, dtype) for m in self.layers]
