@@ -33,7 +33,14 @@ from ..io import StateLostError
 from ..io.errors import FileIOError
 from ..placement.defaults import default_nvme_root
 from ..placement.generate_plan import kv_pool_records
+from ..tiers.rundir import Spelling
 from ..weights.homes import RECORD_ALIGN, NvmeHome
+
+# what a disk too small for the NVMe KV records tells the caller of OffloadedLM.from_pretrained
+KV = Spelling(folder="OffloadedLM.from_pretrained(nvme_dir=...)",
+              split='keep the KV cache in RAM with kv="cpu" (or part of it with kv=ts.Offload(cpu=..., nvme=...)), '
+                    "or generate fewer sequences at once",
+              what="the KV cache kept on NVMe")
 
 
 class KVLostError(StateLostError):
@@ -90,7 +97,7 @@ class KVStore:
         if nvme_sizes:
             explicit = nvme_dir is not None
             folder = Path(nvme_dir) / "kv" if explicit else None
-            self.nvme = NvmeHome(nvme_sizes, folder, explicit, default_nvme_root())
+            self.nvme = NvmeHome(nvme_sizes, folder, explicit, default_nvme_root(), KV)
             big = max(nvme_sizes.values())
             for _ in range(kv_pool_records(self.J, len(nvme_sizes))):
                 self._free.append((tio.aligned_empty(big, RECORD_ALIGN), None))

@@ -24,10 +24,17 @@ from .. import io as tio
 from ..kernels.omp_handover import hand_over_cores
 from ..placement.defaults import default_nvme_root
 from ..placement.generate_plan import DEFAULT_PREFETCH
+from ..tiers.rundir import Spelling
 from ..weights.blocks import PARAM_ALIGN, align_up
 from ..weights.homes import RECORD_ALIGN, HostHome, NvmeHome
 from . import compress as cq
 from . import lossless as ll
+
+# what a disk too small for the NVMe layers tells the caller of OffloadedLM.from_pretrained
+LAYERS = Spelling(folder="OffloadedLM.from_pretrained(nvme_dir=...)",
+                  split='keep more layers in RAM with weights=ts.Offload(cpu=..., nvme=...), or pass '
+                        'weights="auto", which plans within the free disk',
+                  what="the layers kept on NVMe")
 
 
 @dataclass(frozen=True)
@@ -166,7 +173,7 @@ class WeightStore:
         if nvme:
             explicit = nvme_dir is not None
             folder = Path(nvme_dir) / "weights" if explicit else None
-            self.nvme = NvmeHome(nvme, folder, explicit, default_nvme_root())
+            self.nvme = NvmeHome(nvme, folder, explicit, default_nvme_root(), LAYERS)
             record = max(self.nvme.record_nbytes.values())
             for _ in range(min(self.prefetch_depth + 1, len(nvme))):
                 self._free.append(tio.aligned_empty(record, RECORD_ALIGN))

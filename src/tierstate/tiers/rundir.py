@@ -55,6 +55,7 @@ import secrets
 import stat
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..io import DiskFullError, free_bytes, reserve
@@ -62,6 +63,23 @@ from ..io.errors import io_error
 from .rundir_marker import (LOCK_NAME, MARKER_NAME, STALE, judge, new_marker, process_start_time,  # noqa: F401
                             read_marker)
 from .termination import on_termination
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How the user of one entry point names the NVMe folder and the RAM/NVMe split, so that
+    an error says what to change in the call that was made: the optimizer's ``Offload``
+    fields, ``offload_weights``' or ``OffloadedLM.from_pretrained``'s own arguments."""
+
+    folder: str = "Offload(nvme_dir=...)"  # "..." is replaced by the folder where one is named
+    split: str = "keep part of the state in RAM with Offload(cpu=..., nvme=...)"
+    what: str = "the NVMe tier"
+
+    def folder_named(self, path) -> str:
+        return self.folder.replace("...", repr(str(path)))
+
+
+OPTIMIZER = Spelling()
 
 _log = logging.getLogger("tierstate")
 
@@ -294,10 +312,11 @@ class RunFolder:
     Args:
         folder: the folder to claim (created if missing, with its parents), made absolute now.
         owned: the folder was made for this run under the default root; otherwise the user
-            named it with ``Offload(nvme_dir=...)``.
+            named it (``Offload(nvme_dir=...)`` or the ``nvme_dir`` of ``spelling``).
+        spelling: how the caller's user names the folder, for the errors (:class:`Spelling`).
     """
 
-    def __init__(self, folder: Path, *, owned: bool) -> None:
+    def __init__(self, folder: Path, *, owned: bool, spelling: Spelling = OPTIMIZER) -> None:
         self.path = Path(os.path.abspath(folder))
         self.owned = owned
         self.pid = os.getpid()
@@ -307,10 +326,11 @@ class RunFolder:
         self._created_lock = False
         self._closed = False
         self._registration = None
+        self._spelling = spelling
         arg = "nvme_dir" if not owned else "the default NVMe root (TIERSTATE_NVME_DIR)"
         if not owned and os.path.lexists(self.path) and not self.path.is_dir():
             raise NotADirectoryError(
-                errno.ENOTDIR, f"Offload(nvme_dir={str(self.path)!r}): {self.path} is {_kind(self.path)}, not a "
+                errno.ENOTDIR, f"{spelling.folder_named(self.path)}: {self.path} is {_kind(self.path)}, not a "
                 "folder; pass a folder (it is created if missing) or move that away", str(self.path))
         try:
             if owned:
@@ -322,7 +342,7 @@ class RunFolder:
             raise
         except OSError as exc:
             raise type(exc)(exc.errno, f"cannot create the NVMe-tier folder ({exc.strerror}); pass "
-                            "Offload(nvme_dir=...) a writable folder or set TIERSTATE_NVME_DIR",
+                            f"{spelling.folder} a writable folder or set TIERSTATE_NVME_DIR",
                             str(self.path)) from exc
         try:
             self._claim(depth, arg)
@@ -344,11 +364,11 @@ class RunFolder:
         if exc.errno in (errno.EISDIR, errno.ELOOP) and os.path.lexists(lock):
             what = "a symbolic link" if os.path.islink(lock) else _kind(lock)
             err.strerror = (f"{where}: {lock} is {what}, where tierstate keeps its lock file (a plain file it "
-                            "creates); move it away or pass Offload(nvme_dir=...) another folder")
+                            f"creates); move it away or pass {self._spelling.folder} another folder")
             return err
-        err.strerror = (f"{where}: cannot create files in it ({os.strerror(exc.errno or errno.EIO)}); the NVMe tier "
-                        "needs a writable folder on a disk: pass Offload(nvme_dir=...) another folder or set "
-                        "TIERSTATE_NVME_DIR")
+        err.strerror = (f"{where}: cannot create files in it ({os.strerror(exc.errno or errno.EIO)}); "
+                        f"{self._spelling.what} needs a writable folder on a disk: pass {self._spelling.folder} another "
+                        "folder or set TIERSTATE_NVME_DIR")
         return err
 
     def _claim(self, depth: int, arg: str) -> None:
@@ -454,27 +474,29 @@ class RunFolder:
         _live.discard(self)
 
 
-def claim_folders(dirs: tuple[Path, ...], explicit: bool) -> list[RunFolder]:
-    """Claim one run folder per entry of ``dirs`` (see the note); on failure release those taken."""
+def claim_folders(dirs: tuple[Path, ...], explicit: bool, spelling: Spelling = OPTIMIZER) -> list[RunFolder]:
+    """Claim one run folder per entry of ``dirs`` (see the note); on failure release those taken.
+    ``spelling``: how the caller's user names the folder, for the errors."""
     folders: list[RunFolder] = []
     try:
         for d in dirs:
             d = Path(os.path.abspath(d))
             if explicit:
-                folders.append(RunFolder(d, owned=False))
+                folders.append(RunFolder(d, owned=False, spelling=spelling))
             else:
                 if os.path.lexists(d) and not d.is_dir():
                     raise NotADirectoryError(
                         errno.ENOTDIR, f"the default NVMe root {d} (TIERSTATE_NVME_DIR) is {_kind(d)}, not a "
-                        "folder; set TIERSTATE_NVME_DIR to a folder or pass Offload(nvme_dir=...)", str(d))
+                        f"folder; set TIERSTATE_NVME_DIR to a folder or pass {spelling.folder}", str(d))
                 try:
                     d.mkdir(parents=True, exist_ok=True)
                 except OSError as exc:
                     raise type(exc)(exc.errno, f"cannot create the default NVMe root ({exc.strerror}); set "
-                                    "TIERSTATE_NVME_DIR to a writable folder or pass Offload(nvme_dir=...)",
+                                    f"TIERSTATE_NVME_DIR to a writable folder or pass {spelling.folder}",
                                     str(d)) from exc
                 sweep_default_root(d)
-                folders.append(RunFolder(d / f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}", owned=True))
+                folders.append(RunFolder(d / f"{RUN_PREFIX}{os.getpid()}-{secrets.token_hex(4)}", owned=True,
+                                         spelling=spelling))
     except BaseException:
         for f in folders:
             f.close()
@@ -482,12 +504,13 @@ def claim_folders(dirs: tuple[Path, ...], explicit: bool) -> list[RunFolder]:
     return folders
 
 
-def reserve_files(requests: list[tuple[Path, int]]) -> None:
+def reserve_files(requests: list[tuple[Path, int]], spelling: Spelling = OPTIMIZER) -> None:
     """fallocate every ``(path, nbytes)``; raise a :class:`DiskFullError` naming the whole shortfall.
 
     Requests are grouped by filesystem so that the check names what the run needs on
     each disk in total ("needs 41.2 GiB of disk under /x, 12.0 GiB free") before any
-    space is taken, rather than failing on the third of four files.
+    space is taken, rather than failing on the third of four files. ``spelling``: how the
+    caller's user names the folder and the split, for the error.
     """
     by_dev: dict[int, list[tuple[Path, int]]] = {}
     for path, nbytes in requests:
@@ -499,9 +522,9 @@ def reserve_files(requests: list[tuple[Path, int]]) -> None:
         if need > free:
             raise DiskFullError(
                 errno.ENOSPC,
-                f"the NVMe tier needs {_gib(need)} of disk under {where}, {_gib(free)} free "
-                f"(short by {_gib(need - free)}); free space there, pass Offload(nvme_dir=...) a bigger "
-                "disk, or keep part of the state in RAM with Offload(cpu=..., nvme=...)",
+                f"{spelling.what} needs {_gib(need)} of disk under {where}, {_gib(free)} free "
+                f"(short by {_gib(need - free)}); free space there, pass {spelling.folder} a folder on a "
+                f"bigger disk, or {spelling.split}",
                 str(where),
                 None,
             )

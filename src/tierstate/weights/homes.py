@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import io as tio
 from ..io import FileIOError, StateLostError
-from ..tiers.rundir import claim_folders, reserve_files
+from ..tiers.rundir import Spelling, claim_folders, reserve_files
 
 RECORD_ALIGN = 4096  # O_DIRECT offset and length alignment on every Linux filesystem
 
@@ -64,14 +64,22 @@ class HostHome:
         self.images.clear()
 
 
+
+# offload_weights' own arguments, named by its errors (the optimizer's are Offload's fields)
+STREAMED = Spelling(folder="offload_weights(nvme_dir=...)",
+                    split="keep part of the weights in RAM with offload=ts.Offload(cpu=..., nvme=...)",
+                    what="the weights' NVMe home")
+
 class NvmeHome:
-    """Blocks kept in one file under ``folder`` (claimed and removed as the NVMe tier's are)."""
+    """Blocks kept in one file under ``folder`` (claimed and removed as the NVMe tier's are).
+    ``spelling``: how the caller's user names the folder and the RAM/NVMe split, for the errors."""
 
     kind = "nvme"
     does_io = True
 
-    def __init__(self, sizes: dict[int, int], folder: Path | None, explicit: bool, default_root: Path) -> None:
-        self._folders = claim_folders((Path(folder) if folder is not None else default_root,), explicit)
+    def __init__(self, sizes: dict[int, int], folder: Path | None, explicit: bool, default_root: Path,
+                 spelling: Spelling = STREAMED) -> None:
+        self._folders = claim_folders((Path(folder) if folder is not None else default_root,), explicit, spelling)
         try:
             self.offsets: dict[int, int] = {}
             cursor = 0
@@ -82,7 +90,7 @@ class NvmeHome:
             self.record_nbytes = {b: _align(n) for b, n in sizes.items()}
             self.nbytes = cursor
             self.path = self._folders[0].state_file(0)
-            reserve_files([(self.path, cursor)])
+            reserve_files([(self.path, cursor)], spelling)
             self.file = tio.File(self.path, "r+", direct=True)
         except BaseException:
             for f in self._folders:
