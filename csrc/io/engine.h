@@ -247,11 +247,13 @@ class Engine {
   bool stopped_ = false;
 };
 
-// Aligned host memory for O_DIRECT buffers (posix_memalign); free with aligned_free.
-// With huge_pages the range is also madvise(MADV_HUGEPAGE)'d (the caller passes a
-// huge-page alignment and size): a direct request over 4 KiB pages is split by the block
-// layer at max_segments pages (254 on virtio-blk, ~1 MiB), over 2 MiB pages it is not.
-// The advice is best effort: a kernel without THP leaves ordinary pages.
+// Aligned host memory for O_DIRECT buffers; free with aligned_free. Without huge_pages it
+// comes from posix_memalign. With huge_pages (the caller passes a huge-page alignment) it is
+// a fresh anonymous mapping of its own, madvise(MADV_HUGEPAGE)'d before any page exists, so
+// that its pages fault in as huge ones (heap memory may already sit on 4 KiB pages): a direct
+// request over 4 KiB pages is split by the block layer at max_segments pages (254 on
+// virtio-blk, ~1 MiB), over 2 MiB pages it is not. The advice is best effort: a kernel
+// without THP leaves ordinary pages.
 void* aligned_alloc_bytes(size_t nbytes, size_t alignment, bool huge_pages = false);
 void aligned_free(void* p);
 // A page-aligned bounce buffer for a worker, or nullptr when memory is short (the tasks
