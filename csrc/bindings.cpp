@@ -342,7 +342,8 @@ static void bind_io(nb::module_& m) {
     size_t shape[1] = {nbytes};
     return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner);
   }, "nbytes"_a, "alignment"_a, "huge_pages"_a = false,
-     "Uninitialised host memory from posix_memalign (madvise'd MADV_HUGEPAGE on request), as a numpy uint8 array.");
+     "Uninitialised aligned host memory as a numpy uint8 array: with huge_pages a fresh mapping advised "
+     "MADV_HUGEPAGE before first touch, else posix_memalign.");
 }
 
 NB_MODULE(_native, m) {
