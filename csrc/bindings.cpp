@@ -183,13 +183,15 @@ static void bind_kernels(nb::module_& m) {
   km.def(
       "decode_exp4_bf16",
       [](ptr sign_mantissa, ptr codes, uint32_t base, ptr out, int64_t n, ptr escape_index, ptr escape_exponent,
-         int64_t escapes) {
+         int64_t escapes, int64_t part_nbytes, uint32_t crc) {
         nb::gil_scoped_release release;
-        k::decode_exp4_bf16(reinterpret_cast<const uint8_t*>(sign_mantissa), reinterpret_cast<const uint8_t*>(codes),
-                            base, reinterpret_cast<uint16_t*>(out), n, reinterpret_cast<const uint32_t*>(escape_index),
-                            reinterpret_cast<const uint8_t*>(escape_exponent), escapes);
+        return k::decode_exp4_bf16(reinterpret_cast<const uint8_t*>(sign_mantissa),
+                                   reinterpret_cast<const uint8_t*>(codes), base, reinterpret_cast<uint16_t*>(out), n,
+                                   reinterpret_cast<const uint32_t*>(escape_index),
+                                   reinterpret_cast<const uint8_t*>(escape_exponent), escapes, part_nbytes, crc);
       },
-      "bf16 values from sign+mantissa bytes and 4-bit exponent codes (see tierstate.generate.lossless).");
+      "bf16 values from sign+mantissa bytes and 4-bit exponent codes (see tierstate.generate.lossless); with "
+      "part_nbytes >= 0 (else -1), returns the CRC-32C of the part's bytes continued from crc, taken as they are decoded.");
 
   km.def(
       "exponent_histogram_bf16",

@@ -11,6 +11,7 @@
 #include "common/cpu_features.h"
 #include "common/faster_of_two.h"
 #include "common/thread_pool.h"
+#include "io/crc32c.h"
 #include "kernels/isa_table.h"
 #include "kernels/kernels.h"
 
@@ -474,27 +475,67 @@ inline uint32_t exp4_code(uint16_t v, uint32_t base) {
 }
 }  // namespace
 
+// Code bytes of the values before index ``end`` (a multiple of 64, or n): 32 per started block.
+inline int64_t exp4_code_bytes(int64_t end) { return (end + 63) / 64 * 32; }
+
+// Values a task decodes before it takes the CRC of their bytes: 4 KiB of sign/mantissa bytes
+// and 2 KiB of codes, still in L1 (32 KiB on the cores we know) when the CRC reads them.
+constexpr int64_t kExp4CrcChunk = 4096;
+
 // The escapes (~1.5e-4 of the values of a normally distributed matrix) are patched by the
 // caller's thread after the decode.
-void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
-                      int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes) {
+uint32_t decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
+                          int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes,
+                          int64_t part_nbytes, uint32_t crc) {
   if (n < 0) throw std::invalid_argument("n must be >= 0");
   if (escapes < 0) throw std::invalid_argument("escapes must be >= 0");
   if (base > 255) throw std::invalid_argument("base must be an exponent byte (0-255)");
-  if (n == 0) return;
+  const bool checked = part_nbytes >= 0;
+  if (n == 0) return checked ? io::crc32c(crc, sign_mantissa, static_cast<size_t>(part_nbytes)) : crc;
   if (sign_mantissa == nullptr || codes == nullptr || out == nullptr)
     throw std::invalid_argument("sign_mantissa, codes and out must be non-null");
   if (escapes > 0 && (escape_index == nullptr || escape_exponent == nullptr))
     throw std::invalid_argument("escape_index and escape_exponent must be non-null when escapes > 0");
+  const int64_t code_bytes = exp4_code_bytes(n);
+  if (checked && (codes < sign_mantissa + n || sign_mantissa + part_nbytes < codes + code_bytes))
+    throw std::invalid_argument("part_nbytes: the codes must follow the sign/mantissa bytes inside the part");
   for (int64_t k = 0; k < escapes; ++k)  // before any write: a bad index leaves out untouched
     if (static_cast<int64_t>(escape_index[k]) >= n) throw std::invalid_argument("an escape index is >= n");
   const Exp4Task t{sign_mantissa, codes, out, n, base};
   const auto kernel = table().decode_exp4;
-  for_exp4_tasks(n, [&](int64_t, int64_t begin, int64_t end) { kernel(t, begin, end); });
+  if (!checked) {
+    for_exp4_tasks(n, [&](int64_t, int64_t begin, int64_t end) { kernel(t, begin, end); });
+  } else {
+    // each task's CRCs of its sign/mantissa bytes and of its codes, joined in order below
+    std::vector<uint32_t> sm_crc(static_cast<size_t>(exp4_tasks(n))), code_crc(sm_crc.size());
+    for_exp4_tasks(n, [&](int64_t task, int64_t begin, int64_t end) {
+      uint32_t s = 0, c = 0;
+      for (int64_t b = begin; b < end; b += kExp4CrcChunk) {
+        const int64_t e = std::min(end, b + kExp4CrcChunk);
+        kernel(t, b, e);
+        s = io::crc32c_serial(s, sign_mantissa + b, static_cast<size_t>(e - b));
+        c = io::crc32c_serial(c, codes + b / 2, static_cast<size_t>(exp4_code_bytes(e) - b / 2));
+      }
+      sm_crc[static_cast<size_t>(task)] = s;
+      code_crc[static_cast<size_t>(task)] = c;
+    });
+    uint32_t sm_all = 0, code_all = 0;
+    for (int64_t task = 0; task < exp4_tasks(n); ++task) {
+      const int64_t begin = task * kExp4Task, end = std::min(n, begin + kExp4Task);
+      sm_all = io::crc32c_combine(sm_all, sm_crc[static_cast<size_t>(task)], static_cast<size_t>(end - begin));
+      code_all = io::crc32c_combine(code_all, code_crc[static_cast<size_t>(task)],
+                                    static_cast<size_t>(exp4_code_bytes(end) - begin / 2));
+    }
+    crc = io::crc32c_combine(crc, sm_all, static_cast<size_t>(n));
+    crc = io::crc32c_serial(crc, sign_mantissa + n, static_cast<size_t>(codes - (sign_mantissa + n)));
+    crc = io::crc32c_combine(crc, code_all, static_cast<size_t>(code_bytes));
+    crc = io::crc32c_serial(crc, codes + code_bytes, static_cast<size_t>(sign_mantissa + part_nbytes - (codes + code_bytes)));
+  }
   for (int64_t k = 0; k < escapes; ++k) {
     uint16_t& v = out[escape_index[k]];
     v = static_cast<uint16_t>((v & 0x807Fu) | (static_cast<uint32_t>(escape_exponent[k]) << 7));
   }
+  return crc;
 }
 
 // The encoder runs once per matrix, at load: plain loops, no ISA variants. It writes what

@@ -167,9 +167,14 @@ void dequantize_groups(const uint8_t* codes, const float* scale, void* out, int6
 // (tierstate/generate/lossless.py; layout in isa_table.h Exp4Task) written to out as bf16
 // bits: exponent (base + code) & 0xFF, then the `escapes` values whose code is 15 get
 // their exponent bytes: out[escape_index[k]] takes escape_exponent[k]. Indices must be
-// < n; they are checked.
-void decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
-                      int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes);
+// < n; they are checked. With part_nbytes >= 0 it also returns the CRC-32C of the coded
+// matrix, the part_nbytes bytes from sign_mantissa (its sign/mantissa bytes, codes, escapes
+// and the padding between them, as lossless.py lays them out), continued from crc; each task
+// takes its chunks' CRCs right after decoding them, while they are in L1, and the pieces are
+// joined with crc32c_combine. Without, it returns crc unchanged.
+uint32_t decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, uint32_t base, uint16_t* out,
+                          int64_t n, const uint32_t* escape_index, const uint8_t* escape_exponent, int64_t escapes,
+                          int64_t part_nbytes = -1, uint32_t crc = 0);
 
 // The encoder's two passes (tierstate/generate/lossless.py chooses base between them):
 // hist[e] (256 int64, overwritten) counts the n bf16 values whose exponent byte is e; then

@@ -121,6 +121,27 @@ def test_native_decoder_is_the_torch_path_bit_for_bit_on_every_isa():
 
 
 @pytest.mark.parametrize("n", [1000, 40 * 64 + 7, 64 * 1024 * 3 + 100])
+def test_decode_takes_the_crc_of_the_bytes_it_reads(n):
+    """With ``crc=``, the decode returns the CRC-32C of the coded part continued from it, taken as
+    the values are decoded (the generation store checks its records that way): the same value
+    as tierstate.io.crc32c over the part's bytes, on the torch path and every native ISA."""
+    from tierstate import io as tio
+    from tierstate.kernels import available_isas, use_isa
+    w = _specials(n, seed=n)
+    layout, data = ll.encode(w)
+    assert layout.escapes > 0 and data.numel() >= layout.nbytes
+    for isa in ["reference", *[i for i in available_isas() if i != "reference"]]:
+        for start in (0, 0x1234ABCD):
+            out = torch.full((n,), float("nan"), dtype=torch.bfloat16)
+            with use_isa(isa):
+                got = ll.decode_into(data, layout, out, crc=start)
+            assert got == tio.crc32c(data[:layout.nbytes], start), (isa, start)
+            assert torch.equal(_bits(out), _bits(w)), isa
+        with use_isa(isa):
+            assert ll.decode_into(data, layout, out) is None
+
+
+@pytest.mark.parametrize("n", [1000, 40 * 64 + 7, 64 * 1024 * 3 + 100])
 def test_native_encoder_writes_the_torch_paths_bytes(n):
     from tierstate.kernels import use_isa
     w = _specials(n, seed=n + 1)
@@ -229,6 +250,52 @@ def test_a_changed_byte_of_a_coded_record_is_caught(saved, tmp_path):
             f.write(bytes([byte[0] ^ 0x10]))
         with pytest.raises(WeightsLostError, match="CRC-32C"):
             lm.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, eos_token_id=[])
+
+
+def _record_spots(lm, i):
+    """Byte offsets inside layer ``i``'s record, one per kind of region the decode's CRC covers."""
+    parts = sorted(lm.weights.coded[i], key=lambda c: c.offset)
+    coded = [c for c in parts if c.exp4 is not None]
+    end = lambda c: c.offset + (c.exp4.nbytes if c.exp4 is not None else c.slot.nbytes)  # noqa: E731
+    spots = {"sign/mantissa byte": coded[0].offset + 5,
+             "exponent code byte": coded[0].offset + coded[0].exp4.codes_offset + 3,
+             # the first escape's index, high byte: far past the matrix's end
+             "escape index": next(c.offset + c.exp4.index_offset + 3 for c in coded if c.exp4.escapes),
+             "padding between parts": next(end(a) for a, b in zip(parts, parts[1:]) if end(a) < b.offset)}
+    raw = [c for c in parts if c.exp4 is None]
+    if raw:
+        spots["uncoded tensor"] = raw[0].offset + 1
+    if end(parts[-1]) < lm.weights.nvme.used_nbytes(i):
+        spots["padding after the last part"] = lm.weights.nvme.used_nbytes(i) - 1
+    return spots
+
+
+def test_a_changed_byte_anywhere_in_a_coded_record_is_caught(saved, tmp_path):
+    """The record's CRC-32C, taken while the decode reads it, covers every byte the read moved:
+    a byte flipped on disk in any part fails the next step with WeightsLostError, never with
+    other tokens (or, for an escape index sent past the matrix, an IndexError)."""
+    from tierstate.weights.homes import WeightsLostError
+    _, folder = saved
+    ids, mask = padded_batch()
+    with OffloadedLM.from_pretrained(folder, weights="nvme", kv="cpu", nvme_dir=tmp_path,
+                                     compress="lossless") as lm:
+        ref = lm.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, eos_token_id=[])
+        home = lm.weights.nvme
+        spots = _record_spots(lm, 1)
+        assert len(spots) >= 5
+        for where, at in spots.items():
+            with open(home.path, "r+b") as f:
+                f.seek(home.offsets[1] + at)
+                byte = f.read(1)
+                f.seek(home.offsets[1] + at)
+                f.write(bytes([byte[0] ^ 0x10]))
+            with pytest.raises(WeightsLostError, match="CRC-32C"):
+                lm.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, eos_token_id=[])
+            with open(home.path, "r+b") as f:  # put it back: the next spot is tested alone
+                f.seek(home.offsets[1] + at)
+                f.write(byte)
+            again = lm.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, eos_token_id=[])
+            assert torch.equal(again, ref), where
 
 
 def test_bad_lossless_arguments(tmp_path):

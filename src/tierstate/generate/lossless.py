@@ -210,12 +210,19 @@ def _encode_torch(flat: Tensor, base: int, sm: Tensor, codes: Tensor, index: Ten
     return found
 
 
-def decode_into(coded: Tensor, layout: Exp4, out: Tensor) -> None:
+def decode_into(coded: Tensor, layout: Exp4, out: Tensor, *, crc: int | None = None) -> int | None:
     """The bf16 values of ``coded`` (uint8 bytes laid out as ``layout`` says) into ``out`` (a
     contiguous bf16 tensor of ``layout.n`` values), bit for bit what was encoded.
 
+    With ``crc`` (the CRC-32C of whatever precedes the part, 0 for nothing), returns the
+    CRC-32C continued over the part's ``layout.nbytes`` bytes, as
+    ``tierstate.io.crc32c(coded[:layout.nbytes], crc)`` would; the native kernel takes it chunk
+    by chunk as it decodes, while the bytes are in L1, so that a record is read once, not once
+    for its check and again for its values. Without ``crc``, returns None.
+
     The native kernel writes the values in parallel; the torch path below (no native module,
-    or ``set_isa("reference")``) gives the same bits."""
+    or ``set_isa("reference")``) gives the same bits. A bad escape index raises ValueError
+    before any value is written."""
     n = layout.n
     if out.dtype != torch.bfloat16 or out.numel() != n:
         raise ValueError(f"out: expected {n} bfloat16 values, got {out.numel()} of {out.dtype}")
@@ -225,10 +232,16 @@ def decode_into(coded: Tensor, layout: Exp4, out: Tensor) -> None:
     if (kernels is not None and out.device.type == "cpu" and coded.device.type == "cpu" and out.is_contiguous()
             and coded.is_contiguous()):
         base_ptr = coded.data_ptr()
-        kernels.decode_exp4_bf16(base_ptr, base_ptr + layout.codes_offset, layout.base, out.data_ptr(), n,
-                                 base_ptr + layout.index_offset, base_ptr + layout.exponent_offset, layout.escapes)
-        return
+        got = kernels.decode_exp4_bf16(base_ptr, base_ptr + layout.codes_offset, layout.base, out.data_ptr(), n,
+                                       base_ptr + layout.index_offset, base_ptr + layout.exponent_offset,
+                                       layout.escapes, -1 if crc is None else layout.nbytes, crc or 0)
+        return None if crc is None else got
+    if crc is not None:
+        from .. import io as tio  # noqa: PLC0415
+
+        crc = tio.crc32c(coded[:layout.nbytes], crc)
     _decode_torch(coded, layout, out)
+    return crc
 
 
 def _decode_torch(coded: Tensor, layout: Exp4, out: Tensor) -> None:

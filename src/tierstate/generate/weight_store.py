@@ -257,9 +257,14 @@ class WeightStore:
             # to the native work of this one, the CRC-32C of its record and its dequantization
             # (kernels/omp_handover.py; once per layer)
             hand_over_cores()
-        image = self._stored_image(i)
-        if self.lossless and self.tiers[i] == "nvme":
-            out = self._decode(i, image)
+        coded = self.lossless and self.tiers[i] == "nvme"
+        image = self._stored_image(i, verify=not coded)  # a coded record is checked as it is decoded
+        if coded:
+            try:
+                out = self._decode(i, image)
+            except BaseException:
+                self.release(i)  # the record is not used: its buffer takes the next read
+                raise
         elif self.stored is None:
             return image
         else:
@@ -283,16 +288,31 @@ class WeightStore:
         return out
 
     def _decode(self, i: int, image: Tensor) -> Tensor:
-        out = self._compute
-        for c in self.coded[i]:
-            dst = typed(out, c.slot)
-            if c.exp4 is not None:
-                ll.decode_into(image[c.offset:c.offset + c.exp4.nbytes], c.exp4, dst)
-            else:
-                dst.copy_(image[c.offset:c.offset + c.slot.nbytes].view(c.slot.dtype).view(c.slot.shape))
+        """Layer ``i``'s values from its coded record ``image``, into the compute buffer, with the
+        record's CRC-32C taken on the way: each coded matrix's by its decode (while its bytes
+        are in L1), the padding's and the uncoded tensors' around them, in record order. A
+        record that does not match what was written raises WeightsLostError, and what was
+        decoded from it is never used."""
+        out, crc, pos = self._compute, 0, 0
+        try:
+            for c in sorted(self.coded[i], key=lambda c: c.offset):
+                crc = tio.crc32c(image[pos:c.offset], crc)  # the padding before the part
+                dst = typed(out, c.slot)
+                if c.exp4 is not None:
+                    crc = ll.decode_into(image[c.offset:c.offset + c.exp4.nbytes], c.exp4, dst, crc=crc)
+                    pos = c.offset + c.exp4.nbytes
+                else:
+                    raw = image[c.offset:c.offset + c.slot.nbytes]
+                    dst.copy_(raw.view(c.slot.dtype).view(c.slot.shape))
+                    crc = tio.crc32c(raw, crc)
+                    pos = c.offset + c.slot.nbytes
+        except ValueError:  # an escape index past its matrix: bytes changed on disk, or a bug
+            self.nvme.verify(i, image)  # raises WeightsLostError when the record changed
+            raise
+        self.nvme.check(i, tio.crc32c(image[pos:self.nvme.used_nbytes(i)], crc))
         return out
 
-    def _stored_image(self, i: int) -> Tensor:
+    def _stored_image(self, i: int, verify: bool = True) -> Tensor:
         if self.tiers[i] == "cpu":
             return self.host.image(i)
         if i not in self._loaded:
@@ -304,7 +324,8 @@ class WeightStore:
             t0 = time.perf_counter()
             try:
                 fut.get()
-                self.nvme.verify(i, buf)
+                if verify:
+                    self.nvme.verify(i, buf)
             except BaseException:
                 del self._loaded[i]
                 self._free.append(buf)

@@ -124,9 +124,14 @@ class NvmeHome:
         return self.file.pwrite(image, self.offsets[b], n)
 
     def verify(self, b: int, image: Tensor) -> None:
+        """Raise :class:`WeightsLostError` unless ``image`` holds record ``b`` as last written."""
+        self.check(b, tio.crc32c(image[:self.used_nbytes(b)]))
+
+    def check(self, b: int, got: int) -> None:
+        """Raise :class:`WeightsLostError` unless ``got`` is the CRC-32C record ``b`` was written
+        with (taken by the caller over the bytes the read moved, e.g. while decoding them)."""
         n = self.used_nbytes(b)
         want = self.crc.get(b)
-        got = tio.crc32c(image[:n])
         if want is None or got != want:
             expected = "none: never written" if want is None else f"{want:#010x}"
             raise WeightsLostError(None, f"read back ({n} bytes) do not match what was written (CRC-32C "
