@@ -6,6 +6,7 @@ The arithmetic is :mod:`tierstate.placement.generate_plan`; this module measures
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import time
 from pathlib import Path
@@ -166,8 +167,7 @@ def _real_layer_rates(config, shape, dtype: torch.dtype, call_s: float, flops: f
     prefill_s = _median_time(lambda: run(0, prompt, 0, cache(0, q)), 3, min_seconds=_PROBE_SECONDS, max_reps=15)
     token = torch.randn(mb, 1, shape.hidden, dtype=dtype)
     decode_cache = cache(T, T + 1)
-    turn = iter(range(1 << 30))
-    # each call on the next copy, so that its weights come from RAM
+    turn = itertools.count()  # each call on the next copy, so that its weights come from RAM
     decode_s = _median_time(lambda: run(next(turn) % copies, token, T, decode_cache), 3 * copies,
                             min_seconds=_PROBE_SECONDS, max_reps=20 * copies)
     del layers, adapter
