@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tierstate.io as tio
-from io_helpers import available_backends, mounted, native_or_skip, remount_read_only
+from io_helpers import available_backends, mapping_fields, mounted, native_or_skip, remount_read_only
 
 
 def test_open_missing_file_is_typed(tmp_path, engine):
@@ -102,19 +102,6 @@ def test_aligned_empty(alignment):
     assert int(t.sum()) == 300_009
 
 
-def _mapping_flags(address: int) -> list[str]:
-    """VmFlags of the mapping holding ``address`` (from /proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_aligned_empty_huge_pages():
     """Buffers of a huge page or more are huge-page aligned and asked to be backed by huge
     pages, MADV_HUGEPAGE: the mapping's "hg" flag (see aligned_empty: direct requests over
@@ -127,8 +114,8 @@ def test_aligned_empty_huge_pages():
     big = tio.aligned_empty(4 * page)
     assert big.data_ptr() % page == 0
     big.fill_(1)
-    assert "hg" in _mapping_flags(big.data_ptr())
-    assert "hg" in _mapping_flags(big.data_ptr() + 4 * page - 1)
+    assert "hg" in mapping_fields(big.data_ptr())["VmFlags"].split()
+    assert "hg" in mapping_fields(big.data_ptr() + 4 * page - 1)["VmFlags"].split()
     small = tio.aligned_empty(page // 2)  # below one huge page: plain 4 KiB alignment suffices
     assert small.data_ptr() % tio.DEFAULT_ALIGNMENT == 0
     forced_off = tio.aligned_empty(4 * page, huge_pages=False)
@@ -308,24 +295,6 @@ def test_short_write_is_continued_then_raised(tmp_path):
         assert os.path.getsize(tmp_path / f"lim.bin.{backend}") == limit
 
 
-def _mapping_fields(address: int) -> dict[str, str]:
-    """The smaps fields of the mapping holding ``address``."""
-    fields, inside = {}, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            if inside:
-                return fields
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside, fields = lo <= address < hi, {"start": lo, "end": hi}
-        elif inside:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    if inside:
-        return fields
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_huge_page_buffers_are_untouched_memory_even_where_malloc_would_reuse_some():
     """The huge-page advice only shapes pages faulted in after it: memory the C heap hands
     back after an earlier user touched it stays on 4 KiB pages (direct reads into it ran at
@@ -353,7 +322,7 @@ def test_huge_page_buffers_are_untouched_memory_even_where_malloc_would_reuse_so
         libc.free(p)
     bufs = [tio.aligned_empty(4 * page) for _ in range(3)]
     for buf in bufs:
-        fields = _mapping_fields(buf.data_ptr())
+        fields = mapping_fields(buf.data_ptr())
         assert fields["Rss"] == "0 kB", f"a buffer on memory already touched: {fields}"
         assert fields["start"] <= buf.data_ptr() and buf.data_ptr() + buf.numel() <= fields["end"]
         assert "hg" in fields["VmFlags"].split()
