@@ -295,7 +295,7 @@ class WeightStore:
         decoded from it is never used."""
         out, crc, pos = self._compute, 0, 0
         try:
-            for c in sorted(self.coded[i], key=lambda c: c.offset):
+            for c in self.coded[i]:  # in record order, as _fill_coded laid them out
                 crc = tio.crc32c(image[pos:c.offset], crc)  # the padding before the part
                 dst = typed(out, c.slot)
                 if c.exp4 is not None:

@@ -64,11 +64,11 @@ class HostHome:
         self.images.clear()
 
 
-
 # offload_weights' own arguments, named by its errors (the optimizer's are Offload's fields)
 STREAMED = Spelling(folder="offload_weights(nvme_dir=...)",
                     split="keep part of the weights in RAM with offload=ts.Offload(cpu=..., nvme=...)",
                     what="the weights' NVMe home")
+
 
 class NvmeHome:
     """Blocks kept in one file under ``folder`` (claimed and removed as the NVMe tier's are).
