@@ -506,25 +506,28 @@ uint32_t decode_exp4_bf16(const uint8_t* sign_mantissa, const uint8_t* codes, ui
   if (!checked) {
     for_exp4_tasks(n, [&](int64_t, int64_t begin, int64_t end) { kernel(t, begin, end); });
   } else {
-    // each task's CRCs of its sign/mantissa bytes and of its codes, joined in order below
-    std::vector<uint32_t> sm_crc(static_cast<size_t>(exp4_tasks(n))), code_crc(sm_crc.size());
+    // each task's CRCs of its sign/mantissa bytes and of its codes, with their lengths,
+    // joined in task order below
+    struct Piece {
+      uint32_t sm_crc = 0, code_crc = 0;
+      size_t sm_len = 0, code_len = 0;
+    };
+    std::vector<Piece> pieces(static_cast<size_t>(exp4_tasks(n)));
     for_exp4_tasks(n, [&](int64_t task, int64_t begin, int64_t end) {
-      uint32_t s = 0, c = 0;
+      Piece& p = pieces[static_cast<size_t>(task)];
       for (int64_t b = begin; b < end; b += kExp4CrcChunk) {
         const int64_t e = std::min(end, b + kExp4CrcChunk);
         kernel(t, b, e);
-        s = io::crc32c_serial(s, sign_mantissa + b, static_cast<size_t>(e - b));
-        c = io::crc32c_serial(c, codes + b / 2, static_cast<size_t>(exp4_code_bytes(e) - b / 2));
+        p.sm_crc = io::crc32c_serial(p.sm_crc, sign_mantissa + b, static_cast<size_t>(e - b));
+        p.code_crc = io::crc32c_serial(p.code_crc, codes + b / 2, static_cast<size_t>(exp4_code_bytes(e) - b / 2));
       }
-      sm_crc[static_cast<size_t>(task)] = s;
-      code_crc[static_cast<size_t>(task)] = c;
+      p.sm_len = static_cast<size_t>(end - begin);
+      p.code_len = static_cast<size_t>(exp4_code_bytes(end) - begin / 2);
     });
     uint32_t sm_all = 0, code_all = 0;
-    for (int64_t task = 0; task < exp4_tasks(n); ++task) {
-      const int64_t begin = task * kExp4Task, end = std::min(n, begin + kExp4Task);
-      sm_all = io::crc32c_combine(sm_all, sm_crc[static_cast<size_t>(task)], static_cast<size_t>(end - begin));
-      code_all = io::crc32c_combine(code_all, code_crc[static_cast<size_t>(task)],
-                                    static_cast<size_t>(exp4_code_bytes(end) - begin / 2));
+    for (const Piece& p : pieces) {
+      sm_all = io::crc32c_combine(sm_all, p.sm_crc, p.sm_len);
+      code_all = io::crc32c_combine(code_all, p.code_crc, p.code_len);
     }
     crc = io::crc32c_combine(crc, sm_all, static_cast<size_t>(n));
     crc = io::crc32c_serial(crc, sign_mantissa + n, static_cast<size_t>(codes - (sign_mantissa + n)));
