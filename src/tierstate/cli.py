@@ -1,5 +1,5 @@
 """The ``tierstate`` command line: ``demo``, ``probe``, ``plan``, ``generate``,
-``bench {step,floor,io,e2e,overhead}``, ``report``.
+``bench {step,floor,io,e2e,gpu,overhead}``, ``report``.
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``main(args) -> int``. Only the module of the subcommand being run is imported, so
@@ -42,11 +42,13 @@ COMMANDS: tuple[Command, ...] = (
             "time opt.step() as a whole, right after a backward, against torch's fused step"),
     Command(("bench", "io"), "tierstate.bench.io", "time the NVMe tier's reads and writes"),
     Command(("bench", "e2e"), "tierstate.bench.e2e", "time end-to-end training steps"),
+    Command(("bench", "gpu"), "tierstate.bench.gpu_train",
+            "train a Llama-shaped model on one GPU: no offload, tierstate, DeepSpeed, torchao"),
     Command(("bench", "overhead"), "tierstate.bench.overhead", "the optimizer's cost on top of its kernels, incl. telemetry"),
     Command(("report",), "tierstate.telemetry.report", "plot where a traced run's time and bytes went"),
 )
 
-_GROUP_SUMMARIES = {"bench": "benchmarks: step, floor, io, e2e, overhead"}
+_GROUP_SUMMARIES = {"bench": "benchmarks: step, floor, io, e2e, gpu, overhead"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

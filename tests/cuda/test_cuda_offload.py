@@ -23,7 +23,7 @@ def net(dtype: torch.dtype) -> torch.nn.Module:
         "cuda", dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("micro_batches", [1, 4])
 def test_cuda_adamw_matches_fp32_reference(dtype: torch.dtype, micro_batches: int) -> None:
     model = net(dtype)
@@ -188,3 +188,49 @@ def test_cuda_device_tier_gradients_stay_on_the_device() -> None:
         assert not torch.equal(before, params[0])
     assert opt.tier_bytes()["device"] > 0
     assert opt.stats().as_dict()["bytes"].get("device/d2h", 0) > 0  # the host part's gradients crossed
+
+
+def _train_step(model, opt, x) -> None:
+    opt.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+
+
+def test_cuda_device_and_pinned_memory_do_not_grow_over_200_steps() -> None:
+    model = net(torch.bfloat16)
+    opt = ts.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    for _ in range(10):
+        _train_step(model, opt, x)
+    torch.cuda.synchronize()
+    device_before, pinned_before = torch.cuda.memory_allocated(), opt._engine.pinned_bytes()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(190):
+        _train_step(model, opt, x)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == device_before
+    assert opt._engine.pinned_bytes() == pinned_before
+    # the peak: the steady state plus one gradient bucket in flight at most
+    assert torch.cuda.max_memory_allocated() <= device_before + 32 * 2**20 + 2048 * 2048 * 2 + (1 << 20)
+
+
+def test_cuda_pinned_memory_is_what_the_plan_prices_and_not_rounded() -> None:
+    """The planner's pinned lines (gradient arena, master and moment arenas, weight staging)
+    against what the optimizer page-locked: equal, and none of it from torch's
+    power-of-two CachingHostAllocator (io.page_locked_empty)."""
+    from tierstate.placement.auto import request_for
+    from tierstate.placement.plan_inputs import Placement
+    from tierstate.placement.cost_model import memory_breakdown
+
+    stats = torch.cuda.host_memory_stats()
+    torch_pinned_before = stats.get("allocated_bytes.current", 0)
+    model = net(torch.bfloat16)
+    params = list(model.parameters())
+    opt = ts.AdamW(params, lr=1e-4)
+    _train_step(model, opt, torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    req = request_for(params, state_keys=("exp_avg", "exp_avg_sq"))
+    planned = sum(m.nbytes for m in memory_breakdown(req, Placement(0.0, 1.0, 0.0)) if m.pinned)
+    # within 1 % (slices' alignment); torch's power-of-two rounding would add 20-100 %
+    assert abs(opt._engine.pinned_bytes() - planned) <= 0.01 * planned, (opt._engine.pinned_bytes(), planned)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == torch_pinned_before

@@ -35,7 +35,9 @@ def test_table_for_people(monkeypatch, tmp_path, capsys):
     assert run(["--params", "1.3B", "--device", "cuda", "--host-mem", "64GiB", "--device-mem", "24GiB",
                 "--compare", "big,mem=80GiB,price=3.5/h", "--price", "1.2/h"], monkeypatch, tmp_path) == 0
     out = capsys.readouterr().out
-    assert "pinned_rounding" in out and "predicted step" in out and "alternatives" in out and "big" in out
+    assert "predicted step" in out and "alternatives" in out and "big" in out
+    # page-locked at their own size (io.page_locked_empty): no power-of-two rounding to show
+    assert "pinned" in out and "pinned_rounding" not in out
 
 
 def test_unmeetable_budgets_exit_2_naming_the_shortfall(monkeypatch, tmp_path, capsys):

@@ -107,6 +107,89 @@ def aligned_empty(nbytes: int, alignment: int | None = None, *, huge_pages: bool
     return torch.from_numpy(array)
 
 
+class _PageLocked:
+    """Owner of an :func:`aligned_empty` array registered with CUDA (``cudaHostRegister``).
+
+    numpy views it through ``__array_interface__`` and keeps it as the array's base, so it
+    lives exactly as long as the last tensor on the memory. Its finalizer waits for the
+    device (a copy may still be reading the memory), unregisters the range, and only then
+    lets the array go, which unmaps it."""
+
+    def __init__(self, array: np.ndarray, unregister) -> None:
+        self._array = array
+        self._unregister = unregister
+        self.__array_interface__ = array.__array_interface__
+
+    def __del__(self) -> None:
+        try:
+            self._unregister(self._array.ctypes.data)
+        finally:
+            self._array = None
+
+
+def _cuda_host_register(address: int, nbytes: int) -> str | None:
+    """Page-lock ``[address, address + nbytes)`` for CUDA copies; None on success, else why not."""
+    import torch
+
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(address, nbytes, 0)  # cudaHostRegisterDefault
+    except Exception as exc:  # no CUDA runtime, or a torch without the binding
+        return f"{type(exc).__name__}: {exc}"
+    code = int(getattr(err, "value", err))
+    return None if code == 0 else f"cudaHostRegister returned {err}"
+
+
+def _cuda_host_unregister(address: int) -> None:
+    import torch
+
+    try:
+        torch.cuda.synchronize()  # no copy may still be reading the range once it is unpinned and unmapped
+        torch.cuda.cudart().cudaHostUnregister(address)
+    except Exception:  # interpreter shutdown or a lost device: the unmap goes ahead; the process is ending
+        pass
+
+
+def page_locked_empty(nbytes: int, alignment: int | None = None, *, register=_cuda_host_register,
+                      unregister=_cuda_host_unregister):
+    """An uninitialised ``torch.uint8`` tensor of ``nbytes`` in page-locked host memory, for
+    asynchronous copies to and from a CUDA device, taking ``nbytes`` (rounded up to a page).
+
+    torch's pinned allocator (``pin_memory=True``) rounds every request up to a power of two
+    (``CachingHostAllocator``; through torch 2.13 unless ``pinned_max_round_threshold_mb`` is
+    set): the 27 GB fp32 master of a 7B model would lock 32 GiB, and the master, the two
+    moments, the gradient arena and the weight staging of a 7B model 128 GiB instead of
+    100. Here the memory is :func:`aligned_empty`'s (its own mapping, on huge pages from
+    one huge page on) registered with ``cudaHostRegister``, and unregistered when the last
+    tensor on it dies. Where registration fails (no CUDA runtime), torch's pinned
+    allocator is used after all (also without the native module), and the first such
+    fallback is logged, with the reason.
+    ``register`` / ``unregister`` are the CUDA calls (replaceable to test the lifetime
+    without a GPU).
+    """
+    import torch
+
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes={nbytes!r}: expected an int >= 0")
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    try:
+        tensor = aligned_empty(nbytes, alignment)
+    except ImportError as exc:  # no native module: torch's allocator, as everywhere then
+        tensor, why = None, str(exc)
+    else:
+        array = tensor.numpy()
+        why = register(array.ctypes.data, nbytes)
+    if why is not None:
+        from .engine import say_once
+
+        say_once("page-lock", f"tierstate: could not page-lock host memory with cudaHostRegister ({why}); "
+                              "using torch's pinned allocator, which rounds each buffer up to a power of two")
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    del tensor
+    return torch.from_numpy(np.asarray(_PageLocked(array, unregister)))
+
+
 def buffer_span(buf: Any, *, writable: bool, argname: str = "buf") -> tuple[int, int, Any]:
     """(address, nbytes, keepalive) of ``buf``; ``writable`` when the engine will write into it."""
     torch = sys.modules.get("torch")

@@ -19,9 +19,11 @@ a test can hold the two against each other:
 - gradients: ``param.grad`` where backward leaves it, or (grad streaming, the CUDA
   default) one host arena with every parameter's slice padded to 64 bytes;
 - CUDA, low-precision parameters: one pinned staging arena (64 B slices) for the upload;
-- pinned memory: torch's CachingHostAllocator rounds every pinned allocation up to a
-  power of two, so a 5 GiB arena takes 8 GiB of page-locked RAM. The rounding is its own
-  line (``pinned_rounding``) so nobody mistakes it for state;
+- pinned memory: the arenas, the NVMe pool and the staging are page-locked at their own
+  size (:func:`tierstate.io.page_locked_empty`: ``cudaHostRegister`` on tierstate's own
+  mappings). Only the per-parameter accumulation scratch comes from torch's
+  CachingHostAllocator, which rounds every request up to a power of two; that rounding is
+  its own line (``pinned_rounding``) so nobody mistakes it for state;
 - the first step creates each parameter's state from a full-size temporary (and the
   fp32 master from ``param.float()``): the largest parameter sets that transient peak;
 - with the weights offloaded (``PlanRequest.weights_offloaded``) the compute copy of the
@@ -163,7 +165,6 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
     if req.streaming:
         arena = sum((n * pb + GRAD_ALIGN - 1) // GRAD_ALIGN * GRAD_ALIGN for n in streamed)
         items.append(MemoryItem(TierKind.HOST, Kind.HOST_GRAD_BUFFER, arena, req.pinned, "one arena, 64 B slices"))
-        rounding += pow2_ceil(arena) - arena if req.pinned else 0
         if req.keep_device_grads or not on_dev:
             kept = n_total * pb if req.keep_device_grads else model.largest_param * pb
             items.append(MemoryItem(param_tier, Kind.GRAD, kept, False,
@@ -200,8 +201,6 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
             items.append(MemoryItem(tier, Kind.MASTER, master, pinned))
         if moments:
             items.append(MemoryItem(tier, Kind.MOMENTS, moments, pinned))
-        if pinned:
-            rounding += sum(pow2_ceil(numel * b) - numel * b for b in keys.values())
 
     nvme_numel = sizes[TierKind.NVME]
     if nvme_numel:
@@ -210,18 +209,16 @@ def memory_breakdown(req: PlanRequest, placement: Placement) -> list[MemoryItem]
         n_records = min(req.pool_buffers, math.ceil(nvme_numel / req.subgroup_numel))
         items.append(MemoryItem(TierKind.HOST, Kind.NVME_BUFFER_POOL, n_records * record, req.pinned,
                                 f"{n_records} x {gib(record)} records"))
-        rounding += n_records * (pow2_ceil(record) - record) if req.pinned else 0
 
     staged = [n for n, inside in zip(numels, wholly_device) if not inside]
     if on_dev and req.param_dtype != "fp32" and staged:
-        # one packed arena (tiers.packed_arena), 64 B slices, pinned once: rounded once
+        # one packed arena (tiers.packed_arena), 64 B slices, page-locked once
         staging = sum((n * pb + GRAD_ALIGN - 1) // GRAD_ALIGN * GRAD_ALIGN for n in staged)
         items.append(MemoryItem(TierKind.HOST, Kind.WEIGHT_STAGING, staging, req.pinned, "one arena, 64 B slices"))
-        rounding += pow2_ceil(staging) - staging if req.pinned else 0
 
     if rounding:
         items.append(MemoryItem(TierKind.HOST, Kind.PINNED_ROUNDING, rounding, True,
-                                "CachingHostAllocator rounds each pinned block to a power of two"))
+                                "torch's CachingHostAllocator rounds each scratch up to a power of two"))
 
     # The first step fills each parameter's state from a full-size temporary, one parameter
     # at a time, and builds the master from param.float(): the largest parameter sets the peak.

@@ -23,7 +23,8 @@ the block in use, the one whose write-back may still be in flight, and ``prefetc
 A ``cpu`` home is its own image. The compute device holds the streamed block that runs, and on
 CUDA also the next one, whose copy up overlaps this one's compute: ``materialized_blocks`` = 1
 on a CPU, 2 on CUDA, each the size of the largest streamed block. Every pinned allocation (each
-``cpu`` home, each pool buffer) is rounded up to a power of two by torch's CachingHostAllocator.
+``cpu`` home, each pool buffer) takes its size rounded up to a page (:func:`tierstate.io.
+page_locked_empty`; torch's pinned allocator, which rounds to a power of two, is not used).
 A fetch of block ``i`` takes ``fetch_s`` = the sum of its stages (disk read, then the PCIe copy);
 it hides under the compute of the blocks before it when ``prefetch >= ceil(fetch_s / compute_s)``
 with ``compute_s`` one block's forward (the shortest compute a fetch must hide behind: backward
@@ -49,7 +50,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Sequence
 
-from .plan_inputs import Hardware, PlanError, gib, pow2_ceil
+from .plan_inputs import Hardware, PlanError, gib
 
 RECORD_ALIGN = 4096  # an NVMe record's alignment (O_DIRECT), as the streamer's NVMe home keeps it
 
@@ -88,7 +89,7 @@ class WeightPlan:
     materialized_blocks: int  # streamed blocks on the compute device at once: 1 on a CPU, 2 on CUDA
     materialized_bytes: int  # materialized_blocks * the largest streamed block
     host_peak_bytes: int  # host RAM the weights take at peak (pinned homes + window; on CPU also resident)
-    pinned_bytes: int  # of host_peak_bytes: page-locked, power-of-two rounding included
+    pinned_bytes: int  # of host_peak_bytes: page-locked
     compute_peak_bytes: int  # compute-device memory at peak: resident + materialized + activations
     disk_bytes: int  # files on the NVMe folder: the nvme blocks' compute copy
     activation_bytes: int
@@ -267,7 +268,7 @@ def _pool(inp: _Inputs, nvme: list[int], prefetch: int) -> tuple[int, int, int]:
         return 0, 0, 0
     count = min(prefetch + 2, len(nvme))
     record = _record(max(inp.blocks[i] for i in nvme))
-    taken = count * (pow2_ceil(record) if inp.compute == "cuda" else record)
+    taken = count * record  # a record is whole pages already
     return count, count * record, taken
 
 
@@ -278,7 +279,7 @@ def _homes(inp: _Inputs, streamed: list[int], prefetch: int) -> tuple[list[str],
     if inp.compute == "cpu" or inp.tier == NVME:
         tiers, homes = [NVME] * len(streamed), 0
     else:
-        cost = [pow2_ceil(blocks[i]) for i in streamed]
+        cost = [_record(blocks[i]) for i in streamed]
         if sum(cost) <= inp.host_budget:
             return [CPU] * len(streamed), sum(cost)
         if inp.tier == CPU:
@@ -293,7 +294,7 @@ def _homes(inp: _Inputs, streamed: list[int], prefetch: int) -> tuple[list[str],
             suffix_max[j] = max(suffix_max[j + 1], blocks[streamed[j]])
         n_cpu = 0
         for j in range(len(streamed) - 1, -1, -1):
-            pool = min(prefetch + 2, len(streamed) - j) * pow2_ceil(_record(suffix_max[j]))
+            pool = min(prefetch + 2, len(streamed) - j) * _record(suffix_max[j])
             if prefix[j] + pool <= inp.host_budget:
                 n_cpu = j
                 break
@@ -571,7 +572,7 @@ def _explain(inp: _Inputs, best: _Candidate, candidates: list[_Candidate],
             else:
                 rejected.append(f"prefetch {p.prefetch + 1}: {deeper}")
         if inp.compute == "cuda" and p.blocks_on(NVME) and inp.tier == "auto":
-            need = sum(pow2_ceil(inp.blocks[i]) for i in range(k, n))
+            need = sum(_record(inp.blocks[i]) for i in range(k, n))
             rejected.append(f"all {p.streamed} streamed blocks in pinned host RAM: needs {gib(need)}, "
                             f"host_memory_budget {gib(inp.host_budget)}")
     if inp.compute == "cpu" and p.streamed:

@@ -31,13 +31,17 @@ def host_buffer(nbytes: int, *, pin_memory: bool, zero: bool = True) -> Tensor:
     Zen 4 (AMD EPYC), the fused AdamW kernel over 50M fp32 params in 4 Mi sub-groups,
     22 interleaved rounds, medians: 32.1 ms on torch's allocations against 25.7 ms on huge
     pages in one run, 29.8 against 27.7 ms in the next (the machine is shared; the order
-    held in both). Memory a CUDA device copies from is pinned instead, by torch's pinned
-    allocator (not measured with huge pages: no GPU here), and without the native module
-    torch's allocator is used.
+    held in both). Memory a CUDA device copies from is page-locked as well
+    (:func:`tierstate.io.page_locked_empty`: the same huge-page mapping, registered with
+    CUDA, with no power-of-two rounding), and without the native module torch's allocator
+    is used.
     """
-    if pin_memory or nbytes == 0 or not tio.engine_available():
+    if pin_memory and nbytes:
+        buf = tio.page_locked_empty(nbytes, _SLICE_ALIGN)
+        return buf.zero_() if zero else buf
+    if nbytes == 0 or not tio.engine_available():
         make = torch.zeros if zero else torch.empty
-        return make(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        return make(nbytes, dtype=torch.uint8)
     buf = tio.aligned_empty(nbytes, _SLICE_ALIGN)  # huge pages from one huge page on (aligned_empty's default)
     if zero:
         buf.zero_()
@@ -92,8 +96,9 @@ def move_to_huge_pages(param: Tensor) -> bool:
 
 def packed_arena(tensors: list[Tensor], *, pin_memory: bool, zero: bool) -> tuple[Tensor, list[Tensor]]:
     """One host buffer holding a flat slice per tensor (its dtype and numel), each slice
-    64-byte aligned. One allocation instead of one per tensor: the pinned allocator rounds
-    every allocation up to a power of two, which per tensor would waste up to half."""
+    64-byte aligned. One allocation instead of one per tensor: one mapping, and on CUDA one
+    registration (torch's pinned allocator, the fallback there, rounds every allocation up
+    to a power of two, which per tensor would waste up to half)."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)

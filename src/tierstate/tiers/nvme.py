@@ -182,7 +182,7 @@ class NvmeTier:
 
     def _allocate(self, nbytes: int) -> Tensor:
         if self.pin_memory:
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buf = tio.page_locked_empty(nbytes, ALIGN)
             if buf.data_ptr() % ALIGN == 0:
                 self._pinned_nbytes += nbytes
                 return buf

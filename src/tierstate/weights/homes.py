@@ -52,7 +52,7 @@ class HostHome:
     def __init__(self, sizes: dict[int, int], pin: bool) -> None:
         self.images: dict[int, Tensor] = {}
         for b, n in sizes.items():
-            buf = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+            buf = tio.page_locked_empty(n, RECORD_ALIGN) if pin else torch.empty(n, dtype=torch.uint8)
             self.images[b] = buf
         self.nbytes = sum(sizes.values())
         self.pinned_nbytes = self.nbytes if pin else 0

@@ -129,7 +129,7 @@ class Window:
     def _new_buffer(self) -> Tensor:
         self._buffers += 1
         if self.cuda:
-            buf = torch.empty(self._image_nbytes, dtype=torch.uint8, pin_memory=True)
+            buf = tio.page_locked_empty(self._image_nbytes, RECORD_ALIGN)
             if buf.data_ptr() % RECORD_ALIGN == 0:
                 self.pool_nbytes += self._image_nbytes
                 return buf
