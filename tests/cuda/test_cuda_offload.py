@@ -234,3 +234,42 @@ def test_cuda_pinned_memory_is_what_the_plan_prices_and_not_rounded() -> None:
     # within 1 % (slices' alignment); torch's power-of-two rounding would add 20-100 %
     assert abs(opt._engine.pinned_bytes() - planned) <= 0.01 * planned, (opt._engine.pinned_bytes(), planned)
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == torch_pinned_before
+
+
+def test_cuda_gradient_copies_overlap_backward_in_the_trace(tmp_path) -> None:
+    """The side stream's device-to-host copies, as the trace books them (grad_transfer on lane
+    grad-stream, placed on the device's clock), run while backward still computes: with eight
+    32 MiB weight gradients, one bucket each, most copies end before backward's last kernel."""
+    import time
+
+    from tierstate.telemetry.report import load_trace, parse_trace
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to("cuda", torch.bfloat16)
+    opt = ts.AdamW(model.parameters(), lr=1e-4)
+    path = tmp_path / "trace.json"
+    opt.trace(str(path))
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)  # ~0.5 ms of backward per layer on an H100
+    windows = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()  # backward's kernels are done: its end on the host's clock
+        t1 = time.perf_counter()
+        t_step = time.perf_counter()
+        opt.step()
+        windows.append((t0, t1, t_step))
+    data = parse_trace(load_trace(opt.stop_trace()))
+    copies = [(s, e) for lane in data.lanes if lane.name == "grad-stream" for s, e, name, _ in lane.slices
+              if name == "grad_transfer"]
+    assert copies, [lane.name for lane in data.lanes]
+    t0, t1, t_step = windows[-1]
+    origin = t_step - data.steps[-1]["ts"] / 1e6  # the trace's zero on perf_counter's clock (to ~0.1 ms)
+    bwd_start, bwd_end = (t0 - origin) * 1e6, (t1 - origin) * 1e6
+    last = [(s, e) for s, e in copies if s >= bwd_start - 200]
+    assert len(last) >= 6, (len(last), copies[-10:], bwd_start, bwd_end)
+    during = [e for s, e in last if e < bwd_end - 200]
+    assert len(during) >= len(last) // 2, (last, bwd_start, bwd_end)

@@ -61,6 +61,9 @@ class GradStream:
         self._open: dict[int, Tensor] = {}  # CUDA: gradients waiting for the bucket to fill
         self._open_bytes = 0
         self._inflight: list[tuple[object, list[tuple[int, Tensor | None]]]] = []
+        # CUDA: (start, done) timing events of each bucket's copies, booked in the telemetry
+        # once they have landed (see _book_copies)
+        self._timed: list[tuple[object, object]] = []
         self._stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.bytes_moved = 0
         self._copied: dict[int, grad_mark.GradMark] = {}  # i -> the mark of the param.grad copied
@@ -112,8 +115,12 @@ class GradStream:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         copies: list[tuple[int, Tensor | None]] = []
+        timed = self.telemetry is not None and self.telemetry.enabled
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self._stream)
             for i, grad in self._open.items():
                 flat = grad.detach().reshape(-1)
                 self._copied[i] = grad_mark.mark(grad)
@@ -127,9 +134,11 @@ class GradStream:
                     copies.append((i, None))
                 flat.record_stream(self._stream)  # its memory is not reused before the copy ran
                 self.bytes_moved += flat.numel() * flat.element_size()
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=timed)
             done.record(self._stream)
         self._inflight.append((done, copies))
+        if timed:
+            self._timed.append((start, done))
         if not self.keep_device_grads:
             for i in self._open:
                 self.params[i].grad = None
@@ -189,6 +198,25 @@ class GradStream:
         if self.is_cuda:
             self._flush()
             self._settle(block=True)
+            self._book_copies()
+
+    def _book_copies(self) -> None:
+        """Book each landed bucket's copy as a ``grad_transfer`` span on lane ``grad-stream``,
+        where it ran on the device's clock: an event recorded now on the idle side stream and
+        waited for marks the device's present at ``perf_counter()`` (to the wait's latency, tens
+        of microseconds), and each copy's start and end are placed before it by their elapsed
+        times. The trace then shows the device-to-host copies beside backward."""
+        if not self._timed:
+            return
+        now = torch.cuda.Event(enable_timing=True)
+        now.record(self._stream)
+        now.synchronize()
+        t_now = time.perf_counter()
+        for start, done in self._timed:
+            begin = t_now - start.elapsed_time(now) / 1e3
+            self.telemetry.add_phase_time("grad_transfer", start.elapsed_time(done) / 1e3, lane="grad-stream",
+                                          start=begin)
+        self._timed.clear()
 
     def reset(self, set_to_none: bool) -> None:
         """zero_grad: forget the host gradients (or zero them, like ``set_to_none=False``)."""
