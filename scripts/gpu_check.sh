@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
-# limits add up to 8 minutes; the bench and capacity parts stop starting runs a minute before theirs
-BUILD_S=${BUILD_S:-150}; TESTS_S=${TESTS_S:-90}; BENCH_S=${BENCH_S:-140}; CAP_S=${CAP_S:-100}
+# limits add up to 8 minutes with the probe's 40 s; the bench and capacity parts end their runs in time
+BUILD_S=${BUILD_S:-140}; TESTS_S=${TESTS_S:-80}; BENCH_S=${BENCH_S:-130}; CAP_S=${CAP_S:-90}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 SUMMARY="$OUT/summary.txt"; : > "$SUMMARY"
 started=$(date +%s)
@@ -54,6 +54,9 @@ EOF
   part native "$TESTS_S" $PY -c "import tierstate.kernels as k; print(k.backend_info())"
   # the CUDA tests (and the page-locked buffers' test, whose CUDA half runs there)
   part cuda_tests "$TESTS_S" $PY -m pytest -q -p no:cacheprovider tests/cuda tests/io/test_page_locked.py --junitxml="$OUT/cuda_tests.xml"
+  # the hardware profile offload="auto" plans from (PCIe, host and disk rates), for the runs below
+  mkdir -p "$OUT/nvme"; export TIERSTATE_PROFILE="$OUT/hardware.json"
+  part probe 40 $PY -m tierstate probe --nvme-dir "$OUT/nvme" --out "$TIERSTATE_PROFILE"
   if [ "$DEVICE" = cpu ]; then
     part bench "$BENCH_S" $PY -m tierstate bench gpu --device cpu --sizes tiny --modes torch,cpu,nvme,deepspeed \
       --batch 2 --seq 32 --steps 2 --warmup 1 --out-dir "$OUT/bench" --json "$OUT/bench.json" --nvme-dir "$OUT/nvme"

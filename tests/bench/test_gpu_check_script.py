@@ -31,7 +31,8 @@ def test_every_part_runs_and_the_summary_comes_last(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = (out / "summary.txt").read_text()
     assert "cuda_tests: TIMED OUT" in summary
-    assert "bench: ok" in summary, summary  # the part after it still ran
+    assert "bench: ok" in summary and "probe: ok" in summary, summary  # the parts after it still ran
+    assert json.loads((out / "hardware.json").read_text())
     tail = proc.stdout[proc.stdout.rindex("== summary"):]
     assert "bench: ok" in tail and "| tiny | cpu | ok |" in tail
     report = json.loads((out / "bench.json").read_text())
