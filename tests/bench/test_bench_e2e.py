@@ -11,22 +11,18 @@ import sys
 
 import pytest
 
-from tierstate._native_loader import native_status
+from bench_helpers import parse_with, require_native
 from tierstate.bench import e2e
 from tierstate.kernels import backend_info
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    e2e.add_arguments(parser)
-    return parser.parse_args(argv)
+    return parse_with(e2e, argv)
 
 
 @pytest.fixture(scope="module")
 def tiny_report(tmp_path_factory):
-    ok, why = native_status()
-    if not ok:
-        pytest.skip(f"tierstate._native did not load: {why}")
+    require_native()
     tmp = tmp_path_factory.mktemp("e2e")
     out = tmp / "e2e.json"
     args = _parse(["--tiny", "--modes", "torch,cpu,nvme,cpu_bf16,nvme_bf16_bwd", "--precision", "bf16",
@@ -152,9 +148,7 @@ def test_the_installed_e2e_modules_hold_no_deepspeed_code():
 def test_fp32_precision_trains_without_bf16_anywhere(tmp_path):
     """--precision fp32 (auto's pick on CPUs without bf16 matrix units): no autocast, and the
     in-backward NVMe mode on fp32 parameters trains bit for bit like the plain CPU mode."""
-    ok, why = native_status()
-    if not ok:
-        pytest.skip(f"tierstate._native did not load: {why}")
+    require_native()
     out = tmp_path / "e2e.json"
     args = _parse(["--tiny", "--modes", "torch,cpu,nvme_bwd", "--precision", "fp32", "--steps", "2", "--warmup", "1",
                    "--repeats", "1", "--threads", "1", "--json", str(out), "--nvme-dir", str(tmp_path / "nvme"),

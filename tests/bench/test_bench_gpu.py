@@ -11,22 +11,18 @@ import sys
 import pytest
 import torch
 
-from tierstate._native_loader import native_status
+from bench_helpers import parse_with, require_native
 from tierstate.bench import _gpu_train_worker as worker
 from tierstate.bench import gpu_train
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    gpu_train.add_arguments(parser)
-    return parser.parse_args(argv)
+    return parse_with(gpu_train, argv)
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    ok, why = native_status()
-    if not ok:
-        pytest.skip(f"tierstate._native did not load: {why}")
+    require_native()
     tmp = tmp_path_factory.mktemp("gpu")
     out = tmp / "bench.json"
     args = _parse(["--device", "cpu", "--sizes", "tiny", "--modes", "torch,cpu,nvme,deepspeed", "--batch", "2",

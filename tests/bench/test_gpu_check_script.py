@@ -9,17 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tierstate._native_loader import native_status
+from bench_helpers import require_native
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
 
 def _run(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, Path]:
-    ok, why = native_status()
-    if not ok:
-        pytest.skip(f"tierstate._native did not load: {why}")
+    require_native()
     out = tmp_path / "out"
     full = {**os.environ, "DEVICE": "cpu", "SKIP_BUILD": "1", "OUT": str(out), "PYTHON": sys.executable, **env}
     proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=full, timeout=600)
