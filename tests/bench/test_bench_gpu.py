@@ -111,6 +111,28 @@ def test_a_run_that_runs_out_of_memory_is_a_result(monkeypatch, tmp_path):
     assert r["status"] == "oom" and "Tried to allocate" in r["error"]
 
 
+def test_a_mode_without_its_package_is_asked_once(tmp_path, monkeypatch):
+    require_native()
+    launched = []
+    real = gpu_train.run_one
+
+    def run_one(args, mode, size, *rest):
+        launched.append((mode, size))
+        return real(args, mode, size, *rest)
+
+    monkeypatch.setattr(gpu_train, "run_one", run_one)
+    modes = "torchao,deepspeed"
+    args = _parse(["--device", "cpu", "--sizes", "tiny,small", "--modes", modes, "--steps", "1", "--warmup", "0",
+                   "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json")])
+    assert gpu_train.main(args) == 0
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    for mode in modes.split(","):
+        mine = [r for r in results if r["mode"] == mode]
+        assert [r["size"] for r in mine] == ["tiny", "small"]
+        if mine[0]["status"] == "unavailable":  # not installed here: one process asked, the answer kept
+            assert mine[1]["status"] == "unavailable" and (mode, "small") not in launched
+
+
 def test_caps_need_a_cuda_device(capsys):
     assert gpu_train.main(_parse(["--device", "cpu", "--caps", "24", "--sizes", "tiny"])) == 2
     assert "--caps" in capsys.readouterr().err

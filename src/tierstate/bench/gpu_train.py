@@ -304,10 +304,15 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results: list[dict] = []
     stopped: set = set()  # (cap, mode) that did not fit a smaller size under --largest
+    unavailable: dict = {}  # mode -> why its package does not import: not asked again
     for cap in args.caps:
         for size in args.sizes:
             for mode in args.modes:
                 tag = f"{len(results):02d}"
+                if mode in unavailable:
+                    results.append({"mode": mode, "size": size, "cap_gib": cap, "status": "unavailable",
+                                    "error": unavailable[mode]})
+                    continue
                 if args.largest and (cap, mode) in stopped:
                     results.append({"mode": mode, "size": size, "cap_gib": cap, "status": "skipped",
                                     "error": "a smaller size did not fit"})
@@ -326,7 +331,7 @@ def main(args: argparse.Namespace) -> int:
                 elif r["status"] in ("oom", "no_fit"):
                     stopped.add((cap, mode))
                 elif r["status"] == "unavailable":
-                    stopped.add((cap, mode))  # no use asking again at the next size
+                    unavailable[mode] = r.get("error", "")
                 results.append(r)
                 # so far, in case this process is stopped before the end
                 (out_dir / "results.json").write_text(json.dumps({"results": results}, indent=1))
