@@ -25,7 +25,7 @@ def tiny_run(tmp_path_factory):
     require_native()
     tmp = tmp_path_factory.mktemp("gpu")
     out = tmp / "bench.json"
-    args = _parse(["--device", "cpu", "--sizes", "tiny", "--modes", "torch,cpu,nvme,deepspeed", "--batch", "2",
+    args = _parse(["--device", "cpu", "--sizes", "tiny", "--modes", "torch,cpu,cpu_bwd,nvme,deepspeed", "--batch", "2",
                    "--seq", "16", "--steps", "2", "--warmup", "1", "--json", str(out), "--out-dir", str(tmp / "runs"),
                    "--nvme-dir", str(tmp / "nvme"), "--timeout", "300"])
     rc = gpu_train.main(args)
@@ -36,8 +36,8 @@ def test_every_mode_trains_or_says_why_not(tiny_run):
     rc, report, tmp = tiny_run
     assert rc == 0
     by_mode = {r["mode"]: r for r in report["results"]}
-    assert set(by_mode) == {"torch", "cpu", "nvme", "deepspeed"}
-    for mode in ("torch", "cpu", "nvme"):
+    assert set(by_mode) == {"torch", "cpu", "cpu_bwd", "nvme", "deepspeed"}
+    for mode in ("torch", "cpu", "cpu_bwd", "nvme"):
         r = by_mode[mode]
         assert r["status"] == "ok", r.get("error")
         assert len(r["steps"]) == 3 and sum(not s["warmup"] for s in r["steps"]) == 2
@@ -54,6 +54,8 @@ def test_every_mode_trains_or_says_why_not(tiny_run):
         assert (tmp / "runs" / by_mode[mode]["timeline_png"].rsplit("/", 1)[-1]).stat().st_size > 0
         assert "cpu_update" in by_mode[mode]["figures"]["phases_s"]
     assert "nvme_wait" in by_mode["nvme"]["figures"]["phases_s"]
+    # the update inside backward is the plain step's, bit for bit: the same losses step by step
+    assert [s["loss"] for s in by_mode["cpu_bwd"]["steps"]] == [s["loss"] for s in by_mode["cpu"]["steps"]]
     ds = by_mode["deepspeed"]
     assert ds["status"] in ("ok", "unavailable")
     if ds["status"] == "unavailable":

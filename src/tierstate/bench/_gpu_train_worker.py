@@ -23,6 +23,9 @@ activation checkpointing unless ``--no-checkpointing``. Each mode trains as its 
                   (fused=True)`` on the device: no offload (16 B/param of device memory)
 ``cpu``           bf16 parameters on the device, ``tierstate.AdamW(offload="cpu")``:
                   fp32 master and moments in host RAM, gradients streamed to the host
+``cpu_bwd``       ``cpu`` with ``step_in_backward=True``: the host updates each sub-group
+                  while the GPU still runs backward (what docs/step_modes.md advises on
+                  GPUs, where the host cores are otherwise idle during backward)
 ``nvme``          the same with ``Offload(nvme=1.0)``: state in files under ``--nvme-dir``
 ``auto``          ``offload="auto"``: the planner places the state from probed hardware
 ``deepspeed``     DeepSpeed ZeRO-Offload (stage 2, optimizer on the CPU, bf16), one
@@ -54,8 +57,8 @@ from pathlib import Path
 
 import torch
 
-MODES = ("torch", "cpu", "nvme", "auto", "deepspeed", "torchao")
-TIERSTATE_MODES = ("cpu", "nvme", "auto")
+MODES = ("torch", "cpu", "cpu_bwd", "nvme", "auto", "deepspeed", "torchao")
+TIERSTATE_MODES = ("cpu", "cpu_bwd", "nvme", "auto")
 # The optimizer every mode runs.
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-4, (0.9, 0.95), 1e-8, 0.1
 
@@ -153,7 +156,7 @@ def make_optimizer(mode: str, model: torch.nn.Module, args: argparse.Namespace, 
         import tierstate as ts
         from ..kernels import backend_info
 
-        if mode == "cpu":
+        if mode in ("cpu", "cpu_bwd"):
             offload = ts.Offload(cpu=1.0)
         elif mode == "nvme":
             offload = ts.Offload(nvme=1.0, nvme_dir=scratch)
@@ -161,7 +164,8 @@ def make_optimizer(mode: str, model: torch.nn.Module, args: argparse.Namespace, 
             if scratch is not None:
                 os.environ["TIERSTATE_NVME_DIR"] = str(scratch)
             offload = "auto"
-        opt = ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload)
+        opt = ts.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, offload=offload,
+                       step_in_backward=mode == "cpu_bwd")
         info = {"kernels": backend_info()["isa"], "tier_bytes": opt.tier_bytes()}
         return opt.step, lambda: opt.zero_grad(set_to_none=True), info, opt
     if mode == "torchao":
