@@ -3,7 +3,6 @@ runs (scripts/gpu_check.sh), exercised where there is none: one process per run,
 ending a result, the figures and the comparisons the targets are read from."""
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -16,18 +15,14 @@ from tierstate.bench import _gpu_train_worker as worker
 from tierstate.bench import gpu_train
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    return parse_with(gpu_train, argv)
-
-
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     require_native()
     tmp = tmp_path_factory.mktemp("gpu")
     out = tmp / "bench.json"
-    args = _parse(["--device", "cpu", "--sizes", "tiny", "--modes", "torch,cpu,cpu_bwd,nvme,deepspeed", "--batch", "2",
-                   "--seq", "16", "--steps", "2", "--warmup", "1", "--json", str(out), "--out-dir", str(tmp / "runs"),
-                   "--nvme-dir", str(tmp / "nvme"), "--timeout", "300"])
+    args = parse_with(gpu_train, ["--device", "cpu", "--sizes", "tiny", "--modes", "torch,cpu,cpu_bwd,nvme,deepspeed",
+                                  "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1", "--json", str(out),
+                                  "--out-dir", str(tmp / "runs"), "--nvme-dir", str(tmp / "nvme"), "--timeout", "300"])
     rc = gpu_train.main(args)
     return rc, json.loads(out.read_text()), tmp
 
@@ -124,8 +119,9 @@ def test_a_mode_without_its_package_is_asked_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_train, "run_one", run_one)
     modes = "torchao,deepspeed"
-    args = _parse(["--device", "cpu", "--sizes", "tiny,small", "--modes", modes, "--steps", "1", "--warmup", "0",
-                   "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json")])
+    args = parse_with(gpu_train, ["--device", "cpu", "--sizes", "tiny,small", "--modes", modes, "--steps", "1",
+                                  "--warmup", "0", "--out-dir", str(tmp_path / "runs"),
+                                  "--json", str(tmp_path / "r.json")])
     assert gpu_train.main(args) == 0
     results = json.loads((tmp_path / "r.json").read_text())["results"]
     for mode in modes.split(","):
@@ -136,7 +132,7 @@ def test_a_mode_without_its_package_is_asked_once(tmp_path, monkeypatch):
 
 
 def test_caps_need_a_cuda_device(capsys):
-    assert gpu_train.main(_parse(["--device", "cpu", "--caps", "24", "--sizes", "tiny"])) == 2
+    assert gpu_train.main(parse_with(gpu_train, ["--device", "cpu", "--caps", "24", "--sizes", "tiny"])) == 2
     assert "--caps" in capsys.readouterr().err
 
 

@@ -242,8 +242,8 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| cap GiB | size | mode | status | tokens/s | TFLOP/s | MFU | step s (fwd/bwd/opt) | device GiB | host GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| cap GiB | size | mode | status | tokens/s | TFLOP/s | MFU | step s (fwd/bwd/opt) | device GiB "
+             "| host GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         cap = "none" if r["cap_gib"] is None else f"{r['cap_gib']:g}"
         f = r.get("figures")
