@@ -210,7 +210,10 @@ def _deepspeed_engine(model: torch.nn.Module, args: argparse.Namespace):
 
 
 def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    # torch.OutOfMemoryError since torch 2.5; torch.cuda.OutOfMemoryError before (the GPU
+    # machine's torch is whatever it has)
+    oom = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    if isinstance(exc, (oom, MemoryError)):
         return True
     text = str(exc)
     return "out of memory" in text.lower() or "CUDA error: out of memory" in text
