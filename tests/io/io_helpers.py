@@ -73,21 +73,3 @@ def remount_read_only(mnt) -> None:
     if r.returncode != 0:
         pytest.skip(f"remount read-only refused: {r.stderr.strip()}")
 
-
-def mapping_fields(address: int) -> dict:
-    """The /proc/self/smaps fields of the mapping that holds ``address`` (values as text), with
-    its bounds as ints under "start" and "end"."""
-    fields, inside = {}, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
-            if inside:
-                return fields
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside, fields = lo <= address < hi, {"start": lo, "end": hi}
-        elif inside:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    if inside:
-        return fields
-    raise AssertionError(f"no mapping holds {address:#x}")

@@ -3,18 +3,14 @@
 mapping holding each arena must be THP-eligible (madvised, or THP "always")."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import tierstate as ts
-from tierstate.io import huge_page_size
+from tierstate.io import huge_page_size, mapping_fields
 from tierstate.placement import TierKind
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "io"))
-from io_helpers import mapping_fields  # noqa: E402
 
 PAGE = huge_page_size()  # 0 where the kernel gives none (THP "never", or absent)
 
@@ -32,7 +28,7 @@ def test_every_host_arena_is_on_huge_page_eligible_memory(moment_dtype):
     for key, arena in arenas.items():
         if arena.numel() * arena.element_size() < PAGE:
             continue  # smaller than one huge page (a q8 block scale): nothing to gain
-        fields = mapping_fields(arena.data_ptr())
+        fields = mapping_fields(arena.data_ptr()) or {}
         assert fields.get("THPeligible") == "1", (key, fields)
         assert arena.data_ptr() % PAGE == 0, f"{key}: starts inside a huge page, so its first one cannot be huge"
     opt.close()
@@ -57,7 +53,7 @@ def test_fp32_cpu_parameters_move_to_huge_pages_and_keep_their_values_and_identi
         assert torch.equal(p.detach(), values)  # bit for bit
         big = p.numel() * p.element_size() >= PAGE
         if big:  # moved unless torch's memory happened to be huge-page aligned AND eligible (THP "always")
-            assert p.data_ptr() % PAGE == 0 and mapping_fields(p.data_ptr()).get("THPeligible") == "1", name
+            assert p.data_ptr() % PAGE == 0 and (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1", name
         else:
             assert p.data_ptr() == ptr, name
     # the moved parameters train: hooks still fire and the update lands in the model
@@ -106,10 +102,10 @@ def test_a_huge_page_aligned_parameter_off_huge_pages_still_moves():
     p = torch.nn.Parameter(aligned_empty(4 << 20, PAGE, huge_pages=False).view(torch.float32))
     p.data.copy_(values)
     assert p.data_ptr() % PAGE == 0
-    madvised = mapping_fields(p.data_ptr()).get("THPeligible") == "1"  # true only under THP "always"
+    madvised = (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"  # true only under THP "always"
     ptr = p.data_ptr()
     opt = ts.AdamW([p], offload="cpu")
-    assert mapping_fields(p.data_ptr()).get("THPeligible") == "1"
+    assert (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"
     assert (p.data_ptr() == ptr) == madvised  # moved exactly when it was not eligible
     assert torch.equal(p.detach(), values)
     # built again over the same, now moved, parameter: it stays (no second copy)
@@ -125,9 +121,13 @@ def test_huge_page_eligible_reads_the_kernels_answer():
 
     advised = aligned_empty(4 << 20, PAGE, huge_pages=True)
     plain = aligned_empty(4 << 20, PAGE, huge_pages=False)
-    for buf in (advised, plain):  # the smaps parse of the test and of the library agree, at both ends
+    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    for buf in (advised, plain):  # at both ends: advised memory is eligible, plain only under THP "always"
         for address in (buf.data_ptr(), buf.data_ptr() + (4 << 20) - 1):
-            assert huge_page_eligible(address) == (mapping_fields(address).get("THPeligible") == "1")
+            fields = mapping_fields(address)
+            assert fields["start"] <= address < fields["end"]
+            assert huge_page_eligible(address) == (buf is advised or always), (address, fields)
+    assert "hg" in mapping_fields(advised.data_ptr())["VmFlags"].split()  # the MADV_HUGEPAGE flag
     assert huge_page_eligible(advised.data_ptr())
     assert not huge_page_eligible(0)  # no mapping holds page 0
 

@@ -12,7 +12,8 @@ pread/pwrite; :func:`default_engine` ``.backend`` says which one runs.
 :func:`crc32c` checksums host buffers without the GIL (the NVMe tier verifies every record
 it reads with it); :mod:`tierstate.io.faults` injects I/O failures for tests.
 """
-from .buffers import DEFAULT_ALIGNMENT, aligned_empty, huge_page_eligible, huge_page_size, page_locked_empty
+from .buffers import (DEFAULT_ALIGNMENT, aligned_empty, huge_page_eligible, huge_page_size, mapping_fields,
+                      page_locked_empty)
 from .checksum import checksums_beside_kernels, crc32c, crc32c_isas
 from .engine import Engine, default_engine, engine_available, set_default_engine, uring_available
 from .errors import (
@@ -47,6 +48,7 @@ __all__ = [
     "aligned_empty",
     "page_locked_empty",
     "huge_page_eligible",
+    "mapping_fields",
     "huge_page_size",
     "default_engine",
     "engine_available",

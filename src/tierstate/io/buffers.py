@@ -42,6 +42,30 @@ def huge_page_size() -> int:
         return 2 << 20  # x86-64 and 4 KiB-page arm64
 
 
+def mapping_fields(address: int) -> dict | None:
+    """The ``/proc/self/smaps`` fields of the mapping that holds ``address`` (values as text,
+    e.g. ``"Rss": "0 kB"``, ``"VmFlags": "rd wr mr mw me ac hg"``), with its bounds as ints under
+    ``"start"`` and ``"end"``; None where no mapping holds it or smaps cannot be read (not
+    Linux). Reads the mappings up to the one found."""
+    fields, inside = {}, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=1)[0] if line.strip() else ""
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                    if inside:
+                        return fields
+                    lo, _, hi = head.partition("-")
+                    start, end = int(lo, 16), int(hi, 16)
+                    inside, fields = start <= address < end, {"start": start, "end": end}
+                elif inside:
+                    key, _, value = line.partition(":")
+                    fields[key] = value.strip()
+    except (OSError, ValueError):
+        return None
+    return fields if inside else None
+
+
 def huge_page_eligible(address: int) -> bool:
     """Whether the kernel may back the memory at ``address`` with transparent huge pages: the
     ``THPeligible`` field of the mapping holding it in ``/proc/self/smaps``. Alignment alone does
@@ -52,23 +76,8 @@ def huge_page_eligible(address: int) -> bool:
     Reads the mappings up to the one found: 1.1-3.5 ms in a process with torch and transformers
     imported (521 mappings; 2-vCPU AMD EPYC, 2026-12-03). Call it for the rare case (an aligned
     parameter), not for every tensor."""
-    try:
-        with open("/proc/self/smaps", "rb") as smaps:
-            inside = False
-            for line in smaps:
-                fields = line.split()
-                if not fields:
-                    continue
-                if b"-" in fields[0] and not fields[0].endswith(b":"):  # a mapping's first line: "start-end perms ..."
-                    if inside:
-                        return False  # the mapping holding it had no THPeligible line
-                    lo, _, hi = fields[0].partition(b"-")
-                    inside = int(lo, 16) <= address < int(hi, 16)
-                elif inside and fields[0] == b"THPeligible:":
-                    return fields[1] == b"1"
-    except (OSError, ValueError):
-        return False
-    return False
+    fields = mapping_fields(address)
+    return fields is not None and fields.get("THPeligible") == "1"
 
 
 def aligned_empty(nbytes: int, alignment: int | None = None, *, huge_pages: bool | None = None):
