@@ -12,33 +12,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 
 from tierstate.bench._e2e_worker import BETAS, EPS, LR, WEIGHT_DECAY, Harness, measure, worker_parser
+from tierstate.bench._gpu_train_worker import deepspeed_world_of_one
 
 MODES = ("ds_z2_cpu", "ds_z3_nvme")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_harness(args: argparse.Namespace, model: torch.nn.Module, tokens: torch.Tensor,
                       swap_dir: Path | None) -> Harness:
     """A single-process DeepSpeed engine (no launcher) in the configuration the peers measured."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = deepspeed_world_of_one("gloo")
     if args.mode == "ds_z2_cpu":
         zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                 "contiguous_gradients": True, "overlap_comm": False}

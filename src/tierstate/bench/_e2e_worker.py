@@ -124,7 +124,8 @@ def _native_kernels(mode: str) -> str:
     return info["isa"]
 
 
-def _peak_rss_bytes() -> int:
+def peak_rss_bytes() -> int:
+    """This process's peak resident set, in bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -241,7 +242,7 @@ def measure(args: argparse.Namespace, harness: Callable[..., Harness], uses_disk
             shutil.rmtree(scratch, ignore_errors=True)
     return {
         "mode": args.mode, "status": "ok", "nparams": nparams, "steps": steps,
-        "peak_rss_bytes": _peak_rss_bytes(), "rss_after_setup_bytes": rss_after_setup, "setup_s": setup_s,
+        "peak_rss_bytes": peak_rss_bytes(), "rss_after_setup_bytes": rss_after_setup, "setup_s": setup_s,
         "threads": args.threads, "precision": args.precision, "torch": torch.__version__, "python": sys.executable,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(), **h.info, "info_keys": sorted(h.info),
     }

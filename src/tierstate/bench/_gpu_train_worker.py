@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import sys
@@ -56,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ._e2e_worker import peak_rss_bytes
 
 MODES = ("torch", "cpu", "cpu_bwd", "nvme", "auto", "deepspeed", "torchao")
 TIERSTATE_MODES = ("cpu", "cpu_bwd", "nvme", "auto")
@@ -108,10 +109,6 @@ def flops_per_step(shape: Shape, batch: int, seq: int) -> float:
     return 6.0 * shape.numel() * tokens + 12.0 * shape.layers * shape.hidden * seq * tokens
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -134,12 +131,6 @@ def build_model(shape: Shape, seq: int, device: torch.device, dtype: torch.dtype
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Unavailable(Exception):
@@ -184,16 +175,28 @@ def make_optimizer(mode: str, model: torch.nn.Module, args: argparse.Namespace, 
     raise ValueError(f"--mode {mode}: not an optimizer of this worker")
 
 
+def deepspeed_world_of_one(backend: str):
+    """``deepspeed``, imported, with torch.distributed started as a world of one process (no
+    launcher): the rendezvous variables a launcher would set, where the environment has none.
+    Raises ImportError where DeepSpeed is not installed."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend)
+    return deepspeed
+
+
 def _deepspeed_engine(model: torch.nn.Module, args: argparse.Namespace):
     """A single-process DeepSpeed ZeRO-Offload engine (stage 2, optimizer state on the CPU, bf16)."""
     try:
-        import deepspeed
+        deepspeed = deepspeed_world_of_one("nccl" if torch.cuda.is_available() else "gloo")
     except ImportError as exc:
         raise Unavailable(f"deepspeed does not import here ({exc})") from None
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -305,7 +308,7 @@ def _train(args: argparse.Namespace, device: torch.device, shape: Shape, scratch
     out = {
         "status": "ok", "steps": steps, "setup_s": setup_s, "trace": trace_path, **info,
         "nparams": sum(p.numel() for p in model.parameters()),
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -339,7 +342,7 @@ def run(args: argparse.Namespace) -> dict:
             status = "error"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return {**head, "status": status, "error": f"{type(exc).__name__}: {first}",
-                "traceback": traceback.format_exc(limit=8), "peak_rss_bytes": _peak_rss_bytes()}
+                "traceback": traceback.format_exc(limit=8), "peak_rss_bytes": peak_rss_bytes()}
 
 
 def worker_parser() -> argparse.ArgumentParser:

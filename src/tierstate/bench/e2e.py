@@ -154,12 +154,14 @@ def _apply_tiny(args: argparse.Namespace) -> None:
 
 
 # -- running ----------------------------------------------------------------------------------
-def child_env(threads: int) -> dict:
-    """The environment of a worker process: this tierstate first on its path, ``threads`` threads."""
+def child_env(threads: int | None) -> dict:
+    """The environment of a worker process: this tierstate first on its path, nothing fetched
+    from the hub, and ``threads`` threads (None: the defaults of the machine's cores)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.update(OMP_NUM_THREADS=str(threads), TIERSTATE_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if threads is not None:
+        env.update(OMP_NUM_THREADS=str(threads), TIERSTATE_NUM_THREADS=str(threads))
     return env
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ._gpu_train_worker import MODES, SIZES, TIERSTATE_MODES
 from ._timing import emit_json, load_average
+from .e2e import _non_negative, _positive, child_env  # the same argument checks and worker environment as bench e2e
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched
 # as substrings of torch.cuda.get_device_name(), most specific first.
@@ -57,7 +58,6 @@ TARGET_LARGEST = 3.0
 TARGET_CAP_GIB = 24.0
 MIN_RUN_S = 20  # under --budget, no run starts with less time left than this
 DEFAULT_MODES = MODES
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _list(choices: tuple[str, ...], what: str):
@@ -87,13 +87,6 @@ def _caps(text: str) -> list[float | None]:
     return out
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be >= 1")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", type=_list(tuple(SIZES), "--sizes"), default=["1b", "3b"],
                         help=f"comma list of model sizes, ascending (of {', '.join(SIZES)}; default 1b,3b)")
@@ -107,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=_positive, default=1024, help="tokens per sequence (default 1024)")
     parser.add_argument("--steps", type=_positive, default=4, help="timed steps per run (default 4)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (default: "
                         "activation checkpointing per decoder layer)")
     parser.add_argument("--device", default=None, help="cuda (default where available) or cpu")
@@ -133,13 +126,6 @@ def peak_tflops(device_name: str | None) -> float | None:
     return None
 
 
-def child_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def run_one(args: argparse.Namespace, mode: str, size: str, cap: float | None, out_dir: Path, nvme_dir: Path,
             tag: str, timeout: float) -> dict:
     """One worker process; its result, or a ``timeout`` / ``error`` result when it wrote none."""
@@ -157,7 +143,7 @@ def run_one(args: argparse.Namespace, mode: str, size: str, cap: float | None, o
     t0 = time.perf_counter()
     with open(log, "w") as f:
         try:
-            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(), timeout=timeout)
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(None), timeout=timeout)
         except subprocess.TimeoutExpired:
             return {**head, "status": "timeout", "error": f"no result within {timeout:.0f} s (log: {log})",
                     "wall_s": time.perf_counter() - t0}
