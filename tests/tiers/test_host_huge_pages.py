@@ -96,13 +96,20 @@ def test_a_huge_page_aligned_parameter_off_huge_pages_still_moves():
     # Regression: alignment was taken for "already on huge pages", so a parameter whose storage
     # torch's allocator happened to place on a 2 MiB boundary (a brk-heap address seen in CI)
     # stayed on 4 KiB pages under THP "madvise". Here the memory is aligned but not advised.
-    from tierstate.io import aligned_empty
+    # A fresh anonymous mapping nobody advised, cut at a huge-page boundary: heap memory from
+    # posix_memalign may carry an earlier user's advice (numpy advises arrays of >= 4 MiB).
+    import mmap
 
     values = torch.randn(1 << 20)
-    p = torch.nn.Parameter(aligned_empty(4 << 20, PAGE, huge_pages=False).view(torch.float32))
+    fresh = mmap.mmap(-1, (4 << 20) + PAGE)
+    start = torch.frombuffer(fresh, dtype=torch.uint8).data_ptr()
+    offset = -start % PAGE
+    p = torch.nn.Parameter(torch.frombuffer(fresh, dtype=torch.float32, count=1 << 20, offset=offset))
     p.data.copy_(values)
     assert p.data_ptr() % PAGE == 0
-    madvised = (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"  # true only under THP "always"
+    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    madvised = (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"
+    assert madvised == always  # eligible only under THP "always"
     ptr = p.data_ptr()
     opt = ts.AdamW([p], offload="cpu")
     assert (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"
@@ -115,21 +122,63 @@ def test_a_huge_page_aligned_parameter_off_huge_pages_still_moves():
     opt.close()
 
 
+def _kernel_would_back_with_huge_pages(fields: dict) -> bool:
+    """The kernel's rule for an anonymous mapping, from what smaps says of it: advised
+    MADV_HUGEPAGE ("hg"), or THP "always" unless advised MADV_NOHUGEPAGE ("nh")."""
+    flags = fields["VmFlags"].split()
+    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    return "hg" in flags or (always and "nh" not in flags)
+
+
 @pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
 def test_huge_page_eligible_reads_the_kernels_answer():
+    import ctypes
+    import mmap
+
     from tierstate.io import aligned_empty, huge_page_eligible
 
     advised = aligned_empty(4 << 20, PAGE, huge_pages=True)
-    plain = aligned_empty(4 << 20, PAGE, huge_pages=False)
-    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    for buf in (advised, plain):  # at both ends: advised memory is eligible, plain only under THP "always"
-        for address in (buf.data_ptr(), buf.data_ptr() + (4 << 20) - 1):
+    # posix_memalign memory: eligible or not as whoever used that heap range before left it
+    # (numpy advises its arrays of >= 4 MiB, and glibc hands the range out again when freed)
+    heap = aligned_empty(4 << 20, PAGE, huge_pages=False)
+    fresh = mmap.mmap(-1, 4 << 20)  # a new anonymous mapping nobody advised
+    fresh_address = ctypes.addressof(ctypes.c_char.from_buffer(fresh))
+    buffers = {"advised": advised.data_ptr(), "heap": heap.data_ptr(), "fresh": fresh_address}
+    for name, start in buffers.items():
+        for address in (start, start + (4 << 20) - 1):  # at both ends
             fields = mapping_fields(address)
             assert fields["start"] <= address < fields["end"]
-            assert huge_page_eligible(address) == (buf is advised or always), (address, fields)
+            assert huge_page_eligible(address) == _kernel_would_back_with_huge_pages(fields), (name, fields)
     assert "hg" in mapping_fields(advised.data_ptr())["VmFlags"].split()  # the MADV_HUGEPAGE flag
     assert huge_page_eligible(advised.data_ptr())
+    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert huge_page_eligible(fresh_address) == always  # under "madvise", unadvised memory is not
     assert not huge_page_eligible(0)  # no mapping holds page 0
+    del fresh_address
+    fresh.close()
+
+
+@pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
+def test_heap_memory_another_library_advised_is_reported_eligible():
+    """Seen in CI (2026-12-06): a 4 MiB posix_memalign block landed on heap memory numpy had
+    advised MADV_HUGEPAGE for an array, then freed; the kernel calls it eligible, and so must
+    huge_page_eligible. In a process of its own, so that the heap starts as this test needs."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from tierstate.io import aligned_empty, huge_page_eligible, mapping_fields\n"
+        "a = np.ones((8 << 20) // 8); del a\n"  # a freed mmapped chunk raises glibc's mmap threshold
+        "b = np.ones((6 << 20) // 8); del b\n"  # so this one comes from the heap, advised by numpy
+        "buf = aligned_empty(4 << 20, %d, huge_pages=False)\n"
+        "flags = mapping_fields(buf.data_ptr())['VmFlags'].split()\n"
+        "print('hg' in flags, huge_page_eligible(buf.data_ptr()))\n" % PAGE
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    advised, eligible = (word == "True" for word in out.stdout.split())
+    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    assert eligible == (advised or always)
 
 
 def test_parameters_that_share_or_view_storage_are_left_where_they_are():
