@@ -56,9 +56,9 @@ def test_planner_host_memory_within_10_percent_of_measured_peak(name, tmp_path):
     planner_no_activations = plan.tier_total(TierKind.HOST) - plan.bytes_of(TierKind.HOST, Kind.ACTIVATIONS)
     assert planner_no_activations == hand
     # each run under its own default allocator policy, none inherited from the warm-up
-    # (tierstate.host_allocator: "retain" for CPU state, "system" with an NVMe tier)
+    # (tierstate.host_allocator: "retain" for CPU state, "retain_small" with an NVMe tier)
     if ts.host_allocator._glibc() is not None:
-        assert report["host_allocator"] == ("system" if cfg["offload"] == "nvme" else "retain")
+        assert report["host_allocator"] == ("retain_small" if cfg["offload"] == "nvme" else "retain")
     measured = report["peak_growth_bytes"]
     predicted = plan.tier_total(TierKind.HOST)
     assert abs(predicted / measured - 1) < 0.10, (

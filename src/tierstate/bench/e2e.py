@@ -329,9 +329,12 @@ def format_report(summaries: dict, targets: list[dict], meta: dict) -> str:
         lines.append("  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths)).rstrip())
     lines.extend(not_run)
     retained = [m for m, s in summaries.items() if s.get("host_allocator") == "retain"]
-    if retained:
-        lines.append(f"host memory freed by torch kept for reuse (tierstate.host_allocator) in: {', '.join(retained)}; "
-                     "the other modes use the C library's default")
+    small = [m for m, s in summaries.items() if s.get("host_allocator") == "retain_small"]
+    if retained or small:
+        said = [f"all of it in {', '.join(retained)}"] if retained else []
+        said += [f"blocks below 32 MiB in {', '.join(small)}"] if small else []
+        lines.append("host memory freed by torch kept for reuse (tierstate.host_allocator): " + "; ".join(said)
+                     + "; the other modes use the C library's default")
     kernels = sorted({s["kernels"] for s in summaries.values() if s.get("kernels")})
     if kernels:
         lines.append(f"tierstate kernels: {', '.join(kernels)}")

@@ -86,8 +86,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fail_fast.arm()  # one rank of several: its failure ends the others, naming it
         # CPU training: keep freed host memory for reuse (see tierstate.host_allocator), the
         # policy actually in effect ("system" where the C library has no such knob).
-        if self.offload.host_allocator_for(self.device) == "retain":
+        chosen = self.offload.host_allocator_for(self.device)
+        if chosen == "retain":
             host_allocator.retain_freed_memory()
+        elif chosen == "retain_small":
+            host_allocator.retain_small_blocks()
         self.host_allocator = host_allocator.policy()
 
     def _policy(self) -> StepPolicy:

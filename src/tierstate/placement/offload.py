@@ -16,7 +16,7 @@ from .defaults import (DEFAULT_BUFFER_COUNT, DEFAULT_QUANT_BLOCK, DEFAULT_QUANT_
 PathLike = Union[str, os.PathLike]
 
 OFFLOAD_MODES = ("cpu", "nvme", "auto")
-HOST_ALLOCATOR_POLICIES = ("retain", "system")
+HOST_ALLOCATOR_POLICIES = ("retain", "retain_small", "system")
 # The dtype names the CLI takes (`--moment-dtype bf16`), accepted for the torch dtypes they name.
 DTYPE_SPELLINGS = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -105,14 +105,20 @@ class Offload:
             for reuse (:func:`tierstate.host_allocator.retain_freed_memory`, process-wide),
             so forward and backward on CPU parameters stop page-faulting (GPT-2 124M fp32 on
             a 2-vCPU VM: 140-210 K faults and ~0.5 CPU-s of kernel time per step less; RSS
-            then stays near its high-water mark: +0.34 GiB there). ``"system"``: leave the C
-            allocator alone. Default (None): ``"retain"`` for CPU parameters whose state is
-            all in host RAM (no ``nvme`` part), ``"system"`` otherwise (accelerator
-            parameters, or an NVMe tier, chosen to bound host memory); the environment
-            variable ``TIERSTATE_HOST_ALLOCATOR=system|retain`` overrides the default, not an
-            explicit value. With an NVMe tier, ``"retain"`` is the choice for speed when RAM
-            is not the limit: GPT-2 124M's whole NVMe training step went from 1.11-1.15x plain
-            torch's to 1.00-1.04x, at ~15 % more peak RSS (``docs/step_modes.md``).
+            then stays near its high-water mark: +0.34 GiB there). ``"retain_small"``: the
+            heap is kept, and serves blocks below 32 MiB; a larger block it has no room for
+            is mapped, and returned to the system when freed
+            (:func:`tierstate.host_allocator.retain_small_blocks`). ``"system"``:
+            leave the C allocator alone. Default (None): ``"retain"`` for CPU parameters whose
+            state is all in host RAM (no ``nvme`` part), ``"retain_small"`` for CPU
+            parameters with an NVMe tier (chosen to bound host memory: GPT-2 124M fp32 with
+            its state on NVMe peaked at 3.08-3.10 GiB, as under ``"system"``, against plain
+            torch's 3.72-3.77, and its step was 1.08-1.12x torch's against 1.18-1.22x; under
+            ``"system"`` glibc cut the heap back after each step and the next forward faulted
+            it in again), ``"system"`` for accelerator parameters. The environment variable
+            ``TIERSTATE_HOST_ALLOCATOR=system|retain_small|retain`` overrides the default, not
+            an explicit value. With an NVMe tier, ``"retain"`` is the choice for speed when RAM
+            is not the limit (``docs/step_modes.md``).
     """
 
     gpu: float = 0.0
@@ -321,4 +327,6 @@ class Offload:
                 raise ValueError(f"TIERSTATE_HOST_ALLOCATOR={env!r}: must be one of {HOST_ALLOCATOR_POLICIES} "
                                  "(or unset for the default)")
             return env
-        return "retain" if device.type == "cpu" and self.nvme == 0 else "system"
+        if device.type != "cpu":
+            return "system"
+        return "retain" if self.nvme == 0 else "retain_small"
