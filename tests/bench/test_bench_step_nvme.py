@@ -32,6 +32,7 @@ def _run(tmp_path, *extra: str) -> dict:
 
 def test_step_moves_what_the_pool_cannot_hold_and_is_priced_against_its_probes(tmp_path):
     r = _run(tmp_path)
+    assert r["grad_norm_s"] == 0.0  # the gradients came through autograd: the hooks took the norm
     record = 2 * (256 << 10) * 4
     assert (r["subgroups"], r["buffer_count"], r["pool_bytes"]) == (8, 4, 4 * record)
     # the last 4 records of a step stay dirty in the pool and serve the next: 8 - 4 move each way
@@ -149,7 +150,7 @@ def test_default_sizes_that_do_not_fit_are_skipped_and_said(tmp_path, monkeypatc
     real = psutil.virtual_memory()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=8 << 30))
     assert step_nvme._sizes(args) == [100_000_000]
-    assert "skipping the default size 400M: --params 400M needs about 9.9 GiB" in capsys.readouterr().err
+    assert "skipping the default size 400M: --params 400M needs about 12.9 GiB" in capsys.readouterr().err
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=1 << 30))
     assert step.main(args) == 2
     assert "no default size fits" in capsys.readouterr().err
@@ -179,3 +180,24 @@ def test_default_sizes_are_the_same_two_regimes_of_every_layouts_pool(tmp_path, 
     assert large / pool_elements == pytest.approx(6.0, rel=0.02)
     if not layout:
         assert (small, large) == (100_000_000, 400_000_000)  # fp32 state's, as documented
+
+
+def test_gradients_are_delivered_as_backward_delivers_them(tmp_path):
+    import torch
+
+    import tierstate as ts
+
+    params, grads = step_nvme._params(3_000, 1_000, torch.bfloat16, seed=0)
+    opt = ts.AdamW(params, offload=ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024,
+                                              buffer_count=2))
+    for _ in range(2):
+        step_nvme.deliver_gradients(params, grads)
+        for p, g in zip(params, grads):
+            assert torch.equal(p.grad, g) and p.grad.data_ptr() != g.data_ptr()  # a copy: g serves every step
+        opt.step()
+        assert "grad_norm" not in opt.stats().phases  # taken by the hooks, not by a pass of the step
+    for p, g in zip(params, grads):  # assigned instead, the step reads every gradient for the norm
+        p.grad = g.clone()
+    opt.step()
+    assert opt.stats().phases["grad_norm"] > 0
+    opt.close()

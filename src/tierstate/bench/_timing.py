@@ -16,7 +16,8 @@ JSON_STDOUT = "-"
 
 def interleave(calls: dict[str, Callable[[], object]], rounds: int, warmup: int, label: str, *,
                gap_ms: float = 0.0, alternate: bool = False, before_timed: Callable[[], None] | None = None,
-               after_round: Callable[[], None] | None = None) -> dict[str, list[float]]:
+               after_round: Callable[[], None] | None = None,
+               before_call: dict[str, Callable[[], None]] | None = None) -> dict[str, list[float]]:
     """Seconds of each call of ``calls``, round-robin: ``warmup`` untimed rounds, then ``rounds``
     timed ones, every variant once per round, so that all of them see the same phase of the
     machine (memory bandwidth on the reference VM moves by ~1.7x within seconds).
@@ -24,7 +25,8 @@ def interleave(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
     ``gap_ms``: sleep before every call (see ``tierstate bench step``'s note on OpenMP's
     spin-wait). ``alternate``: every other timed round runs in reversed order, so that no
     variant always follows the same one. ``before_timed`` runs once before the first timed
-    round and ``after_round`` after each timed round, both outside the timed calls."""
+    round and ``after_round`` after each timed round, and ``before_call[name]`` before every
+    call of ``name``, all outside the timed calls."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
     with progress(warmup + rounds, label) as advance:
@@ -35,6 +37,8 @@ def interleave(calls: dict[str, Callable[[], object]], rounds: int, warmup: int,
             flip = alternate and timed and (rnd - warmup) % 2 == 1
             for name in (names[::-1] if flip else names):
                 call = calls[name]
+                if before_call and name in before_call:
+                    before_call[name]()
                 if gap_ms > 0:
                     time.sleep(gap_ms / 1e3)  # let the previous variant's spinning threads sleep
                 t0 = time.perf_counter()

@@ -15,6 +15,10 @@ engine (same block size):
   phase of the machine;
 - the NVMe step time, and the bytes it moved (from its telemetry).
 
+Before each step the gradients reach ``.grad`` through autograd (:func:`deliver_gradients`),
+so the optimizer's gradient hooks take their norm as in training and the step does not read
+them again (until 2026-12-06 they were assigned, and each step began with that extra pass).
+
 floor = max(disk time of the step's bytes, CPU step time), the disk time being the
 smaller of (read bytes / read GB/s + write bytes / write GB/s) and (all bytes / GB/s of
 reads and writes at once), at the mean rates of the probes just before and just after
@@ -24,8 +28,9 @@ target is <= 1.15.
 The two default sizes are two regimes of the default pool: the state 1.5x and 6x what the
 pool holds. For fp32 state (16 records of 4 Mi elements) they are 100M and 400M parameters:
 at 100M two thirds of the state stays in the pool and each step streams 8 of its 24 records
-each way, so the step's fixed costs before its first write (the gradient-norm pass over all
-gradients, ~20 ms on the reference VM) weigh ~9 % of the floor; at 400M 80 of 96 records
+each way, so the step's fixed costs before its first write (the first update; with
+gradients assigned to ``.grad``, also a gradient-norm pass over all of them, ~20 ms on the
+reference VM, ~9 % of the floor) weigh most there; at 400M 80 of 96 records
 stream, as they do for the models NVMe offload is for. Compressed state's default pool holds
 more records (31 to 63 of 4 Mi elements, the RAM of 16 fp32-state ones:
 :func:`tierstate.placement.defaults.default_buffer_count`), so its default sizes grow with
@@ -162,17 +167,30 @@ def measure_disk(folder: Path, nbytes: int, request_bytes: int, in_flight: int =
         path.unlink(missing_ok=True)
 
 
-def _params(n: int, per: int, dtype: torch.dtype, seed: int) -> list[torch.nn.Parameter]:
+def _params(n: int, per: int, dtype: torch.dtype, seed: int) -> tuple[list[torch.nn.Parameter], list[torch.Tensor]]:
+    """Parameters of ``n`` elements in tensors of ``per``, and a gradient for each (not yet
+    delivered: see :func:`deliver_gradients`)."""
     gen = torch.Generator().manual_seed(seed)
     sizes = [per] * (n // per) + ([n % per] if n % per else [])
-    out = []
+    params, grads = [], []
     for size in sizes:
         # drawn in place: a freed temporary of the same size would stay as a hole in glibc's
         # heap (see tierstate.host_allocator), 4 B/param more RSS at 400M (12.8 GiB, not 9.4)
-        p = torch.nn.Parameter(torch.empty(size).normal_(generator=gen).to(dtype))
-        p.grad = torch.empty(size).normal_(std=1e-2, generator=gen).to(dtype)
-        out.append(p)
-    return out
+        params.append(torch.nn.Parameter(torch.empty(size).normal_(generator=gen).to(dtype)))
+        grads.append(torch.empty(size).normal_(std=1e-2, generator=gen).to(dtype))
+    return params, grads
+
+
+def deliver_gradients(params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    """Hand each parameter its gradient as backward does: autograd accumulates it into
+    ``param.grad`` (a fresh copy) and runs the parameter's post-accumulate hooks, where the
+    optimizer takes the gradient's sum of squares (``docs/step_modes.md``), so the step reads
+    no gradient twice, as in training. Gradients assigned to ``.grad`` instead made every
+    step read all of them once more for the norm first: 24-26 ms at 400M bf16 parameters
+    before any I/O (2-vCPU Zen 4 VM, 2026-12-06), which training does not pay."""
+    for p in params:
+        p.grad = None
+    torch.autograd.backward(params, grads)
 
 
 # torch, Python, the disk probe's buffers: peak RSS less the estimate below was 0.40-0.42 GiB
@@ -220,13 +238,14 @@ def default_sizes(args: argparse.Namespace) -> list[int]:
 
 
 def _host_bytes_needed(args: argparse.Namespace, params: int) -> int:
-    """Host RAM the run holds at once: both copies of the parameters and gradients, the CPU
-    optimizer's state (moments, and a master where the parameters are not their own), the
-    NVMe tier's pool (records of the same state), and the interpreter's own."""
+    """Host RAM the run holds at once: both copies of the parameters, their gradients and the
+    gradients delivered to ``.grad`` (:func:`deliver_gradients`), the CPU optimizer's state
+    (moments, and a master where the parameters are not their own), the NVMe tier's pool
+    (records of the same state), and the interpreter's own."""
     dtype = _param_dtype(args)
     state = sum(_state_table(args).values())
     record = args.subgroup_numel * state
-    return int(params * (4 * dtype.itemsize + state) + default_pool_records(args) * record + _BASE_BYTES)
+    return int(params * (6 * dtype.itemsize + state) + default_pool_records(args) * record + _BASE_BYTES)
 
 
 def _disk_time(read_bytes: float, write_bytes: float, rates: dict) -> tuple[float, float]:
@@ -245,7 +264,7 @@ def _ram_shortfall(args: argparse.Namespace, params: int) -> str | None:
     if needed <= 0.9 * available:
         return None
     return (f"--params {params / 1e6:.0f}M needs about {needed / 2**30:.1f} GiB of host RAM (parameters and "
-            f"gradients twice, the CPU optimizer's moments, the pool) and {available / 2**30:.1f} GiB is available")
+            f"gradients three times, the CPU optimizer's moments, the pool) and {available / 2**30:.1f} GiB is available")
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
@@ -278,8 +297,8 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
     try:
         offload = ts.Offload(cpu=0.0, nvme=1.0, nvme_dir=work / "state", subgroup_numel=args.subgroup_numel,
                              buffer_count=args.buffer_count, **_moment_offload(args))
-        nvme_params = _params(params, args.param_numel, dtype, seed=0)
-        cpu_params = _params(params, args.param_numel, dtype, seed=0)
+        nvme_params, nvme_grads = _params(params, args.param_numel, dtype, seed=0)
+        cpu_params, cpu_grads = _params(params, args.param_numel, dtype, seed=0)
         nvme_opt = ts.AdamW(nvme_params, lr=1e-3, offload=offload)
         cpu_opt = ts.AdamW(cpu_params, lr=1e-3, offload=ts.Offload(cpu=1.0, **_moment_offload(args)))
         tier = next(t for t in nvme_opt.tiers.values() if t.does_io)  # all state is in the one I/O tier
@@ -288,7 +307,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
         # each step is priced at the mean of the probes on either side of it.
         pool = tier.pool_nbytes // tier.record_nbytes
         probe_bytes = max(tier.record_nbytes * max(1, len(tier.subgroups) - pool), args.probe_bytes)
-        disks, reads, writes, waits = [], [], [], []
+        disks, reads, writes, waits, norms = [], [], [], [], []
 
         def probe_disk() -> None:
             disks.append(measure_disk(work, probe_bytes, tier.record_nbytes, reps=1))
@@ -298,11 +317,14 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
             reads.append(dict(stats.bytes).get("nvme/read", 0))
             writes.append(dict(stats.bytes).get("nvme/write", 0))
             waits.append(stats.phases.get("nvme_wait", 0.0))
+            norms.append(stats.phases.get("grad_norm", 0.0))  # none: the hooks took it (deliver_gradients)
             probe_disk()
 
         times = interleave({"cpu": cpu_opt.step, "nvme": nvme_opt.step}, args.steps, args.warmup,
                            f"cpu and nvme steps, {params / 1e6:.0f}M", alternate=True,
-                           before_timed=probe_disk, after_round=after_round)
+                           before_timed=probe_disk, after_round=after_round,
+                           before_call={"cpu": lambda: deliver_gradients(cpu_params, cpu_grads),
+                                        "nvme": lambda: deliver_gradients(nvme_params, nvme_grads)})
         cpu_times, nvme_times = times["cpu"], times["nvme"]
         read_bytes, write_bytes = statistics.median(reads), statistics.median(writes)
         disk = dict(disks[-1], **{k: statistics.median(d[k] for d in disks) for k in _DISK_RATES},
@@ -325,6 +347,7 @@ def run_size(args: argparse.Namespace, params: int) -> dict:
             "nvme_steps_s": nvme_times,
             "cpu_steps_s": cpu_times,
             "nvme_wait_s": statistics.median(waits),
+            "grad_norm_s": statistics.median(norms),
             "read_bytes": read_bytes,
             "write_bytes": write_bytes,
             "read_bytes_per_step": reads,
