@@ -117,6 +117,14 @@ def test_targets_give_ratios_but_no_verdict_off_the_issue_shape(tiny_report):
     nvme_vs_torch = by_name["nvme vs plain torch"]
     expected = report["summaries"]["nvme"]["total"]["median"] / report["summaries"]["torch"]["total"]["median"]
     assert nvme_vs_torch["ratio"] == pytest.approx(expected)
+    # the zero-cost goals: the same step ratio against 1.05, and the optimizer phases against 0.8
+    tight = by_name["nvme step at zero cost (vs plain torch)"]
+    assert (tight["ratio"], tight["limit"]) == (pytest.approx(expected), 1.05)
+    phase = by_name["cpu optimizer phase vs plain torch's"]
+    assert phase["measure"] == "opt" and phase["limit"] == 0.8
+    summaries = report["summaries"]
+    assert phase["ratio"] == pytest.approx(summaries["cpu"]["opt"]["median"] / summaries["torch"]["opt"]["median"])
+    assert len(phase["per_round"]) == len(nvme_vs_torch["per_round"]) > 0
     assert all(t["met"] is None for t in report["targets"])
 
 
