@@ -182,14 +182,16 @@ def test_policy_moves_only_towards_retain_until_released():
     script = (
         "import json, tierstate as ts\n"
         "h = ts.host_allocator\n"
-        "seen = [h.policy(), h.retain_small_blocks(), h.policy(), h.retain_freed_memory(), h.policy(),\n"
+        "seen = [h.policy(), h.adopt('system'), h.policy(), h.retain_small_blocks(), h.policy(),\n"
+        "        h.retain_freed_memory(), h.policy(),\n"
         "        h.retain_small_blocks(), h.policy(), h.release_to_system(), h.policy(), h.release_to_system(),\n"
         "        h.retain_small_blocks(), h.policy(), h.release_to_system(), h.policy()]\n"
         "print(json.dumps(seen))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout) == ["system", True, "retain_small", True, "retain",
+    assert json.loads(done.stdout) == ["system", False, "system",  # "system" leaves the allocator alone
+                                       True, "retain_small", True, "retain",
                                        True, "retain", True, "system", False,  # the stronger setting stays
                                        True, "retain_small", True, "system"]
 

@@ -98,6 +98,45 @@ def policy() -> str:
     return _policy
 
 
+# What each policy asks of glibc, what its log line says, and the policies under which it is
+# already in effect ("retain" holds everything "retain_small" asks, and more).
+_SETTINGS = {
+    "retain": (((_M_MMAP_MAX, "M_MMAP_MAX", 0), (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", RETAINED_TOP_BYTES)),
+               "freed host memory is kept in the heap for reuse (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=2 GiB), "
+               "so CPU forward/backward stop page-faulting",
+               ("retain",)),
+    "retain_small": (((_M_MMAP_THRESHOLD, "M_MMAP_THRESHOLD", SMALL_BLOCK_LIMIT),
+                      (_M_TRIM_THRESHOLD, "M_TRIM_THRESHOLD", RETAINED_TOP_BYTES)),
+                     "blocks below 32 MiB come from the heap, whose freed memory is kept for reuse "
+                     "(mallopt M_MMAP_THRESHOLD=32 MiB, M_TRIM_THRESHOLD=2 GiB)",
+                     ("retain", "retain_small")),
+}
+
+
+def adopt(name: str) -> bool:
+    """Put the policy ``name`` in effect: ``"retain"`` (:func:`retain_freed_memory`),
+    ``"retain_small"`` (:func:`retain_small_blocks`), or ``"system"``, which leaves the
+    allocator as it is. Returns whether ``name``'s setting (or a stronger one) is in effect."""
+    global _policy
+    if name == "system":
+        return False
+    settings, said, in_effect = _SETTINGS[name]
+    with _lock:
+        if _policy in in_effect:
+            return True
+        libc = _glibc()
+        if libc is None:
+            _log.info("tierstate: host allocator left as it is: the C library is not glibc (no mallopt)")
+            return False
+        if not _mallopt(libc, tuple((param, value) for param, _, value in settings)):
+            _log.warning("tierstate: glibc refused mallopt(%s); host allocator unchanged",
+                         "/".join(label for _, label, _ in settings))
+            return False
+        _policy = name
+        _log.info("tierstate: %s; tierstate.host_allocator.release_to_system() undoes it", said)
+        return True
+
+
 def retain_small_blocks() -> bool:
     """Keep the heap's freed memory for later allocations, and serve blocks below 32 MiB from
     it; a larger block the heap has no free room for is mapped, and returned to the system
@@ -106,23 +145,7 @@ def retain_small_blocks() -> bool:
 
     Returns True when this or the stronger setting is in effect (glibc), False where this C
     library has no such knob. See [Note: why tierstate touches the C allocator]."""
-    global _policy
-    with _lock:
-        if _policy in ("retain", "retain_small"):
-            return True
-        libc = _glibc()
-        if libc is None:
-            _log.info("tierstate: host allocator left as it is: the C library is not glibc (no mallopt)")
-            return False
-        if not _mallopt(libc, ((_M_MMAP_THRESHOLD, SMALL_BLOCK_LIMIT), (_M_TRIM_THRESHOLD, RETAINED_TOP_BYTES))):
-            _log.warning("tierstate: glibc refused mallopt(M_MMAP_THRESHOLD/M_TRIM_THRESHOLD); host allocator "
-                         "unchanged")
-            return False
-        _policy = "retain_small"
-        _log.info("tierstate: blocks below 32 MiB come from the heap, whose freed memory is kept for reuse "
-                  "(mallopt M_MMAP_THRESHOLD=32 MiB, M_TRIM_THRESHOLD=2 GiB); "
-                  "tierstate.host_allocator.release_to_system() undoes it")
-        return True
+    return adopt("retain_small")
 
 
 def retain_freed_memory() -> bool:
@@ -131,22 +154,7 @@ def retain_freed_memory() -> bool:
     Returns True when the setting is in effect (glibc), False where this C library has no
     such knob (then nothing changed). See [Note: why tierstate touches the C allocator].
     """
-    global _policy
-    with _lock:
-        if _policy == "retain":
-            return True
-        libc = _glibc()
-        if libc is None:
-            _log.info("tierstate: host allocator left as it is: the C library is not glibc (no mallopt)")
-            return False
-        if not _mallopt(libc, ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, RETAINED_TOP_BYTES))):
-            _log.warning("tierstate: glibc refused mallopt(M_MMAP_MAX/M_TRIM_THRESHOLD); host allocator unchanged")
-            return False
-        _policy = "retain"
-        _log.info("tierstate: freed host memory is kept in the heap for reuse (mallopt M_MMAP_MAX=0, "
-                  "M_TRIM_THRESHOLD=2 GiB), so CPU forward/backward stop page-faulting; "
-                  "tierstate.host_allocator.release_to_system() undoes it")
-        return True
+    return adopt("retain")
 
 
 def release_to_system() -> bool:
@@ -166,5 +174,5 @@ def release_to_system() -> bool:
         return True
 
 
-__all__ = ["policy", "retain_freed_memory", "retain_small_blocks", "release_to_system", "RETAINED_TOP_BYTES",
-           "SMALL_BLOCK_LIMIT"]
+__all__ = ["adopt", "policy", "retain_freed_memory", "retain_small_blocks", "release_to_system",
+           "RETAINED_TOP_BYTES", "SMALL_BLOCK_LIMIT"]

@@ -86,11 +86,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fail_fast.arm()  # one rank of several: its failure ends the others, naming it
         # CPU training: keep freed host memory for reuse (see tierstate.host_allocator), the
         # policy actually in effect ("system" where the C library has no such knob).
-        chosen = self.offload.host_allocator_for(self.device)
-        if chosen == "retain":
-            host_allocator.retain_freed_memory()
-        elif chosen == "retain_small":
-            host_allocator.retain_small_blocks()
+        host_allocator.adopt(self.offload.host_allocator_for(self.device))
         self.host_allocator = host_allocator.policy()
 
     def _policy(self) -> StepPolicy:
