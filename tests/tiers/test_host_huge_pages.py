@@ -15,6 +15,11 @@ from tierstate.placement import TierKind
 PAGE = huge_page_size()  # 0 where the kernel gives none (THP "never", or absent)
 
 
+def _thp_always() -> bool:
+    """THP in mode "always": every anonymous mapping is eligible unless advised otherwise."""
+    return "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+
+
 @pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
 @pytest.mark.parametrize("moment_dtype", [torch.float32, "q8"])
 def test_every_host_arena_is_on_huge_page_eligible_memory(moment_dtype):
@@ -107,9 +112,8 @@ def test_a_huge_page_aligned_parameter_off_huge_pages_still_moves():
     p = torch.nn.Parameter(torch.frombuffer(fresh, dtype=torch.float32, count=1 << 20, offset=offset))
     p.data.copy_(values)
     assert p.data_ptr() % PAGE == 0
-    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     madvised = (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"
-    assert madvised == always  # eligible only under THP "always"
+    assert madvised == _thp_always()  # eligible only under THP "always"
     ptr = p.data_ptr()
     opt = ts.AdamW([p], offload="cpu")
     assert (mapping_fields(p.data_ptr()) or {}).get("THPeligible") == "1"
@@ -126,8 +130,7 @@ def _kernel_would_back_with_huge_pages(fields: dict) -> bool:
     """The kernel's rule for an anonymous mapping, from what smaps says of it: advised
     MADV_HUGEPAGE ("hg"), or THP "always" unless advised MADV_NOHUGEPAGE ("nh")."""
     flags = fields["VmFlags"].split()
-    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    return "hg" in flags or (always and "nh" not in flags)
+    return "hg" in flags or (_thp_always() and "nh" not in flags)
 
 
 @pytest.mark.skipif(PAGE == 0, reason="the kernel offers no transparent huge pages here")
@@ -151,8 +154,7 @@ def test_huge_page_eligible_reads_the_kernels_answer():
             assert huge_page_eligible(address) == _kernel_would_back_with_huge_pages(fields), (name, fields)
     assert "hg" in mapping_fields(advised.data_ptr())["VmFlags"].split()  # the MADV_HUGEPAGE flag
     assert huge_page_eligible(advised.data_ptr())
-    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    assert huge_page_eligible(fresh_address) == always  # under "madvise", unadvised memory is not
+    assert huge_page_eligible(fresh_address) == _thp_always()  # under "madvise", unadvised memory is not
     assert not huge_page_eligible(0)  # no mapping holds page 0
     del fresh_address
     fresh.close()
@@ -177,8 +179,7 @@ def test_heap_memory_another_library_advised_is_reported_eligible():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     advised, eligible = (word == "True" for word in out.stdout.split())
-    always = "[always]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    assert eligible == (advised or always)
+    assert eligible == (advised or _thp_always())
 
 
 def test_parameters_that_share_or_view_storage_are_left_where_they_are():
