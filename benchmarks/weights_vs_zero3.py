@@ -60,7 +60,8 @@ import threading
 import time
 from pathlib import Path
 
-from tierstate.bench.e2e import _non_negative, _positive, modes_option  # the same argument checks as bench e2e
+from tierstate.bench._timing import non_negative_int, positive_int  # the same argument checks as bench e2e
+from tierstate.bench.e2e import modes_option
 from tierstate.bench.io import parse_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -112,17 +113,17 @@ def llama_params(hidden: int, layers: int, heads: int, kv_heads: int, intermedia
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options."""
     parser.add_argument("--size", choices=tuple(SIZES), default="350m", help="model size (default 350m)")
-    parser.add_argument("--batch", type=_positive, default=2, help="sequences per step (default 2)")
-    parser.add_argument("--seq", type=_positive, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--batch", type=positive_int, default=2, help="sequences per step (default 2)")
+    parser.add_argument("--seq", type=positive_int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="weights' dtype in both modes; bf16 keeps an fp32 master in the optimizer (default)")
     parser.add_argument("--modes", type=modes_option(MODES), default=list(DEFAULT_MODES),
                         help=f"comma list of {', '.join(MODES)} (default {','.join(DEFAULT_MODES)})")
-    parser.add_argument("--steps", type=_positive, default=3, help="timed steps per run (default 3)")
-    parser.add_argument("--warmup", type=_non_negative, default=1, help="untimed steps first (default 1)")
-    parser.add_argument("--repeats", type=_positive, default=2, help="runs of every mode, order alternating (default 2)")
-    parser.add_argument("--prefetch", type=_non_negative, default=2, help="tierstate: blocks fetched ahead (default 2)")
-    parser.add_argument("--threads", type=_positive, default=2, help="torch threads per run (default 2)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per run (default 3)")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed steps first (default 1)")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs of every mode, order alternating (default 2)")
+    parser.add_argument("--prefetch", type=non_negative_int, default=2, help="tierstate: blocks fetched ahead (default 2)")
+    parser.add_argument("--threads", type=positive_int, default=2, help="torch threads per run (default 2)")
     parser.add_argument("--nvme-dir", default=None,
                         help="folder for the runs' files, one sub-folder per mode, removed after each run "
                              "(default: TIERSTATE_NVME_DIR or the tierstate cache dir)")
@@ -131,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers-python", default=None,
                         help="interpreter that imports deepspeed (default: this one if it can, else "
                              "TIERSTATE_PEERS_PYTHON, else .peers-venv/bin/python in the checkout)")
-    parser.add_argument("--timeout", type=_positive, default=3600, help="seconds allowed per run (default 3600)")
+    parser.add_argument("--timeout", type=positive_int, default=3600, help="seconds allowed per run (default 3600)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to PATH as JSON")
 
 

@@ -70,6 +70,28 @@ def emit_json(destination: str | None, figures: object) -> None:
             json.dump(figures, f, indent=2)
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (an argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return value
+
+
 def count_arg(text: str) -> int:
     """'100M' -> 100_000_000; '1.5G', '250k' and plain integers too (an argparse type)."""
     try:

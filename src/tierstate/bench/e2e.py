@@ -65,6 +65,7 @@ from pathlib import Path
 
 from ..telemetry.progress import progress
 from ._e2e_worker import BF16_PARAM_MODES, MODES, TIERSTATE_MODES, add_model_arguments
+from ._timing import non_negative_int, positive_int
 
 _GIB = 2**30
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the tierstate package
@@ -105,26 +106,6 @@ _PEER_MODES = {m: "run by benchmarks/e2e.py in the source tree (python benchmark
                for m in ("ds_z2_cpu", "ds_z3_nvme")}
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...] = MODES,
                   modes_type: Callable[[str], list[str]] | None = None) -> None:
     """Options of the end-to-end benchmark, ``--modes`` among ``modes`` (parsed by ``modes_type``)."""
@@ -134,17 +115,17 @@ def add_arguments(parser: argparse.ArgumentParser, modes: tuple[str, ...] = MODE
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                         help="bf16: autocast and bf16 parameters; fp32: neither; auto "
                              "(default): bf16 unless this CPU's bf16 matmul is much slower than its fp32 one")
-    parser.add_argument("--steps", type=_positive, default=6, help="timed steps per run (default 6)")
-    parser.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
-    parser.add_argument("--repeats", type=_positive, default=2,
+    parser.add_argument("--steps", type=positive_int, default=6, help="timed steps per run (default 6)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--repeats", type=positive_int, default=2,
                         help="runs of every mode, order alternating (default 2)")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to PATH as JSON")
     parser.add_argument("--nvme-dir", default=None,
                         help="folder for the nvme modes' state files (default: TIERSTATE_NVME_DIR or the "
                              "tierstate cache dir); each run makes and removes its own sub-folder")
-    parser.add_argument("--threads", type=_positive, default=2,
+    parser.add_argument("--threads", type=positive_int, default=2,
                         help="torch and tierstate threads per run (default 2: this machine's cores)")
-    parser.add_argument("--timeout", type=_positive, default=1800, help="seconds allowed per run (default 1800)")
+    parser.add_argument("--timeout", type=positive_int, default=1800, help="seconds allowed per run (default 1800)")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer, 64-wide GPT-2 on 2 x 32 tokens, with 16 Ki-element sub-groups and a "
                              "2-buffer NVMe pool so the tier still streams: a smoke test of seconds")

@@ -43,8 +43,8 @@ import time
 from pathlib import Path
 
 from ._gpu_train_worker import MODES, SIZES, TIERSTATE_MODES
-from ._timing import emit_json, load_average
-from .e2e import _non_negative, _positive, child_env  # the same argument checks and worker environment as bench e2e
+from ._timing import emit_json, load_average, non_negative_int, positive_int
+from .e2e import child_env  # the same worker environment as bench e2e
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendors' data sheets, matched
 # as substrings of torch.cuda.get_device_name(), most specific first.
@@ -97,10 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of device-memory caps in GiB, 'none' for the whole card (default none)")
     parser.add_argument("--largest", action="store_true",
                         help="per cap and mode, stop at the first size that does not fit (sizes ascending)")
-    parser.add_argument("--batch", type=_positive, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq", type=_positive, default=1024, help="tokens per sequence (default 1024)")
-    parser.add_argument("--steps", type=_positive, default=4, help="timed steps per run (default 4)")
-    parser.add_argument("--warmup", type=_non_negative, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--batch", type=positive_int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq", type=positive_int, default=1024, help="tokens per sequence (default 1024)")
+    parser.add_argument("--steps", type=positive_int, default=4, help="timed steps per run (default 4)")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (default: "
                         "activation checkpointing per decoder layer)")
     parser.add_argument("--device", default=None, help="cuda (default where available) or cpu")
@@ -108,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: a temporary folder)")
     parser.add_argument("--out-dir", default=None, help="folder for each run's JSON, traces and PNG timelines")
     parser.add_argument("--json", metavar="PATH", default=None, help="also write every figure to PATH as JSON")
-    parser.add_argument("--timeout", type=_positive, default=900, help="seconds allowed per run (default 900)")
-    parser.add_argument("--budget", type=_positive, default=None,
+    parser.add_argument("--timeout", type=positive_int, default=900, help="seconds allowed per run (default 900)")
+    parser.add_argument("--budget", type=positive_int, default=None,
                         help="seconds for the whole invocation: each run's limit is cut to what is left, and "
                              f"none starts with less than {MIN_RUN_S} s left (default: no limit)")
     parser.add_argument("--peak-tflops", type=float, default=None,
