@@ -338,14 +338,6 @@ inline float max_nan_scalar(float a, float b) {
   return a > b ? a : b;
 }
 
-template <class W>
-inline float reduce_max_nan(W x) {
-  float lanes[W::kWidth];
-  W::store(lanes, x);
-  float r = lanes[0];
-  for (int k = 1; k < W::kWidth; ++k) r = max_nan_scalar(r, lanes[k]);
-  return r;
-}
 
 // The two kinds of 8-bit map (QuantMapRef) as codecs over a vector type W: a table map
 // (decode: one lookup; encode: bucket, then one threshold) or an fp8 map (arithmetic only).
@@ -484,8 +476,8 @@ inline void adam_q8_elements(const AdamQ8Task& t, const CM& m_codec, const CV& v
     am = W::max_abs(am, m);
     as = W::max_abs(as, s);  // s >= +0 or NaN: its absolute value is itself
   }
-  amax_m = max_nan_scalar(amax_m, reduce_max_nan(am));
-  amax_s = max_nan_scalar(amax_s, reduce_max_nan(as));
+  amax_m = max_nan_scalar(amax_m, W::reduce_max_abs(am));
+  amax_s = max_nan_scalar(amax_s, W::reduce_max_abs(as));
 }
 
 // The stored scale and the multiplier that normalises the block to the map's top value:
@@ -590,7 +582,7 @@ void quantize_range(const QuantTask& t, int64_t begin, int64_t end) {
       const int64_t mid = b0 + (b1 - b0) / V::kWidth * V::kWidth;
       V acc = V::set1(0.0f);
       for (int64_t i = b0; i < mid; i += V::kWidth) acc = V::max_abs(acc, V::load(t.x + i));
-      float absmax = reduce_max_nan(acc);
+      float absmax = V::reduce_max_abs(acc);
       for (int64_t i = mid; i < b1; ++i) absmax = max_nan_scalar(absmax, S::abs(S::load(t.x + i)).v);
       encode_block<V, S>(t.x + b0, t.codes, b0, b1, absmax, t.scale + b0 / t.block, t.map.top, codec);
     }

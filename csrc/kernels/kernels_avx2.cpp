@@ -236,6 +236,14 @@ struct VecAvx2 {
     const __m256i mag = _mm256_and_si256(_mm256_castps_si256(x.v), _mm256_set1_epi32(0x7FFFFFFF));
     return {_mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc.v), mag))};
   }
+  // The largest lane of a max_abs accumulator, on the bits as max_abs keeps them (NaN above all).
+  static float reduce_max_abs(VecAvx2 acc) {
+    const __m256i bits = _mm256_castps_si256(acc.v);
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
+    return bits_float(static_cast<uint32_t>(_mm_cvtsi128_si32(m)));
+  }
   static VecAvx2 max_nan(VecAvx2 a, VecAvx2 b) {
     const __m256 unordered = _mm256_cmp_ps(a.v, b.v, _CMP_UNORD_Q);
     return {_mm256_blendv_ps(_mm256_max_ps(a.v, b.v), _mm256_add_ps(a.v, b.v), unordered)};

@@ -123,6 +123,10 @@ struct VecNeon {
   static void store_i16_rne(int16_t* p, VecNeon x) { vst1_s16(p, vqmovn_s32(vcvtnq_s32_f32(x.v))); }
   static VecNeon max_nan(VecNeon a, VecNeon b) { return {vmaxq_f32(a.v, b.v)}; }  // FMAX propagates NaN
   static VecNeon max_abs(VecNeon acc, VecNeon x) { return {vmaxq_f32(acc.v, vabsq_f32(x.v))}; }
+  // The largest lane of a max_abs accumulator: its lanes are >= +0 or NaN with the sign
+  // clear (FABS, then FMAX keeps a NaN), so the unsigned maximum of the bits is the float
+  // maximum and puts any NaN above +inf.
+  static float reduce_max_abs(VecNeon acc) { return bits_float(vmaxvq_u32(vreinterpretq_u32_f32(acc.v))); }
   static VecNeon sign(VecNeon a) {
     const float32x4_t zero = vdupq_n_f32(0.0f);
     const uint32x4_t pos = vandq_u32(vcgtq_f32(a.v, zero), vreinterpretq_u32_f32(vdupq_n_f32(1.0f)));

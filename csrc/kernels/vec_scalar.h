@@ -219,6 +219,8 @@ struct VecScalar {
     const uint32_t a = float_bits(acc.v), b = float_bits(x.v) & 0x7FFFFFFFu;
     return {bits_float(a > b ? a : b)};
   }
+  // The largest lane of a max_abs accumulator (its only lane here).
+  static float reduce_max_abs(VecScalar acc) { return acc.v; }
   // torch.maximum: NaN if either is NaN.
   static VecScalar max_nan(VecScalar a, VecScalar b) {
     if (a.v != a.v || b.v != b.v) return {a.v + b.v};

@@ -26,6 +26,8 @@ Tolerances, and why they are not zero:
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -242,6 +244,39 @@ def test_vector_isas_agree_bit_for_bit(isa_and_threads):
         for s in outs[1:]:
             for name in state:
                 assert torch.equal(s[name], outs[0][name]), (master, maps, name)
+
+
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_non_finite_gradient_blocks(isa, isa_and_threads):
+    """A NaN or inf gradient makes its block's new moments non-finite: that block's scales
+    are NaN and its codes 0 (quant.py), wherever in the block it sits (each lane of a
+    vector, the scalar tail of a last, partial block of 37), as in the reference; the other
+    blocks are updated as usual."""
+    K.set_isa(isa)
+    block, nblocks = 64, 15
+    n = block * (nblocks - 1) + 37
+    for master, maps in (("fp32", "fp8"), ("bf16_kahan", "dynamic")):
+        cfg = Q.QuantConfig(block, master, maps)
+        state = _warm_state(cfg, n, seed=21)
+        g = torch.randn(n, generator=torch.Generator().manual_seed(22)) * 0.01
+        bad = {0: math.nan, 3: math.inf, 7: -math.inf, 15: math.nan, 16: math.nan, 31: math.nan, 63: math.inf,
+               35: math.nan}  # the last in the last block's tail
+        for k, (pos, value) in enumerate(bad.items()):
+            g[(2 * k) * block + pos] = value  # the even blocks 0, 2, ..., 14
+        mine, ref = _clone(state), _clone(state)
+        K.adam_q8_update(mine, g, config=cfg, **_hyper("adamw", 4), seed=3, step=4)
+        Q.adam_q8_reference(ref, g, config=cfg, **_hyper("adamw", 4), seed=3, step=4)
+        for key in ("exp_avg", "exp_avg_sq"):
+            codes, scale = mine[cfg.codes_key(key)], mine[f"{key}.scale"]
+            hit = torch.zeros(nblocks, dtype=torch.bool)
+            hit[0: 2 * len(bad): 2] = True
+            assert torch.isnan(scale[hit]).all(), (master, maps, key)
+            in_hit = hit.repeat_interleave(block)[:n]
+            assert (codes[in_hit] == 0).all() and torch.equal(codes[in_hit], ref[cfg.codes_key(key)][in_hit])
+            assert torch.isnan(ref[f"{key}.scale"][hit]).all()
+            assert torch.isfinite(scale[~hit]).all(), (master, maps, key)
+            rel = (scale[~hit].double() - ref[f"{key}.scale"][~hit].double()).abs() / ref[f"{key}.scale"][~hit].double()
+            assert bool((rel <= FP32_ULPS).all()), (master, maps, key)
 
 
 @pytest.mark.parametrize("isa", GATHER_ISAS)

@@ -160,6 +160,34 @@ def test_non_finite_and_tiny_blocks(isa, isa_and_threads):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", NATIVE_ISAS)
+def test_absmax_found_at_every_lane(isa, isa_and_threads):
+    """A block's absmax is a horizontal maximum over the vector lanes: put the largest
+    magnitude (or a NaN) at each position of a 64-element block in turn (every lane of a
+    16-, 8- and 4-wide vector), and in the scalar tail of a last, partial block of 37; the
+    scale must be exactly that value (NaN: scale NaN, codes 0) and the other blocks intact."""
+    K.set_isa(isa)
+    block, tail = 64, 37
+    x = 0.5 * torch.rand(block * block + tail, generator=torch.Generator().manual_seed(5)) + 0.25
+    x[::3] = -x[::3]
+    peaks = [2.0 + j / 128 for j in range(block + 1)]
+    where = [j * block + j for j in range(block)] + [block * block + tail - 2]
+    for j, at in enumerate(where):
+        x[at] = -peaks[j] if j % 2 else peaks[j]
+    for qmap in (Q.signed_map(), Q.fp8_signed_map()):
+        _assert_same(x, qmap, block)
+        _, scale = K.quantize_blockwise(x, qmap, block)
+        assert scale.tolist() == peaks
+    nan = x.clone()
+    nan[where[0::2]] = math.nan
+    for qmap in (Q.signed_map(), Q.fp8_signed_map()):
+        _assert_same(nan, qmap, block)
+        codes, scale = K.quantize_blockwise(nan, qmap, block)
+        assert torch.isnan(scale[0::2]).all() and torch.isfinite(scale[1::2]).all()
+        assert (codes[: block * block].view(block, block)[0::2] == 0).all() and (codes[block * block:] == 0).all()
+
+
+@needs_native
 def test_unaligned_views(isa_and_threads):
     """Inputs that start 1-3 elements into a buffer; outputs into fresh tensors."""
     for qmap in (Q.signed_map(), Q.fp8_signed_map()):
