@@ -101,3 +101,22 @@ def tiny_llama():
         return transformers.LlamaForCausalLM(cfg)
 
     return make
+
+
+@pytest.fixture
+def torch_pinned_bytes():
+    """A function: the bytes torch's CachingHostAllocator holds now (``allocated_bytes.current``,
+    or ``reserved_bytes.current`` where only that is kept), or None on a torch without
+    ``torch.cuda.host_memory_stats`` (before 2.6). The CUDA tests compare it before and after
+    tierstate page-locks memory of its own: it must not move."""
+    import torch
+
+    def held() -> int | None:
+        if not hasattr(torch.cuda, "host_memory_stats"):
+            return None
+        stats = torch.cuda.host_memory_stats()
+        key = next((k for k in ("allocated_bytes.current", "reserved_bytes.current") if k in stats), None)
+        assert key is not None, f"host_memory_stats() has neither byte count: {sorted(stats)[:12]}"
+        return stats[key]
+
+    return held

@@ -4,14 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from bench_helpers import parse_with
 from tierstate.bench import step
 from tierstate.bench._timing import interleave
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    step.add_arguments(parser)
-    return parser.parse_args(argv)
+    return parse_with(step, argv)
 
 
 _TINY = ["--sizes", "64k", "--threads", "1", "--reps", "2", "--warmup", "1", "--gap-ms", "0",

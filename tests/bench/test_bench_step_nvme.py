@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from bench_helpers import parse_with
 from tierstate._native_loader import native_status
 from tierstate.bench import step, step_nvme
 
@@ -15,9 +16,7 @@ pytestmark = pytest.mark.skipif(not native_status()[0], reason="the NVMe tier ne
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    step.add_arguments(parser)
-    return parser.parse_args(["--offload", "nvme", *argv])
+    return parse_with(step, ["--offload", "nvme", *argv])
 
 
 def _run(tmp_path, *extra: str) -> dict:

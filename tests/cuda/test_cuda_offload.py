@@ -214,7 +214,7 @@ def test_cuda_device_and_pinned_memory_do_not_grow_over_200_steps() -> None:
     assert torch.cuda.max_memory_allocated() <= device_before + 32 * 2**20 + 2048 * 2048 * 2 + (1 << 20)
 
 
-def test_cuda_pinned_memory_is_what_the_plan_prices_and_not_rounded() -> None:
+def test_cuda_pinned_memory_is_what_the_plan_prices_and_not_rounded(torch_pinned_bytes) -> None:
     """The planner's pinned lines (gradient arena, master and moment arenas, weight staging)
     against what the optimizer page-locked: equal, and none of it from torch's
     power-of-two CachingHostAllocator (io.page_locked_empty)."""
@@ -222,11 +222,7 @@ def test_cuda_pinned_memory_is_what_the_plan_prices_and_not_rounded() -> None:
     from tierstate.placement.plan_inputs import Placement
     from tierstate.placement.cost_model import memory_breakdown
 
-    def torch_pinned():  # torch's CachingHostAllocator (its stats since torch 2.6; 0 before: not checked)
-        stats = getattr(torch.cuda, "host_memory_stats", dict)()
-        return stats.get("allocated_bytes.current", 0)
-
-    torch_pinned_before = torch_pinned()
+    torch_pinned_before = torch_pinned_bytes()
     model = net(torch.bfloat16)
     params = list(model.parameters())
     opt = ts.AdamW(params, lr=1e-4)
@@ -236,7 +232,7 @@ def test_cuda_pinned_memory_is_what_the_plan_prices_and_not_rounded() -> None:
     planned = sum(m.nbytes for m in memory_breakdown(req, Placement(0.0, 1.0, 0.0)) if m.pinned)
     # within 1 % (slices' alignment); torch's power-of-two rounding would add 20-100 %
     assert abs(opt._engine.pinned_bytes() - planned) <= 0.01 * planned, (opt._engine.pinned_bytes(), planned)
-    assert torch_pinned() == torch_pinned_before
+    assert torch_pinned_bytes() == torch_pinned_before
 
 
 def test_cuda_gradient_copies_overlap_backward_in_the_trace(tmp_path) -> None:

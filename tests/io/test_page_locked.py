@@ -71,16 +71,8 @@ def test_a_failed_registration_falls_back_to_torchs_pinned_allocator(monkeypatch
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_page_locked_memory_is_pinned_at_its_own_size_and_copies_asynchronously():
+def test_cuda_page_locked_memory_is_pinned_at_its_own_size_and_copies_asynchronously(torch_pinned_bytes):
     nbytes = (64 << 20) + 4096  # torch's pinned allocator would take 128 MiB for this
-
-    def torch_pinned_bytes():  # what torch's CachingHostAllocator holds (None on a torch without the stats)
-        if not hasattr(torch.cuda, "host_memory_stats"):
-            return None
-        stats = torch.cuda.host_memory_stats()
-        key = next((k for k in ("allocated_bytes.current", "reserved_bytes.current") if k in stats), None)
-        assert key is not None, f"host_memory_stats() has neither byte count: {sorted(stats)[:12]}"
-        return stats[key]
 
     before = torch_pinned_bytes()
     buf = tio.page_locked_empty(nbytes)
