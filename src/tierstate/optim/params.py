@@ -6,12 +6,14 @@ does tierstate, with the checks torch leaves out where leaving them out would co
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
 from torch import Tensor
 
 from ..dist import local_tensor
+from ..tiers.host import sole_owner
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -84,6 +86,7 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
     for key, value in defaults.items():
         merged.setdefault(key, value)
     rule.validate(merged)
+    to_move = non_contiguous(tensors)
     devices = {p.device for g in param_groups for p in g["params"]} | {p.device for p in tensors}
     if len(devices) > 1:
         raise ValueError(f"params are on {len(devices)} devices ({', '.join(sorted(str(d) for d in devices))}); "
@@ -94,7 +97,73 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                 f"params[{i}] (shape {tuple(p.shape)}) is on the meta device: it has no values to optimize, and "
                 "its state would be allocated for nothing; materialize the model first (module.to_empty("
                 "device=...) and initialize it, or load its weights) and build the optimizer after")
+    give_contiguous_memory(tensors, to_move)
     return param_group
+
+
+def _layout(i: int, p: Tensor) -> str:
+    return f"params[{i}] (shape {tuple(p.shape)}, strides {tuple(p.stride())})"
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory once each, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def non_contiguous(tensors: list[Tensor]) -> list[int]:
+    """The indices of the parameters that are dense but not contiguous (a transposed weight, a
+    channels_last convolution), which :func:`give_contiguous_memory` can move; raise, naming
+    the parameter and the fix, for one that cannot be moved without harm.
+
+    [Note: parameters are updated through a flat view of their memory]
+    The step reads and writes each parameter as one flat run of elements (its own master, or
+    the weight written back from a separate master), as the native kernels and the NVMe
+    records take them; the state is kept in the same flat order, which is the parameter's
+    logical order only where its memory is contiguous."""
+    moves = []
+    for i, p in enumerate(tensors):
+        local = local_tensor(p)
+        if local.is_contiguous():
+            continue
+        what = _layout(i, local)
+        if local is not p:
+            raise ValueError(f"{what} is a DTensor whose local shard is not contiguous; tierstate updates a "
+                             "parameter through a flat view of its memory: shard contiguous parameters (make the "
+                             "module's parameters contiguous before fully_shard)")
+        if not _dense(local):
+            raise ValueError(f"{what} is not contiguous and its elements overlap in memory (an expanded tensor): "
+                             "an update in place would write one location for several elements; give it memory "
+                             "of its own before building the optimizer: p.data = p.data.clone()")
+        if not sole_owner(local, local.numel() * local.element_size()):
+            raise ValueError(
+                f"{what} is not contiguous, and another tensor shares its memory (a view kept elsewhere, such as "
+                "the tensor it was transposed from): tierstate updates a parameter through a flat view of its "
+                "memory and would have to give this one memory of its own, which that tensor would not see; "
+                "make it contiguous before building the optimizer (p.data = p.data.contiguous(), or "
+                "model.to(memory_format=torch.contiguous_format)), or drop the other reference")
+        moves.append(i)
+    return moves
+
+
+def give_contiguous_memory(tensors: list[Tensor], indices: list[int]) -> None:
+    """Give each of ``tensors[indices]`` contiguous memory of its own, its values copied, and
+    warn once naming them. As when a parameter moves onto huge pages (``tiers.host``), the
+    Parameter object, its name, hooks and ``requires_grad`` stay; ``param.data`` is replaced
+    (see [Note: parameters are updated through a flat view of their memory])."""
+    if not indices:
+        return
+    named = ", ".join(_layout(i, tensors[i]) for i in indices)
+    for i in indices:
+        tensors[i].data = tensors[i].data.contiguous()
+    warnings.warn(
+        f"{len(indices)} parameter{'s were' if len(indices) > 1 else ' was'} not contiguous: {named}; "
+        "tierstate updates a parameter through a flat view of its memory, so each now has contiguous memory of "
+        "its own, row-major (same values, same Parameter)", UserWarning, stacklevel=4)
 
 
 def refuse_nothing_to_train(owner: str, params: list) -> None:

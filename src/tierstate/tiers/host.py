@@ -48,7 +48,7 @@ def host_buffer(nbytes: int, *, pin_memory: bool, zero: bool = True) -> Tensor:
     return buf
 
 
-def _sole_owner(param: Tensor, nbytes: int) -> bool:
+def sole_owner(param: Tensor, nbytes: int) -> bool:
     """Whether ``param`` is the only tensor on its storage and spans all of it. Any other
     tensor on it (a view a user keeps, a tensor saved by an autograd graph, a base tensor the
     parameter views) holds a reference to the storage: 2 references are the parameter's and
@@ -84,7 +84,7 @@ def move_to_huge_pages(param: Tensor) -> bool:
     page = tio.huge_page_size() if tio.engine_available() else 0
     nbytes = param.numel() * param.element_size()
     if (page <= 0 or nbytes < page or param.device.type != "cpu"
-            or not param.is_contiguous() or param.storage_offset() != 0 or not _sole_owner(param, nbytes)):
+            or not param.is_contiguous() or param.storage_offset() != 0 or not sole_owner(param, nbytes)):
         return False
     if param.data_ptr() % page == 0 and tio.huge_page_eligible(param.data_ptr()):
         return False  # the aligned case is rare (a moved parameter): only it pays for reading smaps
