@@ -144,6 +144,9 @@ class UpdateRule:
     name = "rule"
     torch_name = "Optimizer"  # the torch.optim class whose param-group keys the groups carry
     flags: tuple[str, ...] = ()  # its implementation switches (see IMPLEMENTATION_FLAGS)
+    # hyper-parameters older torch releases did not save, with the value torch's optimizer
+    # (its __setstate__) gives a loaded group that lacks them, whatever it was built with
+    added_later: dict[str, Any] = {}
     has_step = True  # keeps a per-parameter 'step' in optimizer.state (torch does, except SGD/Lion)
     eager_state = False  # torch creates the state at construction (Adagrad), not at the first step
 
@@ -153,10 +156,12 @@ class UpdateRule:
     def required_keys(self) -> dict:
         """The hyper-parameters (with their defaults) a saved param group must carry to be loaded.
 
-        torch's implementation switches and ``decoupled_weight_decay`` are not among them: older
-        torch releases did not save them, and a group that lacks them takes this optimizer's values.
+        torch's implementation switches, ``decoupled_weight_decay`` and :attr:`added_later` are not
+        among them: older torch releases did not save them, and a group that lacks them takes
+        torch's values for :attr:`added_later`, this optimizer's for the rest.
         """
-        return {k: v for k, v in self.defaults().items() if k not in self.flags and k != "decoupled_weight_decay"}
+        return {k: v for k, v in self.defaults().items()
+                if k not in self.flags and k != "decoupled_weight_decay" and k not in self.added_later}
 
     def validate(self, group: Mapping[str, Any]) -> None:
         """Raise ValueError/TypeError naming the first bad hyper-parameter of ``group``."""
@@ -195,6 +200,7 @@ class AdamRule(UpdateRule):
     """Adam and AdamW (torch.optim.Adam / AdamW), incl. amsgrad and maximize."""
 
     flags = ("foreach", "fused", "capturable", "differentiable")
+    added_later = {"amsgrad": False, "maximize": False}
 
     def __init__(self, decoupled: bool) -> None:
         self.decoupled = decoupled  # the default; a group's ``decoupled_weight_decay`` decides (as torch's Adam)
@@ -330,6 +336,7 @@ class SGDRule(UpdateRule):
     name = "sgd"
     torch_name = "SGD"
     flags = ("foreach", "fused", "differentiable")
+    added_later = {"nesterov": False, "maximize": False}
     has_step = False
 
     def defaults(self):
@@ -363,6 +370,7 @@ class AdagradRule(UpdateRule):
     name = "adagrad"
     torch_name = "Adagrad"
     flags = ("foreach", "fused", "differentiable")
+    added_later = {"maximize": False}
     eager_state = True
 
     def defaults(self):

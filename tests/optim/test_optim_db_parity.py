@@ -16,6 +16,8 @@ inputs it must refuse (``optim_error_inputs_func``). For Adam, AdamW, SGD and Ad
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -108,3 +110,37 @@ def test_torch_refused_input_is_refused(torch_cls, error_input) -> None:
         torch_cls(params, **inp.kwargs)
     with pytest.raises(error_input.error_type):
         PAIRS[torch_cls.__name__](params, **inp.kwargs)
+
+
+# the keys torch's own test_can_load_older_state_dict deletes from a saved state dict's groups:
+# older releases did not save them, and torch's optimizers give such a group its defaults
+NEW_FLAGS = ("maximize", "foreach", "fused", "differentiable", "capturable")
+
+
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+@pytest.mark.parametrize("torch_cls, kwargs", _inputs())
+def test_older_state_dict_without_the_newer_flags_loads_as_in_torch(tmp_path, torch_cls, kwargs, placement) -> None:
+    """A state dict saved without ``maximize`` and torch's implementation switches loads, and
+    the group gets what torch's ``__setstate__`` gives it (``maximize=False`` whatever the
+    optimizer was built with); training then goes on as torch's does."""
+    if _unsupported(kwargs):
+        return  # refused at construction (test_torch_optim_input_matches_torch)
+    ts_cls = PAIRS[torch_cls.__name__]
+    offload = "cpu" if placement == "cpu" else ts.Offload(nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024,
+                                                           buffer_count=2)
+    net_ours, net_ref = make_net(), make_net()
+    ours = ts_cls(groups(net_ours), offload=offload, **kwargs)
+    ref = torch_cls(groups(net_ref), **{**kwargs, "foreach": False})
+    train(net_ours, ours, steps=3)
+    train(net_ref, ref, steps=3)
+    for opt in (ours, ref):
+        old = copy.deepcopy(opt.state_dict())
+        for group in old["param_groups"]:
+            for flag in NEW_FLAGS:
+                group.pop(flag, None)
+        opt.load_state_dict(old)
+    assert [g.get("maximize") for g in ours.param_groups] == [g.get("maximize") for g in ref.param_groups]
+    train(net_ours, ours, steps=5, seed=2)
+    train(net_ref, ref, steps=5, seed=2)
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+    ours.close()

@@ -373,12 +373,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def loaded_group(self, saved: dict) -> dict:
         """A saved param group's hyper-parameters as this optimizer will hold them: this
-        optimizer's implementation switches, its defaults for keys the group lacks. Not
-        validated here: the loaders check every group before applying any."""
+        optimizer's implementation switches; for a key an older torch release did not save,
+        the value torch gives it (``maximize=False``: UpdateRule.added_later); its defaults
+        for the other keys the group lacks. Not validated here: the loaders check every group
+        before applying any."""
         group = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
         for key in self.rule.flags:
             if key in group and key in self.defaults:
                 group[key] = self.defaults[key]
+        for key, value in self.rule.added_later.items():
+            group.setdefault(key, value)
         for key, value in self.defaults.items():
             group.setdefault(key, value)
         return group
