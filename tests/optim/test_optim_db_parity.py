@@ -144,3 +144,24 @@ def test_older_state_dict_without_the_newer_flags_loads_as_in_torch(tmp_path, to
     train(net_ref, ref, steps=5, seed=2)
     assert_same(ours, ref, net_ours, net_ref, exact=False)
     ours.close()
+
+
+@pytest.mark.parametrize("torch_cls, kwargs", _inputs())
+def test_deepcopy_copies_all_public_attrs(torch_cls, kwargs) -> None:
+    """torch's test of the same name, on every supported optim_db input."""
+    if _unsupported(kwargs):
+        return
+    params = [torch.nn.Parameter(torch.randn(2, 3)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.rand_like(p)
+    opt = PAIRS[torch_cls.__name__](params, offload="cpu", **kwargs)
+    for _ in range(3):
+        opt.step()
+
+    def public(obj):
+        return {k for k in obj.__dict__ if not k.startswith("_")}
+
+    twin = copy.deepcopy(opt)
+    assert public(twin) == public(opt)
+    opt.close()
+    twin.close()

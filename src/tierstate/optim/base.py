@@ -8,6 +8,7 @@ of how a step runs: the math is a rule (:mod:`tierstate.rules`), the state lives
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Callable, Iterable
 
@@ -408,6 +409,42 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def stop_trace(self):
         """Write the trace started by :meth:`trace` and return its path."""
         return self.telemetry.stop_trace()
+
+    # -- copies ------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> "OffloadOptimizer":
+        """A new optimizer of this class over copies of the parameters, as torch's
+        ``copy.deepcopy(optimizer)`` gives: the same copies a deepcopy of the model in the
+        same call makes (``copy.deepcopy((model, opt))``), the same constructor arguments,
+        param groups, state and step counts, in tiers of its own; the two are independent
+        from then on. State on NVMe under an ``nvme_dir`` named explicitly cannot be copied
+        (one folder holds one run's files): TypeError, with the way to do it by hand."""
+        if self.offload.nvme > 0 and self.offload.nvme_dir is not None:
+            raise TypeError(
+                f"copy.deepcopy of a {type(self).__name__} whose state is on NVMe under nvme_dir="
+                f"{self.offload.nvme_dir!r}: a copy needs its own folder, and one folder holds one run's files; "
+                f"build the copy yourself with its own nvme_dir (or none, for a per-run folder under "
+                f"TIERSTATE_NVME_DIR) and load_state_dict(optimizer.state_dict()) into it")
+        import inspect  # noqa: PLC0415 - only a copy needs it
+
+        accepted = inspect.signature(type(self).__init__).parameters
+        hyper = {k: copy.deepcopy(v, memo) for k, v in self.defaults.items() if k in accepted and k != "params"}
+        groups = []
+        for g in self.param_groups:
+            group = {k: copy.deepcopy(v, memo) for k, v in g.items() if k != "params"}
+            group["params"] = [copy.deepcopy(p, memo) for p in g["params"]]
+            groups.append(group)
+        twin = type(self)(groups, **hyper, offload=self.offload, max_grad_norm=self.max_grad_norm,
+                          on_nonfinite=self.on_nonfinite, telemetry=self.telemetry.enabled,
+                          step_in_backward=self.step_in_backward)
+        twin.load_state_dict(self.state_dict())
+        memo[id(self)] = twin
+        return twin
+
+    def __getstate__(self):
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled: its state lives in host buffers, NVMe files and native "
+            "engines of this process; save optimizer.state_dict() (torch.save) or a checkpoint "
+            "(tierstate.save_optimizer), and load it into a new optimizer")
 
     def close(self) -> None:
         """Release host buffers, files and hooks now (also done when the optimizer is collected)."""
