@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..io.errors import from_oserror
 from .access import OffloadAccess, store_of
+from .torch_hooks import entries_not_of_parameters, packed
 
 # Pieces of 4 MiB: each a single buffered pwrite into the scratch file.
 _PIECE_BYTES = 4 << 20
@@ -71,7 +72,7 @@ def mmap_state_dict(opt, scratch_dir: str | os.PathLike, *, host_views: bool = T
     scratch = os.fspath(scratch_dir)
     os.makedirs(scratch, exist_ok=True)
     access = OffloadAccess(opt)
-    sd = torch.optim.Optimizer.state_dict(opt)  # param_groups packed by torch (and its hooks)
+    sd = packed(opt)  # param_groups packed by torch; opt.state_dict() runs the hooks around this
     state = {}
     for info in access.describe():
         if not info.initialized:
@@ -90,5 +91,6 @@ def mmap_state_dict(opt, scratch_dir: str | os.PathLike, *, host_views: bool = T
         if info.step is not None:
             entry["step"] = torch.tensor(info.step, dtype=torch.float32)
         state[info.index] = entry
+    state.update(entries_not_of_parameters(opt))
     sd["state"] = state
     return sd

@@ -307,6 +307,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         mapped from unlinked files in the NVMe tier's folder, so the dict never has to fit in
         RAM (:func:`tierstate.checkpoint.mmap_state_dict`).
         """
+        from ..checkpoint import torch_hooks  # noqa: PLC0415 - checkpoint is above tiers only
+
+        return torch_hooks.run_state_dict_hooks(self, self._state_dict_from_tiers)
+
+    def _state_dict_from_tiers(self) -> dict:
+        from ..checkpoint import torch_hooks  # noqa: PLC0415
+
         self.sync_state()
         store = self._engine.store
         folder = store.spill_folder
@@ -314,11 +321,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             from ..checkpoint import mmap_state_dict
 
             return present_state(mmap_state_dict(self, folder), self.param_groups)
-        sd = super().state_dict()
+        sd = torch_hooks.packed(self)
         index_of = {p: idx for g_saved, g in zip(sd["param_groups"], self.param_groups)
                     for idx, p in zip(g_saved["params"], g["params"])}
         sd["state"] = {index_of[s.param]: st for s in store.slots
                        if s.has_state and (st := store.export(s, self.rule.has_step))}
+        sd["state"].update(torch_hooks.entries_not_of_parameters(self))
         return present_state(sd, self.param_groups)  # FSDP2: DTensor state, as torch's (for DCP)
 
     def _state_dict_in_files(self, store) -> bool:
@@ -338,9 +346,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         runs its own fused kernels).
         """
         self.sync_state()
+        from ..checkpoint import torch_hooks  # noqa: PLC0415
         from ..checkpoint.compressed import convert_for  # noqa: PLC0415
         from ..checkpoint.state_dict import check_state_dict  # noqa: PLC0415 - checkpoint is above tiers only
 
+        state_dict = torch_hooks.run_load_pre_hooks(self, state_dict)
         state_dict = local_state(state_dict, self.param_groups)  # FSDP2: DTensor state -> this rank's shards
         state_dict = convert_for(self, state_dict)  # full <-> compressed state, with a warning
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
@@ -354,14 +364,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if st and s.trainable is not None:
                 store.import_(s, st)
                 publish(self, store, s, self.rule.has_step)
+        known = set(saved_ids)
+        for key, value in saved_state.items():  # an entry that is not a parameter's, as torch keeps it
+            if key not in known:
+                self.state[key] = value
+        torch_hooks.run_load_post_hooks(self)
 
     def take_param_groups(self, param_groups: list[dict], merged: list[dict] | None = None) -> None:
         """The first half of a load (torch's semantics): take the saved groups' hyper-parameters
         (``merged``: as :meth:`loaded_group` makes them) and forget every state; the state is
         then written through :attr:`state_store`. Used by ``load_state_dict`` and
         :func:`tierstate.load_optimizer`, which validated the groups before."""
+        from ..checkpoint.torch_hooks import without_state_dict_hooks  # noqa: PLC0415
+
         merged = merged if merged is not None else [self.loaded_group(g) for g in param_groups]
-        super().load_state_dict({"state": {}, "param_groups": param_groups})
+        with without_state_dict_hooks(self):  # load_state_dict runs them, around the whole load
+            super().load_state_dict({"state": {}, "param_groups": param_groups})
         for g, m in zip(self.param_groups, merged):
             g.update({k: v for k, v in m.items() if k not in ("params", "param_names")})
         self._engine.store.forget_all()
