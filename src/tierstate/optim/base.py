@@ -198,6 +198,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         self._engine.reset_grads(set_to_none)
 
+    # a function torch.compile traces runs this step eagerly, as it runs torch's own foreach
+    # and fused steps: the native kernels and the I/O engine are opaque to it, and tracing
+    # into them only ends in graph breaks and a warning per break
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, grad_scaler=None):
         """One optimizer step over every parameter that has a gradient.
