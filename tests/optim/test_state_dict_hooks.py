@@ -89,39 +89,41 @@ def test_state_dict_pre_post_hook(make, cls):
     assert "test" not in sd["state"] and sd["ran_state_dict_pre_hook"] is True
 
 
+def _loaded(make, cls, pre=(), post=()):
+    """A second optimizer of ``cls`` with these load hooks, after loading the first's state dict."""
+    sd = make(cls).state_dict()
+    opt = make(cls)
+    for hook in pre:
+        opt.register_load_state_dict_pre_hook(hook)
+    for hook in post:
+        opt.register_load_state_dict_post_hook(hook)
+    opt.load_state_dict(sd)
+    return opt, sd
+
+
 @pytest.mark.parametrize("cls", CLASSES)
 def test_load_state_dict_pre_hook_and_prepend(make, cls):
-    sd = make(cls).state_dict()
-    opt2 = make(cls)
-    opt2.register_load_state_dict_pre_hook(_load_pre1)
-    opt2.load_state_dict(sd)
-    assert opt2.param_groups[0]["lr"] == 0.002
-    opt2.register_load_state_dict_pre_hook(_load_pre2, prepend=True)
-    opt2.load_state_dict(sd)
+    opt, sd = _loaded(make, cls, pre=[_load_pre1])
+    assert opt.param_groups[0]["lr"] == 0.002
+    opt.register_load_state_dict_pre_hook(_load_pre2, prepend=True)
+    opt.load_state_dict(sd)
     # _load_pre2 runs first and returns a new dict with lr 0.003, which _load_pre1 sets to 0.002
-    assert opt2.param_groups[0]["lr"] == 0.002
+    assert opt.param_groups[0]["lr"] == 0.002
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 def test_load_state_dict_post_hook(make, cls):
-    sd = make(cls).state_dict()
-    opt2 = make(cls)
-    opt2.register_load_state_dict_post_hook(_load_post)
-    opt2.load_state_dict(sd)
-    assert opt2.state["ran_load_state_dict_pre_hook2"] is False
-    assert opt2.state["ran_load_state_dict_post_hook"] is True
+    opt, _ = _loaded(make, cls, post=[_load_post])
+    assert opt.state["ran_load_state_dict_pre_hook2"] is False
+    assert opt.state["ran_load_state_dict_post_hook"] is True
 
 
 @pytest.mark.parametrize("cls", CLASSES)
 def test_load_state_dict_pre_post_hook(make, cls):
-    sd = make(cls).state_dict()
-    opt2 = make(cls)
-    opt2.register_load_state_dict_pre_hook(_load_pre2)
-    opt2.register_load_state_dict_post_hook(_load_post)
-    opt2.load_state_dict(sd)
-    assert opt2.state["ran_load_state_dict_pre_hook2"] is True
-    assert opt2.state["ran_load_state_dict_post_hook"] is True
-    assert opt2.param_groups[0]["lr"] == 0.003
+    opt, _ = _loaded(make, cls, pre=[_load_pre2], post=[_load_post])
+    assert opt.state["ran_load_state_dict_pre_hook2"] is True
+    assert opt.state["ran_load_state_dict_post_hook"] is True
+    assert opt.param_groups[0]["lr"] == 0.003
 
 
 @pytest.mark.parametrize("cls", CLASSES)
