@@ -62,3 +62,15 @@ def test_pickling_is_refused_with_the_fix() -> None:
     with pytest.raises(TypeError, match=r"state_dict\(\)"):
         pickle.dumps(opt)
     opt.close()
+
+
+def test_deepcopy_runs_no_state_dict_hook() -> None:
+    """torch's deepcopy of an optimizer calls none of its hooks; nor does tierstate's."""
+    opt = ts.SGD(make_net().parameters(), lr=0.1, momentum=0.9, offload="cpu")
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("post"))
+    twin = copy.deepcopy(opt)
+    assert calls == []
+    opt.close()
+    twin.close()

@@ -458,7 +458,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         twin = type(self)(groups, **hyper, offload=self.offload, max_grad_norm=self.max_grad_norm,
                           on_nonfinite=self.on_nonfinite, telemetry=self.telemetry.enabled,
                           step_in_backward=self.step_in_backward)
-        twin.load_state_dict(self.state_dict())
+        twin.load_state_dict(self._state_dict_from_tiers())  # no hooks: torch's deepcopy runs none either
         memo[id(self)] = twin
         return twin
 
