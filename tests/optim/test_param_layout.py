@@ -67,8 +67,10 @@ def test_non_contiguous_parameters_train_as_contiguous_ones(tmp_path, placement,
         return "cpu" if placement == "cpu" else ts.Offload(nvme=1.0, nvme_dir=tmp_path / name, subgroup_numel=1024)
 
     with pytest.warns(UserWarning, match=r"2 parameters were not contiguous: params\[0\] \(shape \(8, 4\), strides \(1, 8\)\), "
-                                         r"params\[1\] \(shape \(8, 3, 3, 3\), strides \(27, 1, 9, 3\)\)"):
+                                         r"params\[1\] \(shape \(8, 3, 3, 3\), strides \(27, 1, 9, 3\)\)") as caught:
         ours = ts.AdamW(ours_net.parameters(), lr=1e-2, weight_decay=0.1, offload=offload("ours"))
+    ours_warning = [w for w in caught if "not contiguous" in str(w.message)]
+    assert [w.filename for w in ours_warning] == [__file__], "the warning names the line that built the optimizer"
     assert [p is q for p, q in zip(params, ours_net.parameters())] == [True] * len(params)
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before)), "values must not change"
     assert all(p.is_contiguous() for p in params)

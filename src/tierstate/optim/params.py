@@ -6,6 +6,7 @@ does tierstate, with the checks torch leaves out where leaving them out would co
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Iterable
 
@@ -163,7 +164,19 @@ def give_contiguous_memory(tensors: list[Tensor], indices: list[int]) -> None:
     warnings.warn(
         f"{len(indices)} parameter{'s were' if len(indices) > 1 else ' was'} not contiguous: {named}; "
         "tierstate updates a parameter through a flat view of its memory, so each now has contiguous memory of "
-        "its own, row-major (same values, same Parameter)", UserWarning, stacklevel=4)
+        "its own, row-major (same values, same Parameter)", UserWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside tierstate and torch: the line that built the
+    optimizer or called ``add_param_group``, however many frames of theirs lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name == "tierstate" or name.startswith(("tierstate.", "torch."))):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def refuse_nothing_to_train(owner: str, params: list) -> None:
