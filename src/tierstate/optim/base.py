@@ -449,7 +449,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         import inspect  # noqa: PLC0415 - only a copy needs it
 
         accepted = inspect.signature(type(self).__init__).parameters
-        hyper = {k: copy.deepcopy(v, memo) for k, v in self.defaults.items() if k in accepted and k != "params"}
+        hyper = {k: copy.deepcopy(v, memo) for k, v in self.defaults.items() if k in accepted}
         groups = []
         for g in self.param_groups:
             group = {k: copy.deepcopy(v, memo) for k, v in g.items() if k != "params"}
