@@ -19,7 +19,9 @@ Tensor names: ``state.<i>.<key>`` (optimizer state of the i-th parameter, number
 ``optimizer.state_dict()``) and ``param.<i>`` (the parameter's value). The manifest keeps
 what safetensors cannot: format version, optimizer class, param_groups, per-parameter
 shape/dtype/step, placement, the shard list with a checksum and size per shard, the
-tensor -> shard map, the caller's ``extra`` JSON and a checksum of the manifest itself
+tensor -> shard map, the caller's ``extra`` JSON, the entries of ``optimizer.state`` whose
+key is not a parameter when there are any (``other_state``, see
+:mod:`tierstate.checkpoint.other_state`) and a checksum of the manifest itself
 (``manifest_checksum``, see :mod:`tierstate.checkpoint.manifest`).
 """
 from __future__ import annotations

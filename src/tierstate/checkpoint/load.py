@@ -36,6 +36,8 @@ from .durable import CorruptCheckpointError, aligned_buffer, file_size, read_chu
 from .format import (FORMAT_NAME, MANIFEST_NAME, READABLE_VERSIONS, Checksum, dtype_from_name,
                      dtype_to_safetensors, parse_header)
 from .manifest import CHECKSUM_FIELD, FIX, check_manifest, corrupt, verify_checksum
+from .other_state import FIELD as OTHER_STATE, decode_entries
+from .torch_hooks import entries_not_of_parameters
 from .save import DEFAULT_BUFFER_BYTES
 
 
@@ -280,7 +282,10 @@ def load_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
 
     The optimizer may have any placement (``offload="cpu"``, ``"nvme"``, a mix); the state
     streams into its tiers through two ``buffer_bytes`` buffers. Hyper-parameters
-    (``param_groups``) and per-parameter steps are restored as ``load_state_dict`` does.
+    (``param_groups``) and per-parameter steps are restored as ``load_state_dict`` does, and
+    so are the saved entries of ``opt.state`` whose key is not a parameter (those it held
+    before the load are dropped, as torch's load drops them; tensors among them come back on
+    the CPU).
 
     Args:
         opt: a tierstate optimizer or a ``torch.optim.Optimizer`` of the same class name
@@ -313,6 +318,7 @@ def load_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     file = os.path.join(directory, MANIFEST_NAME)
     access = access_for(opt)
     groups = _check_compatible(opt, access, manifest, file)
+    other_state = decode_entries(manifest.get(OTHER_STATE, []), file)
     buffers = [aligned_buffer(buffer_bytes), aligned_buffer(buffer_bytes)]
     for si, shard in enumerate(manifest["shards"]):
         _verify(directory, si, shard, manifest["tensors"], buffers)
@@ -332,4 +338,8 @@ def load_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
         if rec["initialized"]:
             access.commit_param(rec["index"], set(rec["state"]), rec["step"])
     access.finish_load(manifest.get("step_count"), manifest.get("skipped_steps"))
+    # torch's load leaves in optimizer.state what the dict holds, entries not of parameters included
+    for key in entries_not_of_parameters(opt):
+        del opt.state[key]
+    opt.state.update(other_state)
     return manifest.get("extra", {})

@@ -129,7 +129,9 @@ class _Checker:
 
 _TOP = {"format", "version", "optimizer", "optimizer_module", "param_groups", "params", "placement", "has_params",
         "shards", "tensors", "extra", "writer", "torch_version", "created"}
-_TOP_OPTIONAL = frozenset({"step_count", "skipped_steps"})  # written for tierstate optimizers
+_COUNTERS = frozenset({"step_count", "skipped_steps"})  # written for tierstate optimizers
+# other_state: entries of optimizer.state that are not a parameter's, written when there are any
+_TOP_OPTIONAL = _COUNTERS | {"other_state"}
 _PARAM = {"index", "group", "shape", "dtype", "initialized", "step", "state"}
 _PARAM_OPTIONAL = frozenset({"quant_block"})  # compressed state: elements per scale of a ".scale" key
 _SHARD = {"file", "bytes", "data_offset", "checksum"}
@@ -150,8 +152,12 @@ def check_manifest(m: dict, file: str, *, with_checksum: bool = True) -> None:
     c.typed("created", m["created"], (int, float), "a number")
     c.typed("has_params", m["has_params"], bool, "true or false")
     c.typed("placement", m["placement"], (dict, type(None)), "an object or null")
-    for key in _TOP_OPTIONAL & set(m):
+    for key in _COUNTERS & set(m):
         c.count(key, m[key])
+    if "other_state" in m:
+        from .other_state import decode_entries  # noqa: PLC0415 - it builds on this module
+
+        decode_entries(m["other_state"], file)
 
     # param_groups: each holds the next parameters, in order, as optimizer.state_dict() numbers them
     groups = c.typed("param_groups", m["param_groups"], list, "a list of parameter groups")

@@ -51,6 +51,7 @@ from .format import (
     shard_header,
 )
 from .manifest import seal
+from .other_state import FIELD as OTHER_STATE, encode_entries
 
 # Two 8 MiB buffers: 16 MiB of RAM per save/load whatever the state's size; 8 MiB
 # requests already run sequential NVMe near full speed (peers/RESULTS.md, fio).
@@ -136,9 +137,14 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
     Returns:
         The manifest written (a dict).
 
+    Entries of ``opt.state`` whose key is not a parameter (a hook's ``state["test"]``) are
+    saved with it, as torch's ``state_dict`` carries them (:mod:`tierstate.checkpoint.other_state`).
+
     Raises:
         OSError: an I/O failure (e.g. :class:`tierstate.io.DiskFullError`), naming the
             file and errno; the previous checkpoint in ``path`` is intact.
+        TypeError: ``extra``, or an entry of ``opt.state`` that is not a parameter's, holds
+            something a checkpoint cannot (named); nothing is written.
     """
     Checksum(checksum)  # validates the name
     if not isinstance(buffer_bytes, int) or buffer_bytes < 4096 or buffer_bytes % 4096:
@@ -150,6 +156,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             json.dumps(extra)
         except TypeError as exc:
             raise TypeError(f"extra must be JSON-serialisable ({exc})") from None
+    other_state = encode_entries(opt)  # refused here, before any file, if one cannot be held
     directory = os.path.abspath(os.fspath(path))
     access = access_for(opt)
     infos = access.describe()
@@ -246,6 +253,7 @@ def save_optimizer(opt: torch.optim.Optimizer, path: str | os.PathLike, *, param
             "shards": shards,
             "tensors": tensor_map,
             "extra": extra if extra is not None else {},
+            **({OTHER_STATE: other_state} if other_state else {}),
             "writer": describe_writer(),
             "torch_version": torch.__version__,
             "created": time.time(),
