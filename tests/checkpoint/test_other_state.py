@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
+import tierstate as ts
 from tierstate.checkpoint import load_optimizer, read_manifest, save_optimizer
+from tierstate.checkpoint.compressed import StateFormatWarning, full_state_dict
 from tierstate.checkpoint.manifest import CHECKSUM_FIELD, CorruptCheckpointError, seal
 
 import ckpt_workload as wl
@@ -122,3 +124,36 @@ def test_a_damaged_entry_is_named_at_load(tmp_path):
     assert "t" not in opt2.state
     opt.close()
     opt2.close()
+
+
+def _q8(model):
+    return ts.AdamW(model.parameters(), lr=1e-2, offload=ts.Offload(cpu=1.0, moment_dtype="q8"))
+
+
+def test_compressed_state_conversions_pass_other_entries_through():
+    """full_state_dict and the full <-> compressed cross-loads convert the parameters' state
+    and leave every other entry as it is, even one that looks like a parameter's state."""
+    model, _ = wl.build("cpu", hidden=32)
+    q8 = _q8(model)
+    wl.train_step(model, q8, 0)
+    others = {"test": 1, "looks like state": {"exp_avg": torch.ones(3), "step": 2.0}}
+    q8.state.update(others)
+    full = full_state_dict(q8)
+    for key, value in others.items():
+        _same(value, full["state"][key])
+    ids = [i for g in full["param_groups"] for i in g["params"]]
+    assert all(full["state"][i]["exp_avg"].dtype == torch.float32 for i in ids)
+    plain = ts.AdamW(model.parameters(), lr=1e-2)  # compressed -> full, with a warning
+    with pytest.warns(StateFormatWarning):
+        plain.load_state_dict(q8.state_dict())
+    back = _q8(model)  # full -> compressed
+    with pytest.warns(StateFormatWarning):
+        back.load_state_dict(full)
+    for opt in (plain, back):
+        for key, value in others.items():
+            _same(value, opt.state[key])
+    t = torch.optim.AdamW(model.parameters())
+    t.load_state_dict(full)
+    assert t.state["test"] == 1
+    for opt in (q8, plain, back):
+        opt.close()

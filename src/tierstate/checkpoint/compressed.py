@@ -214,7 +214,8 @@ def full_state_dict(opt) -> dict:
         return to_full(st, slots[i].local.numel(), f"state of parameter {i}", own)
 
     out = copy.copy(sd)
-    out["state"] = {i: full(i, st) if is_compressed(st) else st for i, st in sd["state"].items()}
+    # an entry whose key is not a parameter's index (a hook's state["test"]) passes as it is
+    out["state"] = {i: full(i, st) if i in slots and is_compressed(st) else st for i, st in sd["state"].items()}
     return out
 
 
