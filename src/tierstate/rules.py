@@ -189,6 +189,13 @@ class UpdateRule:
             self.update(weight=t.weight, grad=t.grad, state=t.state, weight_out=t.weight_out, group=group,
                         step=t.step, first_step=t.first_step, grad_scale=grad_scale, ops=reference)
 
+    def sparse_refusal(self, group: Mapping[str, Any]) -> str | None:
+        """Why a sparse gradient (``nn.Embedding(sparse=True)``) cannot be stepped under ``group``,
+        or None when it can. The engine reads it densified: its rows without a gradient are zeros,
+        which leave those rows as they were only for the rules that say so (SGD, Adagrad, as
+        torch's sparse paths do); the others refuse it as their torch namesakes do."""
+        return f"{self.torch_name} does not support sparse gradients"
+
     def zero_step_is_noop(self, group: Mapping[str, Any]) -> bool:
         """True when a first step with all-zero gradients and lr 0 leaves the state at its init.
 
@@ -211,6 +218,9 @@ class AdamRule(UpdateRule):
         return dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2 if self.decoupled else 0.0,
                     amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False,
                     fused=None, decoupled_weight_decay=self.decoupled)
+
+    def sparse_refusal(self, group):
+        return f"{self.torch_name} does not support sparse gradients, please consider SparseAdam instead"
 
     def is_decoupled(self, group: Mapping[str, Any]) -> bool:
         return bool(group.get("decoupled_weight_decay", self.decoupled))
@@ -358,6 +368,15 @@ class SGDRule(UpdateRule):
     def state_specs(self, group):
         return (StateSpec("momentum_buffer"),) if group["momentum"] != 0 else ()
 
+    def sparse_refusal(self, group):
+        # A zero row leaves its parameter and momentum as torch's sparse path does (the buffer's
+        # rows outside every gradient so far are zero). Weight decay would add wd * w to every
+        # row, which torch's sparse path cannot do (add(sparse, dense) raises there).
+        if float(group["weight_decay"]) != 0.0:
+            return ("SGD with weight_decay and sparse gradients: torch's SGD cannot add the decay to a sparse "
+                    "gradient; set weight_decay=0 for the parameters with sparse gradients (a param group of their own)")
+        return None
+
     def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
         ops.sgd_update(weight, grad, state.get("momentum_buffer"), weight_out, lr=_as_float(group["lr"]),
                            momentum=float(group["momentum"]), dampening=float(group["dampening"]),
@@ -386,6 +405,17 @@ class AdagradRule(UpdateRule):
 
     def state_specs(self, group):
         return (StateSpec("sum", init=float(group["initial_accumulator_value"])),)
+
+    def sparse_refusal(self, group):
+        # A zero row adds 0 to its sum and 0 / (sqrt(sum) + eps) to its parameter: unchanged, as
+        # torch's sparse path leaves it, as long as eps > 0 (with eps 0 and a sum of 0, 0 / 0).
+        if float(group["weight_decay"]) != 0.0:
+            return ("weight_decay option is not compatible with sparse gradients (as in torch's Adagrad); set "
+                    "weight_decay=0 for the parameters with sparse gradients (a param group of their own)")
+        if float(group["eps"]) == 0.0:
+            return ("Adagrad with eps=0 and sparse gradients: the rows without a gradient would divide 0 by 0 in "
+                    "the dense update tierstate runs; use eps > 0 (torch's default is 1e-10)")
+        return None
 
     def update(self, *, weight, grad, state, weight_out, group, step, first_step, grad_scale, ops=kernels):
         lr = _as_float(group["lr"])

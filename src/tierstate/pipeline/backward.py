@@ -99,7 +99,7 @@ from ..tiers import Slot
 from . import grad_mark
 from .decision import Scaling
 from .loop import run_subgroups, update_planned
-from .speculation import Speculation
+from .speculation import Saving, Speculation
 from .worker_exit import watch_at_exit
 
 if TYPE_CHECKING:
@@ -164,6 +164,7 @@ class BackwardDriver(Speculation):
         self.fresh: set[int] = set()  # slots whose state started existing this step
         self.done: list[SubGroup] = []  # sub-groups updated during backward, in order
         self.nonfinite: list[int] = []  # param indices (torch numbering) with inf/nan
+        self.refused: list[int] = []  # param indices with a sparse gradient the rule refuses
         self.error: BaseException | None = None
         self.stopped = False  # set at the first non-finite gradient or error
         self.sumsq = 0.0  # squared norm of the gradients taken (for last_grad_norm)
@@ -235,6 +236,10 @@ class BackwardDriver(Speculation):
             return
         landed = None
         grads = engine.parts.grads
+        if s.param.grad is not None and s.param.grad.is_sparse and grads.sparse_refusal(s) is not None:
+            self.refused.append(s.index)  # and take nothing more: see refuse_sparse
+            self.stopped = True
+            return
         if grads.streamed(s):
             # CUDA gradient stream: send this gradient now instead of when its bucket fills;
             # the worker waits for the copy before it reads the host buffer.
@@ -341,7 +346,7 @@ class BackwardDriver(Speculation):
         self.executor.lane = None if self.inline else _LANE  # the worker's phases go to its own trace lane
         if not self.inline:
             telemetry = _Lane(telemetry, _LANE)
-        executor = _Saving(self, self.executor) if self.speculative else self.executor
+        executor = Saving(self, self.executor) if self.speculative else self.executor
         # the I/O tiers read ahead along plan_next()'s order: this sub-group is part of that plan
         update_planned(store.tier_of(sg), sg, segs, executor, telemetry)
         self.done.append(sg)
@@ -436,7 +441,8 @@ class BackwardDriver(Speculation):
                     "now have gradients; their state cannot be placed while backward updates run. Build the "
                     "optimizer after unfreezing them, or use step_in_backward=False")
             return self._finish_speculative(active, scaling)
-        bad = list(self.nonfinite)
+        bad, refused = list(self.nonfinite), list(self.refused)  # refused: see refuse_sparse
+        halted = bool(bad or refused)
         applied = [t for t in changed if t in self.prepared]  # used during backward, as it was then
         try:
             if scaling.scaled:
@@ -454,7 +460,7 @@ class BackwardDriver(Speculation):
             fresh = set(self.fresh)
             extra = [(s, g) for s, g in active if s.trainable not in self.prepared]
             sumsq = self.sumsq
-            if not bad and extra:  # gradients that reached step() without passing a hook (set by hand)
+            if not halted and extra:  # gradients that reached step() without passing a hook (set by hand)
                 with engine.telemetry.phase("grad_norm"):
                     for s, g in extra:
                         value = kernels.grad_sumsq(g)
@@ -462,7 +468,7 @@ class BackwardDriver(Speculation):
                             sumsq += value
                         else:
                             bad.append(s.index)
-            if not bad:
+            if not halted:
                 engine.counters.last_grad_norm = math.sqrt(sumsq)
                 for s, g in extra:
                     if engine.prepare(s, g):
@@ -493,6 +499,11 @@ class BackwardDriver(Speculation):
                 f"non-finite gradient in parameter(s) {bad[:8]} (inf or nan) with step_in_backward=True: parameters "
                 "whose gradients were handed over before it are updated, the others are untouched (this mode "
                 "cannot skip a whole step; use step_in_backward=False for on_nonfinite='skip')")
+        if refused:  # (refuse_sparse) worded as the non-finite case
+            why = engine.parts.grads.sparse_refusal(next(s for s in store.slots if s.index == refused[0]))
+            result.error = RuntimeError(f"{why} (parameter(s) {refused[:8]} have sparse gradients); with step_in_"
+                                        "backward=True parameters handed over before it are updated, the others "
+                                        "are untouched")
         return result
 
     def _changed_after_hooks(self, active: list) -> list[int]:
@@ -577,17 +588,6 @@ class BackwardDriver(Speculation):
             self.stopped = self.stopped or drop_queued  # _run skips every item it takes from then on
             self._queue.put(None)
             self._thread.join(timeout)
-
-
-class _Saving:
-    """An executor that copies each sub-group's state aside before the wrapped one updates it."""
-
-    def __init__(self, driver: BackwardDriver, inner) -> None:
-        self.driver, self.inner = driver, inner
-
-    def submit(self, sg: SubGroup, segments, views):
-        self.driver.save(sg, segments, views)
-        return self.inner.submit(sg, segments, views)
 
 
 class _Lane:

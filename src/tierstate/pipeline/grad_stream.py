@@ -39,9 +39,12 @@ from . import grad_mark
 
 
 def dense(grad: Tensor) -> Tensor:
-    """``grad``, refused when sparse: the kernels read a flat dense gradient."""
+    """``grad``, refused when sparse: the stream copies flat dense gradients into its arena (the
+    host path densifies the sparse gradients SGD and Adagrad take: Gradients.host_grad)."""
     if grad.is_sparse:
-        raise TypeError("tierstate optimizers do not support sparse gradients (use dense embeddings)")
+        raise RuntimeError("a sparse gradient of a parameter whose gradients stream to the host (CUDA "
+                           "parameters): tierstate takes sparse gradients of CPU parameters only; use a dense "
+                           "embedding, or Offload(grad_streaming=False)")
     return grad
 
 

@@ -11,7 +11,7 @@ Three sources, one question (``grad_of``):
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ from ..placement import Offload
 from ..tiers import Slot
 from ..weights import streamed as weights_of
 from . import grad_mark
-from .grad_stream import GradStream, dense
+from .grad_stream import GradStream
 
 
 class HookNorms:
@@ -133,6 +133,28 @@ class Gradients:
                    and weights_of(p) is None}
             self.norms = HookNorms(own) if own else None
 
+    # Why a parameter's sparse gradient cannot be stepped, or None: the engine sets it from its
+    # rule and the parameter's group (UpdateRule.sparse_refusal).
+    sparse_refusal: Callable[[Slot], str | None] = staticmethod(lambda s: "sparse gradients are not supported")
+
+    def check_sparse(self, slots: Sequence[Slot]) -> None:
+        """Raise, before a step changes anything, for a sparse ``param.grad`` it cannot take."""
+        for s in slots:
+            g = s.param.grad
+            if g is not None and g.is_sparse:
+                self._densified(s, g)  # raises if refused; the step densifies it again when it reads it
+
+    def _densified(self, s: Slot, g: Tensor) -> Tensor:
+        """``g`` as a dense tensor: a sparse gradient's rows without values are zeros, which leave
+        those rows' parameter and state as torch's sparse path does for the rules that accept it."""
+        if not g.is_sparse:
+            return g
+        why = self.sparse_refusal(s)
+        if why is not None:
+            raise RuntimeError(f"{why} (parameter {s.index}, shape {tuple(s.param.shape)}, has a sparse gradient, "
+                               "e.g. from nn.Embedding(sparse=True))")
+        return g.to_dense()
+
     def hook_sumsq(self, s: Slot, scale: float) -> float | None:
         """The sum of squares of ``s``'s host gradient times ``scale`` taken in backward, if still valid."""
         if self.norms is None or self.streamed(s):
@@ -177,7 +199,7 @@ class Gradients:
         g = s.param.grad
         if g is None:
             return None
-        g = dense(local_tensor(g))
+        g = self._densified(s, local_tensor(g))
         if g.device.type != "cpu":
             with self.telemetry.phase("grad_transfer"):
                 g = g.detach().to("cpu")
@@ -190,7 +212,7 @@ class Gradients:
         if s.trainable not in self.device_heads:
             return self.host_grad(s)
         g = s.param.grad
-        return None if g is None else dense(g).detach().reshape(-1)
+        return None if g is None else self._densified(s, g).detach().reshape(-1)
 
     def split(self, active: list) -> tuple[dict[int, tuple[Tensor, int]], dict[int, Tensor]]:
         """Split a step's ``(slot, gradient)`` pairs between the host tiers and the device tier.

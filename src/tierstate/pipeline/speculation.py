@@ -4,7 +4,8 @@ them. Why and when: [Note: speculative updates and rollback] in :mod:`.backward`
 
 :class:`Speculation` is a mixin of :class:`.backward.BackwardDriver`; it uses the driver's
 ``engine``, ``undo``, ``saved``, ``grads``, ``lives``, ``sums``, ``versions`` and
-``spec_scale``.
+``spec_scale``; it also holds the refusal of a sparse gradient met during backward, which
+undoes what it can as a rollback does.
 """
 from __future__ import annotations
 
@@ -23,6 +24,23 @@ if TYPE_CHECKING:
 
 class Speculation:
     engine: "StepEngine"
+
+    def refuse_sparse(self) -> bool:
+        """After :meth:`finish`: for a sparse gradient the rule refuses, either raise with the state
+        as before this backward (its updates rolled back where they are speculative, or none made),
+        or return True: updates made during backward cannot be undone, so :meth:`finish_step`
+        completes the parameters whose gradients were handed over before it and leaves the others
+        untouched (as after a non-finite gradient), and the step raises the refusal then."""
+        try:
+            self.engine.parts.grads.check_sparse(self.engine.store.slots)
+        except RuntimeError:
+            if self.speculative or not self.prepared:
+                if self.speculative and (self.saved or self.prepared):
+                    self.rollback()
+                self.close_cycle()
+                raise
+            return True
+        return False
 
     def save(self, sg: SubGroup, segments, views) -> None:
         """Copy ``sg``'s state and its parameters' values aside before its speculative update."""
@@ -113,3 +131,14 @@ class Speculation:
         if limit is not None and min(1.0, limit / (math.sqrt(sumsq) + 1e-6)) != 1.0:
             return None
         return sumsq
+
+
+class Saving:
+    """An executor that copies each sub-group's state aside before the wrapped one updates it."""
+
+    def __init__(self, driver: "Speculation", inner) -> None:
+        self.driver, self.inner = driver, inner
+
+    def submit(self, sg: SubGroup, segments, views):
+        self.driver.save(sg, segments, views)
+        return self.inner.submit(sg, segments, views)
