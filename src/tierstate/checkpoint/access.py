@@ -87,7 +87,7 @@ class OffloadAccess:
             initialized = bool(keys) or live
             step = float(s.step) if (has_step and initialized) else None
             quant = self.store.quant
-            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.param.dtype, initialized, step, keys,
+            out.append(ParamInfo(i, s.group, tuple(s.local.shape), s.local.dtype, initialized, step, keys,
                                  quant.block_size if quant is not None and keys else None))
         return out
 

@@ -1,6 +1,7 @@
 """DTensor helpers: this rank's shard, and the process groups sharding a parameter."""
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 try:
@@ -14,10 +15,14 @@ def is_dtensor(t) -> bool:
 
 
 def local_tensor(t: Tensor) -> Tensor:
-    """The plain tensor the engine reads and writes for ``t``: ``t`` itself, or this rank's shard
-    when ``t`` is a DTensor (parameters and gradients under FSDP2's ``fully_shard``). The shard is
-    the DTensor's own storage, so writing into it updates the parameter."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """The plain real tensor the engine reads and writes for ``t``: ``t`` itself, this rank's
+    shard when ``t`` is a DTensor (parameters and gradients under FSDP2's ``fully_shard``), or,
+    for a complex tensor, its real view (``torch.view_as_real``: real and imaginary parts as a
+    last dimension of 2), which torch's Adam, AdamW and Adagrad update element by element, as
+    its SGD's complex arithmetic does. Each shares the tensor's storage, so writing into it
+    updates the parameter."""
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    return torch.view_as_real(t.detach()) if t.is_complex() else t
 
 
 def shard_key(p: Tensor) -> tuple:

@@ -29,7 +29,7 @@ from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
 from .params import checked_group, params_list, refuse_nothing_to_train
-from .state_view import publish, publish_step
+from .state_view import as_stored_state, as_torch_state, publish, publish_step
 
 NONFINITE_POLICIES = ("skip", "raise")
 _log = logging.getLogger("tierstate")
@@ -299,7 +299,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if s is None or s.trainable is None or not s.has_state or key not in store.held_keys(s):
             raise KeyError(key)
         self.sync_state()
-        return store.read(s, key)
+        return as_torch_state(param, store.read(s, key))
 
     def state_dict(self) -> dict:
         """torch's schema: ``{"state": {index: {key: tensor}}, "param_groups": [...]}``.
@@ -324,14 +324,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if folder is not None and self._state_dict_in_files(store):
             from ..checkpoint import mmap_state_dict
 
-            return present_state(mmap_state_dict(self, folder), self.param_groups)
+            return present_state(self._complex_as_torch(mmap_state_dict(self, folder)), self.param_groups)
         sd = torch_hooks.packed(self)
         index_of = {p: idx for g_saved, g in zip(sd["param_groups"], self.param_groups)
                     for idx, p in zip(g_saved["params"], g["params"])}
-        sd["state"] = {index_of[s.param]: st for s in store.slots
+        sd["state"] = {index_of[s.param]: {k: as_torch_state(s.param, v) for k, v in st.items()} for s in store.slots
                        if s.has_state and (st := store.export(s, self.rule.has_step))}
         sd["state"].update(torch_hooks.entries_not_of_parameters(self))
         return present_state(sd, self.param_groups)  # FSDP2: DTensor state, as torch's (for DCP)
+
+    def _complex_as_torch(self, sd: dict) -> dict:
+        """``sd`` with the state of complex parameters as torch's complex tensors (in place)."""
+        for g_saved, g in zip(sd["param_groups"], self.param_groups):
+            for idx, p in zip(g_saved["params"], g["params"]):
+                if p.is_complex() and isinstance(sd["state"].get(idx), dict):
+                    sd["state"][idx] = {k: as_torch_state(p, v) for k, v in sd["state"][idx].items()}
+        return sd
 
     def _state_dict_in_files(self, store) -> bool:
         if self.state_dict_mmap is not None:
@@ -356,6 +364,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         state_dict = torch_hooks.run_load_pre_hooks(self, state_dict)
         state_dict = local_state(state_dict, self.param_groups)  # FSDP2: DTensor state -> this rank's shards
+        state_dict = self._complex_as_stored(state_dict)
         state_dict = convert_for(self, state_dict)  # full <-> compressed state, with a warning
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
@@ -373,6 +382,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if key not in known:
                 self.state[key] = value
         torch_hooks.run_load_post_hooks(self)
+
+    def _complex_as_stored(self, state_dict):
+        """A state dict to load with the complex state of complex parameters as real views (the
+        dict given is not changed)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        state = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or not isinstance(state, dict):
+            return state_dict  # check_state_dict names what is wrong
+        out = None
+        for g_saved, g in zip(groups, self.param_groups):
+            ids = g_saved.get("params", ()) if isinstance(g_saved, dict) else ()
+            for idx, p in zip(ids, g["params"]):
+                if p.is_complex() and isinstance(state.get(idx), dict):
+                    out = out if out is not None else dict(state)
+                    out[idx] = as_stored_state(p, state[idx])
+        return state_dict if out is None else {**state_dict, "state": out}
 
     def take_param_groups(self, param_groups: list[dict], merged: list[dict] | None = None) -> None:
         """The first half of a load (torch's semantics): take the saved groups' hyper-parameters

@@ -13,10 +13,11 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from ..dist import local_tensor
+from ..dist import is_dtensor, local_tensor
 from ..tiers.host import sole_owner
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# complex64: stepped as its real view (two float32 per element), as torch's optimizers do
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 
 
 def params_list(params: Iterable, owner: str) -> list:
@@ -71,10 +72,16 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                 fix = ("cast the model with model.float() (or .bfloat16()), or give these parameters to a "
                        "torch.optim optimizer")
             elif p.is_complex():
-                fix = "give complex parameters to a torch.optim optimizer of their own"
+                fix = ("complex128 holds float64 parts, which tierstate does not keep: use complex64, or give "
+                       "these parameters to a torch.optim optimizer of their own")
             else:
                 fix = "only floating-point parameters are trained; leave this tensor out of the optimizer"
-            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16 ({fix})")
+            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16, complex64 "
+                            f"({fix})")
+        if p.is_complex() and (p.device.type != "cpu" or is_dtensor(p)):
+            raise TypeError(f"params[{i}] is a complex {'DTensor' if is_dtensor(p) else 'parameter'} on {p.device}: "
+                            "tierstate steps complex parameters of one process on the CPU only; keep them there, "
+                            "or give them to a torch.optim optimizer of their own")
         # torch warns on a duplicate in one group and refuses one in two; tierstate refuses both:
         # one tensor updated twice per step with one state differs from torch's result (3e-3 after
         # 3 Adam steps), and a parameter must have one slot of state
@@ -132,7 +139,7 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
         if local.is_contiguous():
             continue
         what = _layout(i, local)
-        if local is not p:
+        if is_dtensor(p):
             raise ValueError(f"{what} is a DTensor whose local shard is not contiguous; tierstate updates a "
                              "parameter through a flat view of its memory: shard contiguous parameters (make the "
                              "module's parameters contiguous before fully_shard)")
@@ -140,7 +147,9 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
             raise ValueError(f"{what} is not contiguous and its elements overlap in memory (an expanded tensor): "
                              "an update in place would write one location for several elements; give it memory "
                              "of its own before building the optimizer: p.data = p.data.clone()")
-        if not sole_owner(local, local.numel() * local.element_size()):
+        nbytes = local.numel() * local.element_size()
+        owner, local = (p, None) if p.is_complex() else (local, local)  # (a real view holds the storage too)
+        if not sole_owner(owner, nbytes):
             raise ValueError(
                 f"{what} is not contiguous, and another tensor shares its memory (a view kept elsewhere, such as "
                 "the tensor it was transposed from): tierstate updates a parameter through a flat view of its "

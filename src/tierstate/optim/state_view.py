@@ -10,6 +10,15 @@ accelerator parameters). State held elsewhere (the device tier, NVMe, or a param
 straddling tiers) is read on demand, as new CPU tensors, by ``state_dict()`` and by a
 lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``: see :class:`ParamState`),
 never by iterating the dict.
+
+[Note: the state of a complex parameter]
+A complex64 parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so
+its state is stored as float32 pairs. What torch code sees is torch's: complex tensors shaped
+like the parameter (``torch.view_as_complex`` of the stored pairs, a view where the pairs are
+host memory), in ``optimizer.state``, ``state_dict()`` and on-demand reads; complex state
+given to ``load_state_dict`` is stored through its real view. Checkpoints written by
+:func:`tierstate.save_optimizer` keep the pairs (safetensors has no complex dtype): a shape
+``(*param.shape, 2)``, float32.
 """
 from __future__ import annotations
 
@@ -54,6 +63,23 @@ class ParamState(dict):
         return dict, (dict(self),)
 
 
+def as_torch_state(param: Tensor, value: Tensor) -> Tensor:
+    """A state tensor of ``param`` as torch keeps it: complex for a complex parameter (see
+    [Note: the state of a complex parameter]); other tensors as they are."""
+    if param.is_complex() and value.dtype == torch.float32 and value.dim() and value.shape[-1] == 2:
+        return torch.view_as_complex(value)
+    return value
+
+
+def as_stored_state(param: Tensor, state):
+    """``state`` (a parameter's dict of key -> tensor, as given to a load) with the complex tensors
+    of a complex parameter as their real views, as the tiers store them; anything else as is."""
+    if not isinstance(state, dict) or not param.is_complex():
+        return state
+    return {k: torch.view_as_real(v.detach()) if isinstance(v, Tensor) and v.is_complex() else v
+            for k, v in state.items()}
+
+
 def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
     """Fill ``opt.state[p]`` of a slot whose state starts existing or was loaded.
 
@@ -72,7 +98,7 @@ def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
             continue  # filled from the parameter at its first step
         view = store.host_view(s, key)
         if view is not None:
-            st[key] = view
+            st[key] = as_torch_state(s.param, view)
 
 
 def publish_step(opt, s: Slot) -> None:

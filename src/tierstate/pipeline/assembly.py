@@ -74,7 +74,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                 trainable.append(p)
             # a streamed weight is updated where it lives (its block's host image), even on an
             # accelerator: it is its own master, as a host parameter of the master's dtype is
-            own_master = is_own_master(dtype_name(p.dtype), offload.master_mode) and (
+            own_master = is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
                 not on_accel or weights_of(p) is not None)
             if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
                     and local_tensor(p) is p:
@@ -170,6 +170,10 @@ def check_compressed(offload: Offload, rule, param_groups: list, trainable: list
             raise ValueError(f"Offload(moment_dtype='q8') with amsgrad=True (param group {i}): the 8-bit kernels "
                              "keep no max_exp_avg_sq; use amsgrad=False or moment_dtype=torch.float32")
     for p in trainable:
+        if p.is_complex():
+            raise ValueError("Offload(moment_dtype='q8') with a complex parameter: compressed state is kept for "
+                             "real parameters; use moment_dtype=torch.float32 or bfloat16 (complex parameters are "
+                             "stepped as their real views there)")
         if quant.master != "fp32" and p.dtype == torch.float32 and p.device.type != "cpu" \
                 and weights_of(p) is None:
             # the upload copies the stored master itself to the device: a bf16 one, without its

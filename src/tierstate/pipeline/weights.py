@@ -65,7 +65,7 @@ class WeightsOut:
         parameter with a master: the parameter's values (``values``: itself on the CPU, its
         block's host image when its weights stream), its staging buffer on CUDA; None for an
         fp32 parameter (uploaded from the master itself)."""
-        if s.param.dtype == torch.float32:
+        if s.local.dtype == torch.float32:  # (a complex64 parameter's real view too)
             return None
         if self.device.type == "cpu" or s.trainable in self.streamed:
             return values[first:end]

@@ -147,7 +147,8 @@ def request_for(trainable: Sequence, *, state_keys: tuple[str, ...], moment_dtyp
     device and dtype, and the blocks of those whose weights stream (``streamed_blocks``)."""
     dtypes = {str(p.dtype) for p in trainable}
     param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
-    model = from_param_numels([p.numel() for p in trainable])
+    # a complex parameter's state is that of its real view: two values per element
+    model = from_param_numels([p.numel() * (2 if p.is_complex() else 1) for p in trainable])
     blocks = tuple(sum(p.numel() for p in block) for block in streamed_blocks if block)
     if blocks:
         model = replace(model, block_numels=blocks, outside_numel=model.numel - sum(blocks))
