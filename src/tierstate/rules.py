@@ -88,17 +88,17 @@ def _check_flag(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
 
-# torch's implementation switches. tierstate runs one implementation whatever they say, so
-# their defaults (None/False) are accepted and carried in param_groups (torch code and
-# torch.distributed.checkpoint expect the keys); a value asking for another implementation is
-# refused with what tierstate does instead.
+# torch's implementation switches, carried in param_groups as given (torch code and
+# torch.distributed.checkpoint expect the keys). ``foreach`` and ``fused`` choose how torch
+# computes, not what: tierstate always runs its own fused kernel (one pass over each element of
+# the state: native on the host tiers, torch's fused/elementwise kernels on the device tier), so
+# either may be True, as code written for torch passes them (torch refuses both True at once,
+# and so does tierstate). ``capturable`` and ``differentiable`` ask for what tierstate cannot
+# do: True is refused with why.
+SPEED_HINTS = ("foreach", "fused")
 IMPLEMENTATION_FLAGS = {
-    "foreach": (None, "tierstate always runs its own fused kernel, one pass over each element of the state "
-                      "(native on the host tiers, torch's fused/elementwise kernels on the device tier); there "
-                      "is no foreach path to choose: leave foreach unset (None) or False"),
-    "fused": (None, "tierstate always runs its own fused kernel, one pass over each element of the state "
-                    "(native on the host tiers, torch's fused/elementwise kernels on the device tier): leave "
-                    "fused unset (None) or False"),
+    "foreach": (None, ""),
+    "fused": (None, ""),
     "capturable": (False, "the step count lives on the host, as with capturable=False, and the state streams "
                           "through host memory, so step() cannot be captured in a CUDA graph: leave capturable "
                           "False"),
@@ -113,11 +113,14 @@ def check_implementation_flags(owner: str, group: Mapping[str, Any], keys: Seque
         if key not in group:
             continue
         value = group[key]
-        if value is None or value is False:
+        if value is None or value is False or (value is True and key in SPEED_HINTS):
             continue
         if value is True:
             raise ValueError(f"{owner}({key}=True): {IMPLEMENTATION_FLAGS[key][1]}")
-        raise TypeError(f"{owner}({key}={value!r}): must be None, False or True (and tierstate takes None or False)")
+        taken = "None, False or True" if key in SPEED_HINTS else "None or False"
+        raise TypeError(f"{owner}({key}={value!r}): must be None, False or True (and tierstate takes {taken})")
+    if all(group.get(k) is True for k in SPEED_HINTS) and all(k in keys for k in SPEED_HINTS):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
 
 
 def _scaled_fp32(grad: Tensor, grad_scale: float) -> Tensor:
@@ -233,6 +236,12 @@ class AdamRule(UpdateRule):
         _check_flag("amsgrad", group["amsgrad"])
         if "decoupled_weight_decay" in group:
             _check_flag("decoupled_weight_decay", group["decoupled_weight_decay"])
+        if group.get("foreach") is True and not group.get("capturable"):
+            # torch's foreach path cannot take them, and its Adam refuses the pair: so does this one,
+            # so that code moves between the two with the same errors
+            for name, value in (("lr", group["lr"]), ("betas[0]", group["betas"][0]), ("betas[1]", group["betas"][1])):
+                if isinstance(value, Tensor):
+                    raise ValueError(f"{name} as a Tensor is not supported for capturable=False and foreach=True")
 
     def zero_step_is_noop(self, group):
         return self.is_decoupled(group) or super().zero_step_is_noop(group)

@@ -171,8 +171,7 @@ def test_meta_device_parameters_are_refused_at_construction(tmp_path) -> None:
     assert not nv.exists() or not any(nv.rglob("*.bin"))  # no file was allocated for it
 
 
-FLAGS = [("fused", True, r"fused=True.*own fused kernel"), ("foreach", True, r"foreach=True.*own fused kernel"),
-         ("capturable", True, r"capturable=True.*CUDA graph"), ("differentiable", True, r"differentiable=True.*no_grad")]
+FLAGS = [("capturable", True, r"capturable=True.*CUDA graph"), ("differentiable", True, r"differentiable=True.*no_grad")]
 # torch's SGD and Adagrad have no capturable argument
 FLAG_CASES = [(cls, *flag) for cls in (ts.AdamW, ts.Adam, ts.SGD, ts.Adagrad) for flag in FLAGS
               if not (flag[0] == "capturable" and cls in (ts.SGD, ts.Adagrad))]
@@ -186,6 +185,27 @@ def test_torch_only_implementation_flags_are_refused_with_what_tierstate_does(cl
     opt = cls(mlp().parameters())
     with pytest.raises(ValueError, match=pattern):
         opt.add_param_group({"params": list(mlp(1).parameters()), kwarg: value})
+
+
+@pytest.mark.parametrize("cls", [ts.AdamW, ts.Adam, ts.SGD, ts.Adagrad])
+@pytest.mark.parametrize("hint", ["foreach", "fused"])
+def test_foreach_and_fused_are_taken_as_torch_takes_them(cls, hint) -> None:
+    """Code written for torch passes foreach=True or fused=True (torch's CPU fused AdamW, HF's
+    adamw_torch_fused): they choose how torch computes, not what, and tierstate always runs its
+    own fused kernels, so either is taken, kept in param_groups, and trains as the default does."""
+    m_hint, m_plain = mlp(), mlp()
+    with_hint = cls(m_hint.parameters(), lr=1e-2, **{hint: True})
+    plain = cls(m_plain.parameters(), lr=1e-2)
+    assert with_hint.param_groups[0][hint] is True
+    run(m_hint, with_hint, 3)
+    run(m_plain, plain, 3)
+    for a, b in zip(m_hint.parameters(), m_plain.parameters()):
+        assert torch.equal(a, b)
+    with_hint.add_param_group({"params": list(mlp(1).parameters()), hint: True})
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        cls(mlp().parameters(), foreach=True, fused=True)  # torch's refusal, in torch's words
+    with pytest.raises(TypeError, match=rf"{hint}='yes'"):
+        cls(mlp().parameters(), **{hint: "yes"})
 
 
 @pytest.mark.parametrize("cls", [ts.AdamW, ts.Adam, ts.SGD, ts.Adagrad])

@@ -40,10 +40,11 @@ _ENGINE_ARGS = """
             docs/step_modes.md and :mod:`tierstate.pipeline.backward`.
 
     torch's implementation switches (``foreach``, ``fused``, ``capturable``, ``differentiable``,
-    where the torch namesake has them) are accepted at their defaults (None/False) and carried
-    in ``param_groups`` under torch's keys, so torch code and ``torch.distributed.checkpoint``
-    move state between this optimizer and its torch namesake. ``True`` is refused with what
-    tierstate does instead (it always runs its own fused kernels).
+    where the torch namesake has them) are carried in ``param_groups`` under torch's keys, so
+    torch code and ``torch.distributed.checkpoint`` move state between this optimizer and its
+    torch namesake. ``foreach`` and ``fused`` may be True (not both, as in torch): they choose
+    how torch computes, and tierstate always runs its own fused kernels. ``capturable=True`` and
+    ``differentiable=True`` are refused with why.
 
     What ``optimizer.state[p]`` holds (see [Note: what optimizer.state holds] in
     :mod:`tierstate.optim.state_view`): ``step`` (a CPU float32 tensor, as torch's) and, for a
