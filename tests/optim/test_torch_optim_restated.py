@@ -1,0 +1,170 @@
+"""torch's own optimizer tests that take the "global cliquey kwargs" (every input of
+``optim_db`` also with ``foreach`` / ``fused`` / ``differentiable`` switched), restated for
+tierstate's optimizers: ``test_complex``, ``test_complex_2d``, ``test_tensor_lr`` and
+``test_rosenbrock_sparse`` of torch's test/test_optim.py, with the same assertions. Inputs torch
+skips there are skipped here (``differentiable`` everywhere, ``fused`` for complex and sparse
+gradients); torch's multi-tensor variant of the sparse test adds a float64 parameter, which
+tierstate does not keep (float64 is refused at construction), so it is left out.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import tierstate as ts
+
+pytest.importorskip("expecttest", reason="torch's optim_db imports it: pip install 'tierstate[test]'")
+from torch.optim.lr_scheduler import ReduceLROnPlateau  # noqa: E402
+from torch.testing._internal.common_optimizers import (  # noqa: E402
+    _get_optim_inputs_including_global_cliquey_kwargs as cliquey_inputs, optim_db)
+
+PAIRS = {"Adam": ts.Adam, "AdamW": ts.AdamW, "SGD": ts.SGD, "Adagrad": ts.Adagrad}
+SPARSE = ("SGD", "Adagrad")  # torch's optimizers with supports_sparse, of those tierstate has
+
+
+def _infos(names=PAIRS):
+    return [pytest.param(info, id=info.optim_cls.__name__) for info in optim_db if info.optim_cls.__name__ in names]
+
+
+def rosenbrock(t):
+    x, y = t
+    return (1 - x) ** 2 + 100 * (y - x**2) ** 2
+
+
+def drosenbrock(t):
+    x, y = t
+    return torch.stack((-400 * x * (y - x**2) - 2 * (1 - x), 200 * (y - x**2)))
+
+
+@pytest.mark.parametrize("info", _infos())
+def test_complex(info) -> None:
+    cls = PAIRS[info.optim_cls.__name__]
+    for inp in cliquey_inputs("cpu", torch.complex64, info, skip=("differentiable", "fused")):
+        torch.manual_seed(0)
+        cplx = [torch.randn(10, 5, dtype=torch.complex64, requires_grad=True),
+                torch.randn(10, dtype=torch.complex64, requires_grad=True),
+                torch.randn(10, 5, requires_grad=True)]  # the last one real: the two mixed
+        real = [(torch.view_as_real(p) if p.is_complex() else p).detach().clone().requires_grad_() for p in cplx]
+        c_opt, r_opt = cls(cplx, **inp.kwargs), cls(real, **inp.kwargs)
+        for _ in range(3):
+            for p, q in zip(cplx, real):
+                q.grad = torch.randn_like(q)
+                p.grad = torch.view_as_complex(q.grad.clone()) if p.is_complex() else q.grad.clone()
+            r_opt.step()
+            c_opt.step()
+            for p, q in zip(cplx, real):  # bit for bit, as torch's test asserts of torch
+                assert torch.equal(torch.view_as_real(p) if p.is_complex() else p, q), inp.desc
+
+
+@pytest.mark.parametrize("info", _infos())
+def test_complex_2d(info) -> None:
+    cls = PAIRS[info.optim_cls.__name__]
+    for inp in cliquey_inputs("cpu", torch.complex64, info, skip=("differentiable", "fused")):
+        torch.manual_seed(1)
+        a1 = torch.randn(2, dtype=torch.complex64, requires_grad=True)
+        re, im = a1.real.detach().clone().requires_grad_(), a1.imag.detach().clone().requires_grad_()
+        opt1, opt2 = cls([a1], **inp.kwargs), cls([re, im], **inp.kwargs)
+        for _ in range(3):
+            opt1.zero_grad()
+            rosenbrock(a1).abs().backward()
+            opt2.zero_grad()
+            rosenbrock(torch.complex(re, im)).abs().backward()
+            torch.testing.assert_close(a1.grad.real, re.grad)
+            opt1.step()
+            opt2.step()
+            torch.testing.assert_close(a1.real, re, msg=inp.desc)
+            torch.testing.assert_close(a1.imag, im, msg=inp.desc)
+
+
+@pytest.mark.parametrize("info", _infos())
+def test_tensor_lr(info) -> None:
+    cls = PAIRS[info.optim_cls.__name__]
+    inputs = cliquey_inputs("cpu", torch.float32, info, skip=("differentiable",))
+    assert any(i.kwargs.get("fused") for i in inputs)  # the switched inputs are there (on the CPU: fused)
+    for inp in inputs:
+        torch.manual_seed(2)
+        w, b = torch.nn.Parameter(torch.randn(10, 5)), torch.nn.Parameter(torch.randn(10))
+        wc, bc = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        x = torch.randn(5)
+        kwargs = {k: v for k, v in inp.kwargs.items() if k != "lr"}
+        plain = cls([w, b], lr=1e-3, **kwargs)
+        try:
+            tensor_lr = cls([wc, bc], lr=torch.tensor(1e-3), **kwargs)
+        except ValueError as e:  # torch's foreach path takes no tensor lr; neither input is run then
+            assert "lr as a Tensor is not supported" in str(e)
+            with pytest.raises(ValueError, match="lr as a Tensor is not supported"):
+                info.optim_cls([torch.nn.Parameter(torch.randn(2))], lr=torch.tensor(1e-3), **kwargs)
+            continue
+        for _ in range(5):
+            for opt, ww, bb in ((plain, w, b), (tensor_lr, wc, bc)):
+                opt.zero_grad()
+                (ww.mv(x) + bb).pow(2).sum().backward()
+                opt.step()
+            torch.testing.assert_close(w, wc, msg=inp.desc)
+            torch.testing.assert_close(b, bc, msg=inp.desc)
+
+
+@pytest.mark.parametrize("with_lrsched", [False, True])
+@pytest.mark.parametrize("info", _infos(SPARSE))
+def test_rosenbrock_sparse(info, with_lrsched) -> None:
+    """Cyclic coordinate descent on Rosenbrock's function, the gradient given as an uncoalesced
+    sparse tensor (duplicate indices), against the same optimizer on the dense gradient at
+    torch's tolerance (5e-6), every step, for torch's 1,800 steps."""
+    cls = PAIRS[info.optim_cls.__name__]
+    inputs = cliquey_inputs("cpu", torch.float64, info, skip=("differentiable", "fused"))
+    kwarg_updates, schedulers = info.metadata_for_sparse
+    if with_lrsched and not schedulers:
+        pytest.skip(f"torch gives {info.optim_cls.__name__} no scheduler for this test")
+    supported, seen = [], set()
+    for i in inputs:  # torch's selection of inputs
+        if kwarg_updates:
+            for k in kwarg_updates:
+                i.kwargs.pop(k, None)
+            key = tuple(sorted(i.kwargs.items()))
+            if not i.kwargs or key in seen:
+                continue
+            seen.add(key)
+            if "lr" in kwarg_updates:
+                i.kwargs["lr"] = kwarg_updates["lr"]
+        supported.append(i)
+    supported = [i for i in supported if not i.kwargs.get("foreach", False)]
+    assert supported
+
+    def grad_of(param, sparse, w):
+        grad = drosenbrock(param)
+        if not sparse:
+            return torch.tensor([grad[0], 0]) if w else torch.tensor([0, grad[1]])
+        if w:
+            x = grad[0]
+            return torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([x / 4.0, x - x / 4.0]), (2,))
+        y = grad[1]
+        return torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.tensor([y - y / 4.0, y / 4.0]), (2,))
+
+    def closure(opt, param, sparse, w):
+        opt.zero_grad()
+        loss = rosenbrock(param)
+        loss.backward()
+        with torch.no_grad():
+            param.grad = grad_of(param, sparse, w)
+        return loss
+
+    for inp in supported:
+        runs = []
+        for sparse in (True, False):
+            param = torch.nn.Parameter(torch.tensor([1.5, 1.5]))
+            opt = cls([param], **inp.kwargs)
+            runs.append((param, opt, [s(opt) for s in (schedulers if with_lrsched else [])], sparse))
+        start = sum(float(torch.dist(p.detach(), torch.tensor([1.0, 1.0]))) for p, *_ in runs[:1])
+        for step in range(1800):
+            for param, opt, scheds, sparse in runs:
+                opt.step(functools.partial(closure, opt, param, sparse, step % 2))
+                for s in scheds:
+                    s.step(rosenbrock(param)) if isinstance(s, ReduceLROnPlateau) else s.step()
+            torch.testing.assert_close(runs[0][0], runs[1][0], atol=5e-6, rtol=5e-6, msg=inp.desc)
+        param = runs[0][0].detach()
+        if not inp.kwargs.get("maximize", False):
+            assert float(torch.dist(param, torch.tensor([1.0, 1.0]))) <= start, inp.desc
+        else:
+            assert float(rosenbrock(param)) >= float(rosenbrock(torch.tensor([1.5, 1.5]))), inp.desc
