@@ -187,3 +187,10 @@ def test_modes_bit_identical_to_the_real_views(options):
     assert a.stats().counters.get("skipped_steps", 0) == 0
     a.close()
     b.close()
+
+
+def test_weight_streaming_refuses_complex_parameters():
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4).to(torch.complex64),
+                                                     torch.nn.Linear(4, 4)]))
+    with pytest.raises(TypeError, match=r"offload_weights: parameter '0\.0\.weight' is complex"):
+        ts.offload_weights(model, "cpu")

@@ -303,7 +303,7 @@ class WeightStreamer:
         for p in model.parameters():
             if p not in streamed_params and p not in seen:
                 seen.add(p)
-                total += local_tensor(p).numel() * p.element_size()
+                total += local_tensor(p).numel() * local_tensor(p).element_size()
         return total
 
     @contextlib.contextmanager
@@ -539,6 +539,11 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r}: weights stream to 'cpu' or 'cuda'")
     named = resolve_blocks(model, blocks)
+    complex_params = [name for name, p in model.named_parameters() if p.is_complex()]
+    if complex_params:
+        raise TypeError(f"offload_weights: parameter {complex_params[0]!r} is complex; streamed blocks hold real "
+                        "weights (bf16/fp16/fp32): keep complex modules out of the model given, or train without "
+                        "weight streaming (the optimizer takes complex64 parameters in RAM and on NVMe)")
     assigned, resident = _blocks_of(model, named, keep_resident)  # (checks an FSDP2 model's blocks first)
     if fsdp.is_sharded(model):
         fsdp.prepare(model)
@@ -551,7 +556,7 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if isinstance(offload, str) and offload == "auto":
         from ..placement.auto import choose_weights  # noqa: PLC0415 - the planner and the probe only for "auto"
 
-        resident_bytes = sum(local_tensor(p).numel() * p.element_size() for _, p in resident)
+        resident_bytes = sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in resident)
         plan = choose_weights(nbytes, resident_bytes, device, nvme_dir=nvme_dir,
                               max_prefetch=max(prefetch, 1))
         tiers, prefetch = list(plan.tier_of), plan.prefetch
