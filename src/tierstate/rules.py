@@ -97,8 +97,8 @@ def _check_flag(name: str, value: Any) -> None:
 # do: True is refused with why.
 SPEED_HINTS = ("foreach", "fused")
 IMPLEMENTATION_FLAGS = {
-    "foreach": (None, ""),
-    "fused": (None, ""),
+    "foreach": (None, "taken (SPEED_HINTS)"),
+    "fused": (None, "taken (SPEED_HINTS)"),
     "capturable": (False, "the step count lives on the host, as with capturable=False, and the state streams "
                           "through host memory, so step() cannot be captured in a CUDA graph: leave capturable "
                           "False"),

@@ -240,7 +240,7 @@ class StepEngine:
         self.counters.steps_taken += 1
         self.parts.weights.wait_upload(tel)  # the staging buffers are about to be rewritten
         self.parts.grads.wait()
-        rebuilt = False
+        rebuilt = refused = False
         if backward_open:
             self.backward.finish()
             try:
@@ -253,7 +253,7 @@ class StepEngine:
             rebuilt = self.adopt_new_trainables() or rebuilt
             store = self.store
         grads = self.parts.grads
-        if backward_open and refused:  # finish_step completes what backward took and raises the refusal
+        if refused:  # finish_step completes what backward took and raises the refusal
             active = [(s, g) for s in store.slots if s.trainable is not None and s.index not in self.backward.refused
                       and (g := grads.grad_of(s)) is not None]
         else:

@@ -141,8 +141,8 @@ class Gradients:
         """Raise, before a step changes anything, for a sparse ``param.grad`` it cannot take."""
         for s in slots:
             g = s.param.grad
-            if g is not None and g.is_sparse:
-                self._densified(s, g)  # raises if refused; the step densifies it again when it reads it
+            if g is not None and g.is_sparse and (why := self.sparse_refusal(s)) is not None:
+                raise self._refusal(s, why)
 
     def _densified(self, s: Slot, g: Tensor) -> Tensor:
         """``g`` as a dense tensor: a sparse gradient's rows without values are zeros, which leave
@@ -151,9 +151,13 @@ class Gradients:
             return g
         why = self.sparse_refusal(s)
         if why is not None:
-            raise RuntimeError(f"{why} (parameter {s.index}, shape {tuple(s.param.shape)}, has a sparse gradient, "
-                               "e.g. from nn.Embedding(sparse=True))")
+            raise self._refusal(s, why)
         return g.to_dense()
+
+    @staticmethod
+    def _refusal(s: Slot, why: str) -> RuntimeError:
+        return RuntimeError(f"{why} (parameter {s.index}, shape {tuple(s.param.shape)}, has a sparse gradient, "
+                            "e.g. from nn.Embedding(sparse=True))")
 
     def hook_sumsq(self, s: Slot, scale: float) -> float | None:
         """The sum of squares of ``s``'s host gradient times ``scale`` taken in backward, if still valid."""
