@@ -452,3 +452,36 @@ def test_updates_during_backward_keep_the_nvme_plan(where: str, tmp_path) -> Non
         full = [p for p, keep in plans if keep]
         assert len(full) == 1 and len(full[0]) == len(nvme.subgroups)  # step() planned the next backward whole
     opt.close()
+
+
+@pytest.mark.parametrize("cls, all_frozen", [(ts.Adagrad, False), (ts.Adagrad, True), (ts.AdamW, True), (ts.SGD, True)])
+def test_frozen_parameters_then_unfrozen_train_as_torch(cls, all_frozen) -> None:
+    """A parameter frozen at construction that Adagrad keeps state for (as torch's does), or all
+    of them (torch takes such an optimizer; its step does nothing until one is unfrozen), then
+    unfrozen: the mode trains as torch's optimizer (found 2026-12-07: Adagrad raised torch's
+    "cannot register a hook on a tensor that doesn't require gradient" at construction, and an
+    optimizer over frozen parameters only was refused). Other rules keep no state for a frozen
+    parameter, and one unfrozen while updates run in backward is refused (see
+    test_parameter_unfrozen_later_is_refused_not_dropped)."""
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    for net in nets:
+        (net if all_frozen else net[0]).requires_grad_(False)
+    kw = dict(lr=1e-2, momentum=0.9) if cls is ts.SGD else dict(lr=1e-2)
+    ours = cls(nets[0].parameters(), step_in_backward=True, **kw)
+    ref = getattr(torch.optim, cls.__name__)(nets[1].parameters(), foreach=False, **kw)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(8):
+        if step == 3:
+            for net in nets:
+                net.requires_grad_(True)
+        x = torch.randn(5, 16, generator=gen)
+        for net, opt in zip(nets, (ours, ref)):
+            if any(p.requires_grad for p in net.parameters()):
+                net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(*(net.parameters() for net in nets)):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ours.close()

@@ -168,3 +168,65 @@ def test_rosenbrock_sparse(info, with_lrsched) -> None:
             assert float(torch.dist(param, torch.tensor([1.0, 1.0]))) <= start, inp.desc
         else:
             assert float(rosenbrock(param)) >= float(rosenbrock(torch.tensor([1.5, 1.5]))), inp.desc
+
+
+@pytest.mark.parametrize("info", _infos())
+def test_param_groups_weight_decay_and_lr(info) -> None:
+    """torch's test_param_groups_weight_decay and test_param_groups_lr: a group without weight
+    decay beside one with it, and a group left at an outer lr of 1e-28 that must not move."""
+    cls = PAIRS[info.optim_cls.__name__]
+    for inp in cliquey_inputs("cpu", torch.float32, info, skip=("differentiable",)):
+        torch.manual_seed(3)
+        w, b, x = torch.nn.Parameter(torch.randn(10, 5)), torch.nn.Parameter(torch.randn(10)), torch.randn(5)
+        opt = cls([dict(params=[w], **inp.kwargs), dict(params=[b], **{**inp.kwargs, "weight_decay": 0.0})])
+        first = (w.mv(x) + b).pow(2).sum().item()
+        for _ in range(20):
+            opt.zero_grad()
+            loss = (w.mv(x) + b).pow(2).sum()
+            loss.backward()
+            opt.step()
+        assert (loss.item() > first) if inp.kwargs.get("maximize") else (loss.item() < first), inp.desc
+
+        kwargs = dict(inp.kwargs)
+        if not kwargs.get("lr"):
+            kwargs["lr"] = 1e-3
+        w, b, other = (torch.nn.Parameter(torch.randn(*s)) for s in ((10, 5), (10,), (2,)))
+        before = other.detach().clone()
+        opt = cls([dict(params=[w, b], **kwargs), dict(params=[other])], lr=1e-28)
+        first = (w.mv(x) + b).pow(2).sum().item()
+        for _ in range(20):
+            opt.zero_grad()
+            loss = (w.mv(x) + b).pow(2).sum()
+            loss.backward()
+            other.grad = torch.rand_like(other)
+            opt.step()
+        assert (loss.item() > first) if inp.kwargs.get("maximize") else (loss.item() < first), inp.desc
+        torch.testing.assert_close(other.detach(), before)
+
+
+@pytest.mark.parametrize("info", _infos())
+def test_step_is_noop_without_grads_and_for_zero_grads(info) -> None:
+    """torch's test_step_is_noop_when_params_have_no_grad (an optimizer over frozen tensors only:
+    taken, and its step does nothing) and test_step_is_noop_for_zero_grads; and the optimizer
+    prints (test_optimizer_can_be_printed). The differentiable=True inputs are refused by
+    tierstate at construction (it updates in place under no_grad), so they are skipped here."""
+    cls = PAIRS[info.optim_cls.__name__]
+    for inp in cliquey_inputs("cpu", torch.float32, info, skip=("differentiable",)):
+        frozen = [torch.randn(2, 3) for _ in range(2)]
+        old = [p.clone() for p in frozen]
+        with pytest.warns(UserWarning, match="requires_grad=False; step\\(\\) updates nothing"):
+            opt = cls(frozen, **inp.kwargs)
+        opt.step(lambda: torch.tensor([1.0]))
+        assert all(torch.equal(p, q) for p, q in zip(frozen, old))
+        repr(opt)
+        kwargs = dict(inp.kwargs)
+        if kwargs.get("weight_decay", 0) != 0:
+            continue  # the parameter decays without a gradient
+        if info.optim_cls.__name__ == "AdamW":
+            kwargs["lr"] = torch.tensor(1e-5) if isinstance(kwargs.get("lr", 1e-5), torch.Tensor) else 1e-5
+        param = torch.randn((5, 1), requires_grad=True)
+        before = param.detach().clone()
+        opt = cls([param], **kwargs)
+        param.grad = torch.zeros_like(param)
+        opt.step(lambda: torch.tensor([1.0]))
+        torch.testing.assert_close(param.detach(), before)

@@ -189,9 +189,13 @@ def _caller_level() -> int:
 
 
 def refuse_nothing_to_train(owner: str, params: list) -> None:
-    """An optimizer over no trainable parameter would step nothing, silently."""
+    """Parameter groups that hold no parameter at all are refused (a generator passed twice, a
+    filter that left nothing); parameters that are all frozen are taken, as torch takes them:
+    they step once unfrozen (a parameter unfrozen later gets its state then), and until then
+    ``step()`` does nothing, which a warning says once."""
+    if not params:
+        raise ValueError(f"{owner} got no parameter: its parameter groups are empty (was a generator passed "
+                         "twice, or a filter left nothing?); pass the parameters to train, e.g. model.parameters()")
     if not any(p.requires_grad for p in params):
-        what = (f"all {len(params)} parameters have requires_grad=False" if params
-                else "its parameter groups are empty (was a generator passed twice, or a filter left nothing?)")
-        raise ValueError(f"{owner} got no trainable parameter: {what}; pass the parameters to train "
-                         "(e.g. [p for p in model.parameters() if p.requires_grad]) and unfreeze them first")
+        warnings.warn(f"{owner}: all {len(params)} parameters have requires_grad=False; step() updates nothing "
+                      "until some are unfrozen", UserWarning, stacklevel=_caller_level())

@@ -145,7 +145,9 @@ class BackwardDriver(Speculation):
         self.hold_next = 1  # how many the next rollback holds for (doubles up to _MAX_HOLD)
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None  # the worker, started at its first use
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in engine.parts.trainable]
+        # a frozen parameter cannot be hooked (Adagrad's, which keep state, reach step() as set by hand)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in engine.parts.trainable
+                         if p.requires_grad]
         # The order sub-groups became ready in during the last backward (then the leftovers
         # step() updated): the I/O tiers' plan for the next one. Before the first backward,
         # the reverse of the parameters' order, which is how backward usually meets them.
@@ -442,7 +444,6 @@ class BackwardDriver(Speculation):
                     "optimizer after unfreezing them, or use step_in_backward=False")
             return self._finish_speculative(active, scaling)
         bad, refused = list(self.nonfinite), list(self.refused)  # refused: see refuse_sparse
-        halted = bool(bad or refused)
         applied = [t for t in changed if t in self.prepared]  # used during backward, as it was then
         try:
             if scaling.scaled:
@@ -460,7 +461,7 @@ class BackwardDriver(Speculation):
             fresh = set(self.fresh)
             extra = [(s, g) for s, g in active if s.trainable not in self.prepared]
             sumsq = self.sumsq
-            if not halted and extra:  # gradients that reached step() without passing a hook (set by hand)
+            if not (bad or refused) and extra:  # gradients that reached step() without passing a hook (set by hand)
                 with engine.telemetry.phase("grad_norm"):
                     for s, g in extra:
                         value = kernels.grad_sumsq(g)
@@ -468,7 +469,7 @@ class BackwardDriver(Speculation):
                             sumsq += value
                         else:
                             bad.append(s.index)
-            if not halted:
+            if not (bad or refused):
                 engine.counters.last_grad_norm = math.sqrt(sumsq)
                 for s, g in extra:
                     if engine.prepare(s, g):
@@ -501,9 +502,8 @@ class BackwardDriver(Speculation):
                 "cannot skip a whole step; use step_in_backward=False for on_nonfinite='skip')")
         if refused:  # (refuse_sparse) worded as the non-finite case
             why = engine.parts.grads.sparse_refusal(next(s for s in store.slots if s.index == refused[0]))
-            result.error = RuntimeError(f"{why} (parameter(s) {refused[:8]} have sparse gradients); with step_in_"
-                                        "backward=True parameters handed over before it are updated, the others "
-                                        "are untouched")
+            result.error = RuntimeError(f"{why} (parameter(s) {refused[:8]} have sparse gradients); with step_in_backward"
+                                        "=True parameters handed over before it are updated, the others are untouched")
         return result
 
     def _changed_after_hooks(self, active: list) -> list[int]:
