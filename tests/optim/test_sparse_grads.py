@@ -40,22 +40,19 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB // 3, (6, 5), generator=torch.Generator().manual_seed(step))
 
 
-def _train(model, opt, steps=STEPS, *, densify=False, clip=None, accumulate=1, scaler=None):
+def _train(model, opt, steps=STEPS, *, densify=False, accumulate=1, scaler=None):
+    """``steps`` steps of ``accumulate`` micro-batches; ``densify``: the sparse gradients are
+    given to the step as dense tensors (the reference of the modes)."""
+    scale = scaler.scale if scaler is not None else (lambda loss: loss)
     for step in range(steps):
         for micro in range(accumulate):
-            loss = model(_batch(step * accumulate + micro))
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        if densify:
-            for p in model.parameters():
-                if p.grad is not None and p.grad.is_sparse:
-                    p.grad = p.grad.to_dense()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scale(model(_batch(step * accumulate + micro))).backward()
+        for p in model.parameters() if densify else ():
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+        (scaler.step if scaler is not None else lambda o: o.step())(opt)
         if scaler is not None:
-            scaler.step(opt)
             scaler.update()
-        else:
-            opt.step()
         opt.zero_grad(set_to_none=True)
 
 
