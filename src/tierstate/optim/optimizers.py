@@ -68,8 +68,7 @@ class Adam(OffloadOptimizer):
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay: as
             ``torch.optim.Adam`` (``decoupled_weight_decay=True`` is AdamW's math).
-        foreach, fused, capturable, differentiable: torch's implementation switches; only their
-            defaults are accepted (see below).
+        foreach, fused, capturable, differentiable: torch's implementation switches (see below).
 """ + _ENGINE_ARGS
 
     rule = AdamRule(decoupled=False)
@@ -99,8 +98,7 @@ class AdamW(OffloadOptimizer):
 
     Args:
         params, lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
-        foreach, fused, capturable, differentiable: torch's implementation switches; only their
-            defaults are accepted (see below).
+        foreach, fused, capturable, differentiable: torch's implementation switches (see below).
 """ + _ENGINE_ARGS
 
     rule = AdamRule(decoupled=True)
@@ -122,10 +120,12 @@ class AdamW(OffloadOptimizer):
 class SGD(OffloadOptimizer):
     __doc__ = """SGD with optional (Nesterov) momentum; the math of ``torch.optim.SGD``.
 
+    Sparse gradients (``nn.Embedding(sparse=True)``) are taken as torch's SGD takes them,
+    without weight decay (see ``UpdateRule.sparse_refusal``).
+
     Args:
         params, lr, momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
-        foreach, fused, differentiable: torch's implementation switches; only their defaults are
-            accepted (see below).
+        foreach, fused, differentiable: torch's implementation switches (see below).
 """ + _ENGINE_ARGS
 
     rule = SGDRule()
@@ -167,11 +167,13 @@ class Lion(OffloadOptimizer):
 class Adagrad(OffloadOptimizer):
     __doc__ = """Adagrad; the math of ``torch.optim.Adagrad`` (state ``step`` and ``sum`` from construction).
 
+    Sparse gradients (``nn.Embedding(sparse=True)``) are taken as torch's Adagrad takes them,
+    without weight decay and with ``eps > 0`` (see ``UpdateRule.sparse_refusal``).
+
     Args:
         params, lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as
         ``torch.optim.Adagrad``.
-        foreach, fused, differentiable: torch's implementation switches; only their defaults are
-            accepted (see below).
+        foreach, fused, differentiable: torch's implementation switches (see below).
 """ + _ENGINE_ARGS
 
     rule = AdagradRule()
