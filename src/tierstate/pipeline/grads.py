@@ -61,10 +61,14 @@ class HookNorms:
             self._fired[t] = fired
             grad = param.grad
             if fired > 1 or self.accumulating or grad is None or grad.device.type != "cpu" or grad.is_sparse \
-                    or grad.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not grad.is_contiguous():
+                    or not grad.is_contiguous():
                 self._sums.pop(t, None)
                 return
-            self._sums[t] = (grad_mark.mark(grad), kernels.grad_sumsq(grad.detach().reshape(-1)))
+            values = local_tensor(grad)  # a complex gradient's real view: the elements the step reads
+            if values.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                self._sums.pop(t, None)
+                return
+            self._sums[t] = (grad_mark.mark(grad), kernels.grad_sumsq(values.reshape(-1)))
         return on_grad
 
     def sumsq(self, t: int, param: Tensor, scale: float) -> float | None:
