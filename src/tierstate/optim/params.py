@@ -138,7 +138,7 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
         local = local_tensor(p)
         if local.is_contiguous():
             continue
-        what = _layout(i, local)
+        what = _layout(i, p if p.is_complex() else local)  # (the user's shape, not the real view's)
         if is_dtensor(p):
             raise ValueError(f"{what} is a DTensor whose local shard is not contiguous; tierstate updates a "
                              "parameter through a flat view of its memory: shard contiguous parameters (make the "
