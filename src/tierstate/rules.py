@@ -96,14 +96,12 @@ def _check_flag(name: str, value: Any) -> None:
 # and so does tierstate). ``capturable`` and ``differentiable`` ask for what tierstate cannot
 # do: True is refused with why.
 SPEED_HINTS = ("foreach", "fused")
-IMPLEMENTATION_FLAGS = {
-    "foreach": (None, "taken (SPEED_HINTS)"),
-    "fused": (None, "taken (SPEED_HINTS)"),
-    "capturable": (False, "the step count lives on the host, as with capturable=False, and the state streams "
-                          "through host memory, so step() cannot be captured in a CUDA graph: leave capturable "
-                          "False"),
-    "differentiable": (False, "tierstate updates the parameters in place under torch.no_grad() from offloaded "
-                              "state, so autograd cannot differentiate through step(): leave differentiable False"),
+# the switches refused when True, with why
+REFUSED_FLAGS = {
+    "capturable": "the step count lives on the host, as with capturable=False, and the state streams through host "
+                  "memory, so step() cannot be captured in a CUDA graph: leave capturable False",
+    "differentiable": "tierstate updates the parameters in place under torch.no_grad() from offloaded state, so "
+                      "autograd cannot differentiate through step(): leave differentiable False",
 }
 
 
@@ -116,7 +114,7 @@ def check_implementation_flags(owner: str, group: Mapping[str, Any], keys: Seque
         if value is None or value is False or (value is True and key in SPEED_HINTS):
             continue
         if value is True:
-            raise ValueError(f"{owner}({key}=True): {IMPLEMENTATION_FLAGS[key][1]}")
+            raise ValueError(f"{owner}({key}=True): {REFUSED_FLAGS[key]}")
         taken = "None, False or True" if key in SPEED_HINTS else "None or False"
         raise TypeError(f"{owner}({key}={value!r}): must be None, False or True (and tierstate takes {taken})")
     if all(group.get(k) is True for k in SPEED_HINTS) and all(k in keys for k in SPEED_HINTS):
@@ -146,7 +144,7 @@ class UpdateRule:
 
     name = "rule"
     torch_name = "Optimizer"  # the torch.optim class whose param-group keys the groups carry
-    flags: tuple[str, ...] = ()  # its implementation switches (see IMPLEMENTATION_FLAGS)
+    flags: tuple[str, ...] = ()  # its implementation switches (see SPEED_HINTS, REFUSED_FLAGS)
     # hyper-parameters older torch releases did not save, with the value torch's optimizer
     # (its __setstate__) gives a loaded group that lacks them, whatever it was built with
     added_later: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from ..telemetry import Telemetry
 from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
-from .params import checked_group, params_list, refuse_nothing_to_train
+from .params import check_something_to_train, checked_group, params_list
 from .state_view import as_stored_state, as_torch_state, publish, publish_step
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -80,7 +80,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._counters = StepCounters()
         self._engine: StepEngine | None = None
         super().__init__(params, defaults)
-        refuse_nothing_to_train(type(self).__name__, self._all_params())
+        check_something_to_train(type(self).__name__, self._all_params())
         self._engine = StepEngine(self, self.rule, self.offload, self._policy(), self.telemetry, self._counters)
         self._publish_all()
         exit_drain.install()  # one rank of several: gloo's threads finish before Python ends
@@ -324,22 +324,26 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if folder is not None and self._state_dict_in_files(store):
             from ..checkpoint import mmap_state_dict
 
-            return present_state(self._complex_as_torch(mmap_state_dict(self, folder)), self.param_groups)
-        sd = torch_hooks.packed(self)
-        index_of = {p: idx for g_saved, g in zip(sd["param_groups"], self.param_groups)
-                    for idx, p in zip(g_saved["params"], g["params"])}
-        sd["state"] = {index_of[s.param]: {k: as_torch_state(s.param, v) for k, v in st.items()} for s in store.slots
-                       if s.has_state and (st := store.export(s, self.rule.has_step))}
-        sd["state"].update(torch_hooks.entries_not_of_parameters(self))
+            sd = mmap_state_dict(self, folder)
+        else:
+            sd = torch_hooks.packed(self)
+            index_of = {p: idx for idx, p in self._by_saved_index(sd)}
+            sd["state"] = {index_of[s.param]: st for s in store.slots
+                           if s.has_state and (st := store.export(s, self.rule.has_step))}
+            sd["state"].update(torch_hooks.entries_not_of_parameters(self))
+        for idx, p in self._by_saved_index(sd):  # complex parameters' state as torch's complex tensors
+            if p.is_complex() and idx in sd["state"]:
+                sd["state"][idx] = {k: as_torch_state(p, v) for k, v in sd["state"][idx].items()}
         return present_state(sd, self.param_groups)  # FSDP2: DTensor state, as torch's (for DCP)
 
-    def _complex_as_torch(self, sd: dict) -> dict:
-        """``sd`` with the state of complex parameters as torch's complex tensors (in place)."""
-        for g_saved, g in zip(sd["param_groups"], self.param_groups):
-            for idx, p in zip(g_saved["params"], g["params"]):
-                if p.is_complex() and isinstance(sd["state"].get(idx), dict):
-                    sd["state"][idx] = {k: as_torch_state(p, v) for k, v in sd["state"][idx].items()}
-        return sd
+    def _by_saved_index(self, state_dict: dict):
+        """(index in ``state_dict``, this optimizer's parameter) for each parameter its param groups
+        list, group by group (what torch's load pairs); nothing for a malformed dict, whose
+        ``check_state_dict`` names what is wrong."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        for g_saved, g in zip(groups if isinstance(groups, list) else (), self.param_groups):
+            ids = g_saved.get("params") if isinstance(g_saved, dict) else None
+            yield from zip(ids if isinstance(ids, (list, tuple)) else (), g["params"])
 
     def _state_dict_in_files(self, store) -> bool:
         if self.state_dict_mmap is not None:
@@ -368,16 +372,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
         state_dict = convert_for(self, state_dict)  # full <-> compressed state, with a warning
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        pairs = list(self._by_saved_index(state_dict))  # (saved index, parameter), checked above
         self.take_param_groups(state_dict["param_groups"], merged)
         store = self._engine.store
-        for saved_id, p in zip(saved_ids, self._all_params()):
+        for saved_id, p in pairs:
             st = saved_state.get(saved_id)
             s = store.slot_of(p)
             if st and s.trainable is not None:
                 store.import_(s, st)
                 publish(self, store, s, self.rule.has_step)
-        known = set(saved_ids)
+        known = {saved_id for saved_id, _ in pairs}
         for key, value in saved_state.items():  # an entry that is not a parameter's, as torch keeps it
             if key not in known:
                 self.state[key] = value
@@ -386,18 +390,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def _complex_as_stored(self, state_dict):
         """A state dict to load with the complex state of complex parameters as real views (the
         dict given is not changed)."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         state = state_dict.get("state") if isinstance(state_dict, dict) else None
-        if not isinstance(groups, list) or not isinstance(state, dict):
+        if not isinstance(state, dict):
             return state_dict  # check_state_dict names what is wrong
-        out = None
-        for g_saved, g in zip(groups, self.param_groups):
-            ids = g_saved.get("params", ()) if isinstance(g_saved, dict) else ()
-            for idx, p in zip(ids, g["params"]):
-                if p.is_complex() and isinstance(state.get(idx), dict):
-                    out = out if out is not None else dict(state)
-                    out[idx] = as_stored_state(p, state[idx])
-        return state_dict if out is None else {**state_dict, "state": out}
+        out = dict(state)
+        for idx, p in self._by_saved_index(state_dict):
+            if p.is_complex() and isinstance(state.get(idx), dict):
+                out[idx] = as_stored_state(p, state[idx])
+        return {**state_dict, "state": out}
 
     def take_param_groups(self, param_groups: list[dict], merged: list[dict] | None = None) -> None:
         """The first half of a load (torch's semantics): take the saved groups' hyper-parameters

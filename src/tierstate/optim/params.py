@@ -135,10 +135,12 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
     logical order only where its memory is contiguous."""
     moves = []
     for i, p in enumerate(tensors):
-        local = local_tensor(p)
+        # the memory the step updates, in the parameter's own elements: a DTensor's shard, or a
+        # complex parameter itself (a real view of it would be one more tensor on its storage)
+        local = p if p.is_complex() else local_tensor(p)
         if local.is_contiguous():
             continue
-        what = _layout(i, p if p.is_complex() else local)  # (the user's shape, not the real view's)
+        what = _layout(i, local)
         if is_dtensor(p):
             raise ValueError(f"{what} is a DTensor whose local shard is not contiguous; tierstate updates a "
                              "parameter through a flat view of its memory: shard contiguous parameters (make the "
@@ -147,9 +149,7 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
             raise ValueError(f"{what} is not contiguous and its elements overlap in memory (an expanded tensor): "
                              "an update in place would write one location for several elements; give it memory "
                              "of its own before building the optimizer: p.data = p.data.clone()")
-        nbytes = local.numel() * local.element_size()
-        owner, local = (p, None) if p.is_complex() else (local, local)  # (a real view holds the storage too)
-        if not sole_owner(owner, nbytes):
+        if not sole_owner(local, local.numel() * local.element_size()):
             raise ValueError(
                 f"{what} is not contiguous, and another tensor shares its memory (a view kept elsewhere, such as "
                 "the tensor it was transposed from): tierstate updates a parameter through a flat view of its "
@@ -188,7 +188,7 @@ def _caller_level() -> int:
     return 1
 
 
-def refuse_nothing_to_train(owner: str, params: list) -> None:
+def check_something_to_train(owner: str, params: list) -> None:
     """Parameter groups that hold no parameter at all are refused (a generator passed twice, a
     filter that left nothing); parameters that are all frozen are taken, as torch takes them:
     they step once unfrozen (a parameter unfrozen later gets its state then), and until then

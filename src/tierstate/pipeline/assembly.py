@@ -128,7 +128,8 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                        sr_seed=offload.sr_seed)
     grads = None
     try:
-        grads = Gradients(trainable, heads, offload, device, telemetry, hook_norms=not step_in_backward)
+        grads = Gradients(trainable, heads, offload, device, telemetry, hook_norms=not step_in_backward,
+                          sparse_refusal=lambda s: rule.sparse_refusal(groups()[s.group]))
         weights = WeightsOut(store, trainable, heads, device)
         store.values_of = weights.values_of
         for handle in weights.streamed.values():

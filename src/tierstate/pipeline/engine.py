@@ -88,8 +88,6 @@ class StepEngine:
     # -- assembly ----------------------------------------------------------------------------
     def _assemble(self) -> None:
         self.parts = assemble(self.groups, self.rule, self.offload, self.policy.step_in_backward, self.telemetry)
-        if self.parts.grads is not None:
-            self.parts.grads.sparse_refusal = lambda s: self.rule.sparse_refusal(self.groups()[s.group])
         if self.rule.eager_state:
             for s in self.store.slots:
                 if s.trainable is not None:
@@ -234,8 +232,7 @@ class StepEngine:
         tel, store = self.telemetry, self.store
         backward_open = self.backward_open
         if not backward_open:
-            if self.parts.grads is not None:
-                self.parts.grads.check_sparse(store.slots)  # a sparse gradient refused: nothing changed yet
+            self.parts.grads.check_sparse(store.slots)  # a sparse gradient refused: nothing changed yet
             store.settle()  # earlier failed writes retried, or raise with nothing changed yet
         self.counters.steps_taken += 1
         self.parts.weights.wait_upload(tel)  # the staging buffers are about to be rewritten
@@ -253,11 +250,10 @@ class StepEngine:
             rebuilt = self.adopt_new_trainables() or rebuilt
             store = self.store
         grads = self.parts.grads
-        if refused:  # finish_step completes what backward took and raises the refusal
-            active = [(s, g) for s in store.slots if s.trainable is not None and s.index not in self.backward.refused
-                      and (g := grads.grad_of(s)) is not None]
-        else:
-            active = [(s, g) for s in store.slots if s.trainable is not None and (g := grads.grad_of(s)) is not None]
+        # with a refused sparse gradient, finish_step completes what backward took and raises the refusal
+        skip = set(self.backward.refused) if refused else set()
+        active = [(s, g) for s in store.slots if s.trainable is not None and s.index not in skip
+                  and (g := grads.grad_of(s)) is not None]
         if backward_open:
             result = self.backward.finish_step(active, scaling)
             if result is not None:

@@ -107,11 +107,15 @@ class Gradients:
         trainable: the trainable parameters, in layout order.
         device_heads: {trainable index: elements at its head held on the compute device}.
         hook_norms: take each CPU gradient's sum of squares in backward (:class:`HookNorms`).
+        sparse_refusal: why a parameter's sparse gradient cannot be stepped, or None when it can
+            (the rule's ``sparse_refusal`` for the parameter's group).
     """
 
     def __init__(self, trainable: Sequence[Tensor], device_heads: dict[int, int], offload: Offload,
-                 device: torch.device, telemetry, hook_norms: bool = False) -> None:
+                 device: torch.device, telemetry, hook_norms: bool = False,
+                 sparse_refusal: Callable[[Slot], str | None] = lambda s: "sparse gradients are not supported") -> None:
         self.device_heads = device_heads
+        self.sparse_refusal = sparse_refusal
         self.telemetry = telemetry
         self.keep_device_grads = offload.keep_device_grads
         streaming = offload.grad_streaming
@@ -136,10 +140,6 @@ class Gradients:
                    if t not in device_heads and not (self.stream is not None and t in self.stream_index)
                    and weights_of(p) is None}
             self.norms = HookNorms(own) if own else None
-
-    # Why a parameter's sparse gradient cannot be stepped, or None: the engine sets it from its
-    # rule and the parameter's group (UpdateRule.sparse_refusal).
-    sparse_refusal: Callable[[Slot], str | None] = staticmethod(lambda s: "sparse gradients are not supported")
 
     def check_sparse(self, slots: Sequence[Slot]) -> None:
         """Raise, before a step changes anything, for a sparse ``param.grad`` it cannot take."""

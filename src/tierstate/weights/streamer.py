@@ -303,7 +303,7 @@ class WeightStreamer:
         for p in model.parameters():
             if p not in streamed_params and p not in seen:
                 seen.add(p)
-                total += local_tensor(p).numel() * local_tensor(p).element_size()
+                total += local_tensor(p).numel() * p.element_size()
         return total
 
     @contextlib.contextmanager
@@ -556,7 +556,7 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     if isinstance(offload, str) and offload == "auto":
         from ..placement.auto import choose_weights  # noqa: PLC0415 - the planner and the probe only for "auto"
 
-        resident_bytes = sum(local_tensor(p).numel() * local_tensor(p).element_size() for _, p in resident)
+        resident_bytes = sum(local_tensor(p).numel() * p.element_size() for _, p in resident)
         plan = choose_weights(nbytes, resident_bytes, device, nvme_dir=nvme_dir,
                               max_prefetch=max(prefetch, 1))
         tiers, prefetch = list(plan.tier_of), plan.prefetch
