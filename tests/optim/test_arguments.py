@@ -56,9 +56,9 @@ def test_non_leaf_and_non_tensor_params() -> None:
         ts.AdamW([leaf, 3])
     with pytest.raises(TypeError, match=r"dtype torch.int64.*only floating-point parameters are trained"):
         ts.AdamW([torch.zeros(3, dtype=torch.long)])
-    with pytest.raises(TypeError, match=r"dtype torch.float64; supported: float32, bfloat16, float16, complex64 \(cast the "
-                                        r"model with model.float\(\)"):
-        ts.AdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(TypeError, match=r"dtype torch.float8_e5m2; supported: float32, bfloat16, float16, float64, "
+                                        r"complex64, complex128 \(cast the model with model.float\(\)"):
+        ts.AdamW([torch.zeros(3, dtype=torch.float8_e5m2, requires_grad=True)])
 
 
 @pytest.mark.parametrize("kwargs, pattern", [

@@ -3,8 +3,9 @@
 tierstate's optimizers: ``test_complex``, ``test_complex_2d``, ``test_tensor_lr`` and
 ``test_rosenbrock_sparse`` of torch's test/test_optim.py, with the same assertions. Inputs torch
 skips there are skipped here (``differentiable`` everywhere, ``fused`` for complex and sparse
-gradients); torch's multi-tensor variant of the sparse test adds a float64 parameter, which
-tierstate does not keep (float64 is refused at construction), so it is left out.
+gradients); torch's multi-tensor variant of the sparse test puts a float64 parameter beside a
+float32 one in one optimizer, which tierstate refuses (float64 parameters take an optimizer of
+their own, see test_float64_params.py), so it is left out.
 """
 from __future__ import annotations
 

@@ -42,9 +42,26 @@ def _weight(op: str, weight: object) -> int:
         raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
     n = weight.numel()
     _check(op, "weight", weight, n)
-    if weight.dtype != torch.float32:
-        raise TypeError(f"{op}: weight must be float32 (the fp32 master), got {weight.dtype}")
+    if weight.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{op}: weight must be float32 (the fp32 master) or float64, got {weight.dtype}")
     return n
+
+
+def _float64(op: str, n: int, grad: object, weight_out: object, **state: Tensor | None) -> None:
+    """Check the tensors of a float64 update: the gradient and the state are float64 too (torch
+    keeps a float64 parameter's state in float64), and no rounded copy is asked for (a float64
+    parameter is its own master). Such updates run the reference, torch's own float64 ops:
+    float64 parameters are rare enough (numerical work, torch's tests) that their speed is
+    torch's, while their state still lives in tierstate's tiers."""
+    for name, t in (("grad", grad), *state.items()):
+        if t is None:
+            continue
+        _check(op, name, t, n)
+        if t.dtype != torch.float64:
+            raise TypeError(f"{op}: weight is float64 but {name} is {t.dtype}; a float64 update takes float64 "
+                            f"{name} (cast it with .double())")
+    if weight_out is not None:
+        raise TypeError(f"{op}: weight is float64, which is its own master: pass weight_out=None")
 
 
 def _dtype_code(op: str, name: str, t: Tensor, codes: dict) -> int:
@@ -114,10 +131,14 @@ def adam_update(
     """
     op = "adam_update"
     n = _weight(op, weight)
-    g = _grad(op, grad, n)
-    m = _moments(op, n, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
-    out_ptr, o = _out(op, weight_out, n)
-    kernels = native_kernels()
+    if weight.dtype == torch.float64:
+        _float64(op, n, grad, weight_out, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
+        kernels = None
+    else:
+        g = _grad(op, grad, n)
+        m = _moments(op, n, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
+        out_ptr, o = _out(op, weight_out, n)
+        kernels = native_kernels()
     if kernels is None:
         reference.adam_update(
             weight, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_out, lr=lr, beta1=beta1,
@@ -184,10 +205,14 @@ def lion_update(
     """Lion in place (Chen et al. 2023): sign of the interpolated momentum, decoupled decay."""
     op = "lion_update"
     n = _weight(op, weight)
-    g = _grad(op, grad, n)
-    m = _moments(op, n, exp_avg=exp_avg)
-    out_ptr, o = _out(op, weight_out, n)
-    kernels = native_kernels()
+    if weight.dtype == torch.float64:
+        _float64(op, n, grad, weight_out, exp_avg=exp_avg)
+        kernels = None
+    else:
+        g = _grad(op, grad, n)
+        m = _moments(op, n, exp_avg=exp_avg)
+        out_ptr, o = _out(op, weight_out, n)
+        kernels = native_kernels()
     if kernels is None:
         reference.lion_update(
             weight, grad, exp_avg, weight_out, lr=lr, beta1=beta1, beta2=beta2,
@@ -221,12 +246,16 @@ def sgd_update(
     """
     op = "sgd_update"
     n = _weight(op, weight)
-    g = _grad(op, grad, n)
+    g = _grad(op, grad, n) if weight.dtype != torch.float64 else None
     if momentum != 0 and momentum_buffer is None:
         raise ValueError(f"{op}: momentum={momentum} needs a momentum_buffer tensor (or pass momentum=0)")
-    m = _moments(op, n, momentum_buffer=momentum_buffer)
-    out_ptr, o = _out(op, weight_out, n)
-    kernels = native_kernels()
+    if weight.dtype == torch.float64:
+        _float64(op, n, grad, weight_out, momentum_buffer=momentum_buffer)
+        kernels = None
+    else:
+        m = _moments(op, n, momentum_buffer=momentum_buffer)
+        out_ptr, o = _out(op, weight_out, n)
+        kernels = native_kernels()
     if kernels is None:
         reference.sgd_update(
             weight, grad, momentum_buffer, weight_out, lr=lr, momentum=momentum,
@@ -256,10 +285,14 @@ def adagrad_update(
     """Adagrad in place, torch semantics; ``clr = lr / (1 + (step - 1) * lr_decay)``."""
     op = "adagrad_update"
     n = _weight(op, weight)
-    g = _grad(op, grad, n)
-    m = _moments(op, n, state_sum=state_sum)
-    out_ptr, o = _out(op, weight_out, n)
-    kernels = native_kernels()
+    if weight.dtype == torch.float64:
+        _float64(op, n, grad, weight_out, state_sum=state_sum)
+        kernels = None
+    else:
+        g = _grad(op, grad, n)
+        m = _moments(op, n, state_sum=state_sum)
+        out_ptr, o = _out(op, weight_out, n)
+        kernels = native_kernels()
     if kernels is None:
         reference.adagrad_update(
             weight, grad, state_sum, weight_out, clr=clr, weight_decay=weight_decay, eps=eps,
@@ -281,6 +314,8 @@ def grad_sumsq(grad: Tensor, scale: float = 1.0) -> float:
     op = "grad_sumsq"
     if not isinstance(grad, Tensor):
         raise TypeError(f"{op}: grad must be a torch.Tensor, got {type(grad).__name__}")
+    if grad.dtype == torch.float64:  # summed by torch in float64, as the native kernels sum
+        return reference.grad_sumsq(_check(op, "grad", grad, grad.numel()), scale)
     g = _grad(op, grad, grad.numel())
     kernels = native_kernels()
     if kernels is None:

@@ -8,7 +8,8 @@ it (and against torch) at a tolerance whose reason is written in the tests.
 
 Conventions shared with the native kernels (the "kernel contract"):
 - all tensors are 1-D, contiguous, on the CPU and of equal ``numel``;
-- ``weight`` is the fp32 master (or the fp32 parameter itself);
+- ``weight`` is the fp32 master (or the fp32 parameter itself); a float64 parameter is its
+  own master, with float64 gradient and state, and only the reference runs it;
 - ``grad`` is fp32, bf16 or fp16 and is only read; the kernels compute in fp32 on
   ``grad.float() * grad_scale`` (``grad_scale`` folds loss-scale unscaling and gradient
   clipping into the same pass; 1.0 means "as is");
@@ -24,8 +25,11 @@ import torch
 from torch import Tensor
 
 
+_WORKING = (torch.float32, torch.float64)  # computed in their own dtype; bf16/fp16 in fp32
+
+
 def _effective_grad(grad: Tensor, grad_scale: float, maximize: bool) -> Tensor:
-    g = grad if grad.dtype == torch.float32 else grad.float()
+    g = grad if grad.dtype in _WORKING else grad.float()
     if grad_scale != 1.0:
         g = g * grad_scale
     if maximize:
@@ -34,8 +38,8 @@ def _effective_grad(grad: Tensor, grad_scale: float, maximize: bool) -> Tensor:
 
 
 def _load(state: Tensor) -> Tensor:
-    """A moment as fp32 working storage (a copy when it is stored in bf16)."""
-    return state if state.dtype == torch.float32 else state.float()
+    """A moment as working storage: itself in fp32 or fp64, an fp32 copy when stored in bf16."""
+    return state if state.dtype in _WORKING else state.float()
 
 
 def _store(state: Tensor, value: Tensor) -> None:

@@ -16,8 +16,11 @@ from torch import Tensor
 from ..dist import is_dtensor, local_tensor
 from ..tiers.host import sole_owner
 
-# complex64: stepped as its real view (two float32 per element), as torch's optimizers do
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
+# complex: stepped as its real view (two floats per element), as torch's optimizers do
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64, torch.float64, torch.complex128)
+# float64 parameters keep float64 state (as torch's do) in an optimizer of their own: see
+# [Note: float64 parameters] in tierstate.pipeline.assembly
+FLOAT64_DTYPES = (torch.float64, torch.complex128)
 
 
 def params_list(params: Iterable, owner: str) -> list:
@@ -71,16 +74,14 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
             if p.is_floating_point():
                 fix = ("cast the model with model.float() (or .bfloat16()), or give these parameters to a "
                        "torch.optim optimizer")
-            elif p.is_complex():
-                fix = ("complex128 holds float64 parts, which tierstate does not keep: use complex64, or give "
-                       "these parameters to a torch.optim optimizer of their own")
             else:
                 fix = "only floating-point parameters are trained; leave this tensor out of the optimizer"
-            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16, complex64 "
-                            f"({fix})")
-        if p.is_complex() and (p.device.type != "cpu" or is_dtensor(p)):
-            raise TypeError(f"params[{i}] is a complex {'DTensor' if is_dtensor(p) else 'parameter'} on {p.device}: "
-                            "tierstate steps complex parameters of one process on the CPU only; keep them there, "
+            raise TypeError(f"params[{i}] has dtype {p.dtype}; supported: float32, bfloat16, float16, float64, "
+                            f"complex64, complex128 ({fix})")
+        if (p.is_complex() or p.dtype in FLOAT64_DTYPES) and (p.device.type != "cpu" or is_dtensor(p)):
+            kind = "complex" if p.is_complex() else "float64"
+            raise TypeError(f"params[{i}] is a {kind} {'DTensor' if is_dtensor(p) else 'parameter'} on {p.device}: "
+                            f"tierstate steps {kind} parameters of one process on the CPU only; keep them there, "
                             "or give them to a torch.optim optimizer of their own")
         # torch warns on a duplicate in one group and refuses one in two; tierstate refuses both:
         # one tensor updated twice per step with one state differs from torch's result (3e-3 after
@@ -90,6 +91,7 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                 f"{where}[{i}] is the same tensor as {seen[p]}: a parameter may appear once in an "
                 "optimizer; remove the duplicate (e.g. tied weights: pass the shared tensor once)")
         seen[p] = f"{where}[{i}]"
+    check_one_width(tensors, [p for g in param_groups for p in g["params"]])
     merged = dict(param_group)
     for key, value in defaults.items():
         merged.setdefault(key, value)
@@ -107,6 +109,27 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                 "device=...) and initialize it, or load its weights) and build the optimizer after")
     give_contiguous_memory(tensors, to_move)
     return param_group
+
+
+def check_one_width(tensors: list[Tensor], held: list[Tensor]) -> None:
+    """Refuse float64 parameters beside parameters of other dtypes in one optimizer (``held``:
+    the parameters of the groups already there). The state of one optimizer is stored in one
+    dtype per key, float64 for float64 parameters and float32 (or narrower) for the others."""
+    wide = [p.dtype in FLOAT64_DTYPES for p in tensors]
+    if held:
+        first_wide = held[0].dtype in FLOAT64_DTYPES
+        odd = next((i for i, w in enumerate(wide) if w != first_wide), None)
+        if odd is not None:
+            raise TypeError(
+                f"params[{odd}] has dtype {tensors[odd].dtype} but this optimizer's parameters are {held[0].dtype}: "
+                "float64 parameters keep float64 state, the others float32 or narrower; give the float64 "
+                "parameters an optimizer of their own")
+        return
+    odd = next((i for i, w in enumerate(wide) if w != wide[0]), None)
+    if odd is not None:
+        raise TypeError(
+            f"params[{odd}] has dtype {tensors[odd].dtype} but params[0] is {tensors[0].dtype}: float64 parameters "
+            "keep float64 state, the others float32 or narrower; give the float64 parameters an optimizer of their own")
 
 
 def _layout(i: int, p: Tensor) -> str:

@@ -12,13 +12,13 @@ lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``: see :class:`Para
 never by iterating the dict.
 
 [Note: the state of a complex parameter]
-A complex64 parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so
-its state is stored as float32 pairs. What torch code sees is torch's: complex tensors shaped
+A complex parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so
+its state is stored as float32 pairs (float64 pairs for complex128). What torch code sees is torch's: complex tensors shaped
 like the parameter (``torch.view_as_complex`` of the stored pairs, a view where the pairs are
 host memory), in ``optimizer.state``, ``state_dict()`` and on-demand reads; complex state
 given to ``load_state_dict`` is stored through its real view. Checkpoints written by
 :func:`tierstate.save_optimizer` keep the pairs (safetensors has no complex dtype): a shape
-``(*param.shape, 2)``, float32.
+``(*param.shape, 2)``, float32 (float64).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class ParamState(dict):
 def as_torch_state(param: Tensor, value: Tensor) -> Tensor:
     """A state tensor of ``param`` as torch keeps it: complex for a complex parameter (see
     [Note: the state of a complex parameter]); other tensors as they are."""
-    if param.is_complex() and value.dtype == torch.float32 and value.dim() and value.shape[-1] == 2:
+    if param.is_complex() and value.dtype in (torch.float32, torch.float64) and value.dim() and value.shape[-1] == 2:
         return torch.view_as_complex(value)
     return value
 

@@ -12,6 +12,17 @@ on CUDA overlap (3). At most one parameter straddles the device range and the ho
 its tail is copied to the host at step time and only the tail is uploaded afterwards, its
 head being updated in place on the device. A wholly device-resident fp32 parameter is its
 own master, as in torch; bf16/fp16 ones keep an fp32 master in the device tier.
+
+[Note: float64 parameters]
+torch keeps a float64 parameter's state in float64 and computes its update in float64;
+torch's own optimizer tests run in float64 (``test_foreach_matches_forloop``). An optimizer
+whose parameters are float64 (or complex128, as their float64 real views) stores every state
+key in float64 in its tiers (host RAM or NVMe, 16 B a parameter for Adam), keeps no master
+(the parameter is its own, as an fp32 one is) and updates with the reference kernels,
+which are torch's single-tensor op sequence, so the result is torch's bit for bit. The store
+keeps one dtype per key, so float64 parameters take an optimizer of their own
+(``optim.params.check_one_width``); narrower or compressed state would change torch's
+float64 results and is refused.
 """
 from __future__ import annotations
 
@@ -65,6 +76,9 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     if offload.gpu > 0 and step_in_backward:
         raise ValueError(f"step_in_backward=True with Offload(gpu={offload.gpu}): the update during backward "
                          "runs on the host tiers only; use Offload(gpu=0, ...) or step_in_backward=False")
+    wide = bool(params) and local_tensor(params[0]).dtype == torch.float64  # see the note above
+    if wide:
+        check_float64_offload(offload)
     slots, trainable = [], []
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
@@ -74,7 +88,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                 trainable.append(p)
             # a streamed weight is updated where it lives (its block's host image), even on an
             # accelerator: it is its own master, as a host parameter of the master's dtype is
-            own_master = is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
+            own_master = wide or is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
                 not on_accel or weights_of(p) is not None)
             if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
                     and local_tensor(p) is p:
@@ -104,7 +118,10 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
         for spec in rule.state_specs(g):
             specs.setdefault(spec.name, spec)
     any_master = any(s.needs_master for s in slots if s.trainable is not None)
-    if quant is None:
+    if wide:
+        dtypes = {name: torch.float64 for name in specs}
+        inits = {name: spec.init for name, spec in specs.items()}
+    elif quant is None:
         dtypes = {name: (offload.moment_dtype if spec.moment else torch.float32) for name, spec in specs.items()}
         inits = {name: spec.init for name, spec in specs.items()}
         if any_master:
@@ -152,6 +169,16 @@ def streamed_block_subgroups(layout, trainable: list) -> list[set[int]]:
             spans.setdefault((id(handle.streamer), handle.block), set()).update(
                 seg.subgroup for seg in layout.segments_of(t))
     return list(spans.values())
+
+
+def check_float64_offload(offload: Offload) -> None:
+    """Refuse state narrower than float64 for float64 parameters: torch's float64 results
+    need float64 moments (see [Note: float64 parameters])."""
+    if offload.quant_config() is not None or offload.moment_dtype != torch.float32 or offload.master_mode != "fp32":
+        raise ValueError(
+            f"float64 parameters with Offload(moment_dtype={dtype_name(offload.moment_dtype)!r}, "
+            f"master_dtype={offload.master_mode!r}): float64 parameters keep float64 state, as torch's optimizers do; "
+            "leave moment_dtype and master_dtype at torch.float32 (their defaults), or train in float32")
 
 
 def check_compressed(offload: Offload, rule, param_groups: list, trainable: list):

@@ -140,6 +140,13 @@ def _tensors(params: Sequence) -> list:
     return out
 
 
+def _priced_numel(p) -> int:
+    """The values the planner prices ``p`` as: a complex parameter's state is that of its real
+    view (two values per element); a float64 value's state is float64
+    (tierstate.pipeline.assembly), priced as two fp32 values."""
+    return p.numel() * (2 if p.is_complex() else 1) * (2 if str(p.dtype) in ("torch.float64", "torch.complex128") else 1)
+
+
 def request_for(trainable: Sequence, *, state_keys: tuple[str, ...], moment_dtype: str = "fp32",
                 master_dtype: str = "fp32", quant_block: int = 256, quant_map: str = "dynamic",
                 step_in_backward: bool = False, streamed_blocks: Sequence[Sequence] = ()) -> PlanRequest:
@@ -147,9 +154,8 @@ def request_for(trainable: Sequence, *, state_keys: tuple[str, ...], moment_dtyp
     device and dtype, and the blocks of those whose weights stream (``streamed_blocks``)."""
     dtypes = {str(p.dtype) for p in trainable}
     param_dtype = "fp32" if "torch.float32" in dtypes else _DTYPE_NAMES.get(sorted(dtypes)[0], "fp32")
-    # a complex parameter's state is that of its real view: two values per element
-    model = from_param_numels([p.numel() * (2 if p.is_complex() else 1) for p in trainable])
-    blocks = tuple(sum(p.numel() for p in block) for block in streamed_blocks if block)
+    model = from_param_numels([_priced_numel(p) for p in trainable])
+    blocks = tuple(sum(_priced_numel(p) for p in block) for block in streamed_blocks if block)
     if blocks:
         model = replace(model, block_numels=blocks, outside_numel=model.numel - sum(blocks))
     return PlanRequest(model, device="cuda" if trainable[0].device.type == "cuda" else "cpu",

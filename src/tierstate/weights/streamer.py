@@ -542,8 +542,8 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     complex_params = [name for name, p in model.named_parameters() if p.is_complex()]
     if complex_params:
         raise TypeError(f"offload_weights: parameter {complex_params[0]!r} is complex; streamed blocks hold real "
-                        "weights (bf16/fp16/fp32): keep complex modules out of the model given, or train without "
-                        "weight streaming (the optimizer takes complex64 parameters in RAM and on NVMe)")
+                        "weights (bf16/fp16/fp32/fp64): keep complex modules out of the model given, or train without "
+                        "weight streaming (the optimizer takes complex parameters in RAM and on NVMe)")
     assigned, resident = _blocks_of(model, named, keep_resident)  # (checks an FSDP2 model's blocks first)
     if fsdp.is_sharded(model):
         fsdp.prepare(model)
