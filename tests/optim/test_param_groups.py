@@ -255,3 +255,77 @@ def test_all_parameters_frozen_at_construction_then_unfrozen(tmp_path, cls, plac
     for a, b in zip(m_ours.parameters(), m_ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     ours.close()
+
+
+ASSEMBLY_REFUSALS = {
+    # groups whose refusal comes from placing the state (assembly), after the group's own checks
+    "complex-into-q8": (lambda: ts.Offload(cpu=1.0, moment_dtype="q8"),
+                        lambda: torch.nn.Parameter(torch.randn(300, dtype=torch.complex64)), r"complex"),
+    "float64-into-nvme": (lambda tmp: ts.Offload(cpu=0.5, nvme=0.5, subgroup_numel=1024, nvme_dir=tmp / "nv"),
+                          lambda: torch.nn.Parameter(torch.randn(300, dtype=torch.float64)), r"float64.*host RAM"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ASSEMBLY_REFUSALS))
+def test_group_refused_by_the_placement_leaves_the_optimizer_as_it_was(case, tmp_path) -> None:
+    """A group refused while the state is placed anew (found 2026-12-07: the group stayed in
+    ``param_groups``, the state was dropped and the next step raised a KeyError)."""
+    make_offload, make_param, pattern = ASSEMBLY_REFUSALS[case]
+    offloads = [make_offload(tmp_path / d) if "nvme" in case else make_offload() for d in ("a", "b")]
+    w = torch.nn.Parameter(torch.randn(3000))
+    opt = ts.AdamW([w], lr=1e-2, offload=offloads[0])
+    twin = torch.nn.Parameter(w.detach().clone())
+    ref = ts.AdamW([twin], lr=1e-2, offload=offloads[1])
+    for p, o in ((w, opt), (twin, ref)):
+        for step in range(2):
+            p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(step))
+            o.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        opt.add_param_group({"params": [make_param()]})
+    assert len(opt.param_groups) == 1
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for k, v in before["state"][0].items():
+        assert torch.equal(after["state"][0][k], v), k
+    for p, o in ((w, opt), (twin, ref)):  # and it trains on as the untouched twin does
+        p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(2))
+        o.step()
+    assert torch.equal(w, twin)
+    opt.close()
+    ref.close()
+
+
+def test_unfrozen_parameter_refused_by_the_placement_leaves_the_optimizer_as_it_was() -> None:
+    """A frozen parameter the state cannot hold, unfrozen later (a complex one under 8-bit
+    state): each step refuses it before anything changes (found 2026-12-07: the state was
+    dropped and every later step raised a KeyError), and frozen again it trains on."""
+    offload = ts.Offload(cpu=1.0, moment_dtype="q8")
+    w = torch.nn.Parameter(torch.randn(3000))
+    c = torch.nn.Parameter(torch.randn(300, dtype=torch.complex64), requires_grad=False)
+    opt = ts.AdamW([w, c], lr=1e-2, offload=offload)
+    twin = torch.nn.Parameter(w.detach().clone())
+    ref = ts.AdamW([twin], lr=1e-2, offload=offload)
+    grads = [torch.randn(3000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for p, o in ((w, opt), (twin, ref)):
+        p.grad = grads[0].clone()
+        o.step()
+    before = copy.deepcopy(opt.state_dict())
+    c.requires_grad_(True)
+    c.grad = torch.randn(300, dtype=torch.complex64)
+    w.grad = grads[1].clone()
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"moment_dtype='q8'.*complex"):
+            opt.step()
+    after = opt.state_dict()
+    assert torch.equal(w, twin) and set(after["state"]) == set(before["state"])
+    for k, v in before["state"][0].items():
+        assert torch.equal(after["state"][0][k], v), k
+    c.requires_grad_(False)
+    c.grad = None
+    for p, o, g in ((w, opt, grads[1]), (twin, ref, grads[1])):
+        p.grad = g.clone()
+        o.step()
+    assert torch.equal(w, twin)
+    opt.close()
+    ref.close()

@@ -3,9 +3,8 @@
 tierstate's optimizers: ``test_complex``, ``test_complex_2d``, ``test_tensor_lr`` and
 ``test_rosenbrock_sparse`` of torch's test/test_optim.py, with the same assertions. Inputs torch
 skips there are skipped here (``differentiable`` everywhere, ``fused`` for complex and sparse
-gradients); torch's multi-tensor variant of the sparse test puts a float64 parameter beside a
-float32 one in one optimizer, which tierstate refuses (float64 parameters take an optimizer of
-their own, see test_float64_params.py), so it is left out.
+gradients); torch's multi-tensor variant of the sparse test (its ``foreach=True`` inputs) puts
+a float64 parameter beside the float32 one, as here.
 """
 from __future__ import annotations
 
@@ -130,45 +129,53 @@ def test_rosenbrock_sparse(info, with_lrsched) -> None:
             if "lr" in kwarg_updates:
                 i.kwargs["lr"] = kwarg_updates["lr"]
         supported.append(i)
-    supported = [i for i in supported if not i.kwargs.get("foreach", False)]
     assert supported
 
     def grad_of(param, sparse, w):
         grad = drosenbrock(param)
         if not sparse:
-            return torch.tensor([grad[0], 0]) if w else torch.tensor([0, grad[1]])
+            return torch.tensor([grad[0], 0], dtype=param.dtype) if w else torch.tensor([0, grad[1]], dtype=param.dtype)
         if w:
             x = grad[0]
-            return torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([x / 4.0, x - x / 4.0]), (2,))
-        y = grad[1]
-        return torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.tensor([y - y / 4.0, y / 4.0]), (2,))
+            values, rows = torch.tensor([x / 4.0, x - x / 4.0]), [[0, 0]]
+        else:
+            y = grad[1]
+            values, rows = torch.tensor([y - y / 4.0, y / 4.0]), [[1, 1]]
+        return torch.sparse_coo_tensor(torch.tensor(rows), values, (2,), dtype=values.dtype).to(dtype=param.dtype)
 
-    def closure(opt, param, sparse, w):
+    def closure(opt, params, sparse, w):
         opt.zero_grad()
-        loss = rosenbrock(param)
+        loss = sum(rosenbrock(p) for p in params)
         loss.backward()
         with torch.no_grad():
-            param.grad = grad_of(param, sparse, w)
+            for p in params:
+                p.grad = grad_of(p, sparse, w)
         return loss
 
-    for inp in supported:
+    # torch runs its multi-tensor variant (a float64 parameter beside the float32 one) for the
+    # foreach=True inputs, which its input list holds where the device has a foreach path; here
+    # every input runs both ways
+    variants = [(inp, multi) for inp in supported for multi in (False, True)]
+    for inp, multi in variants:
+        widths = (torch.float32, torch.float64) if multi or inp.kwargs.get("foreach", False) else (torch.float32,)
         runs = []
         for sparse in (True, False):
-            param = torch.nn.Parameter(torch.tensor([1.5, 1.5]))
-            opt = cls([param], **inp.kwargs)
-            runs.append((param, opt, [s(opt) for s in (schedulers if with_lrsched else [])], sparse))
-        start = sum(float(torch.dist(p.detach(), torch.tensor([1.0, 1.0]))) for p, *_ in runs[:1])
+            params = [torch.nn.Parameter(torch.tensor([1.5, 1.5], dtype=d)) for d in widths]
+            opt = cls(params, **inp.kwargs)
+            runs.append((params, opt, [s(opt) for s in (schedulers if with_lrsched else [])], sparse))
+        start = sum(float(torch.dist(p.detach(), torch.tensor([1.0, 1.0], dtype=p.dtype))) for p in runs[0][0])
         for step in range(1800):
-            for param, opt, scheds, sparse in runs:
-                opt.step(functools.partial(closure, opt, param, sparse, step % 2))
+            for params, opt, scheds, sparse in runs:
+                opt.step(functools.partial(closure, opt, params, sparse, step % 2))
                 for s in scheds:
-                    s.step(rosenbrock(param)) if isinstance(s, ReduceLROnPlateau) else s.step()
+                    s.step(rosenbrock(params[0])) if isinstance(s, ReduceLROnPlateau) else s.step()
             torch.testing.assert_close(runs[0][0], runs[1][0], atol=5e-6, rtol=5e-6, msg=inp.desc)
-        param = runs[0][0].detach()
+        params = [p.detach() for p in runs[0][0]]
         if not inp.kwargs.get("maximize", False):
-            assert float(torch.dist(param, torch.tensor([1.0, 1.0]))) <= start, inp.desc
+            assert sum(float(torch.dist(p, torch.tensor([1.0, 1.0], dtype=p.dtype))) for p in params) <= start, inp.desc
         else:
-            assert float(rosenbrock(param)) >= float(rosenbrock(torch.tensor([1.5, 1.5]))), inp.desc
+            assert sum(float(rosenbrock(p)) for p in params) >= len(params) * float(
+                rosenbrock(torch.tensor([1.5, 1.5]))), inp.desc
 
 
 @pytest.mark.parametrize("info", _infos())

@@ -83,7 +83,7 @@ class OffloadAccess:
         has_step = self.opt.rule.has_step
         for i, s in enumerate(self.slots):
             live = s.has_state and s.trainable is not None
-            keys = {key: self.store.dtypes[key] for key in self.store.held_keys(s)} if live else {}
+            keys = {key: self.store.dtype(s, key) for key in self.store.held_keys(s)} if live else {}
             initialized = bool(keys) or live
             step = float(s.step) if (has_step and initialized) else None
             quant = self.store.quant
@@ -98,7 +98,7 @@ class OffloadAccess:
         saved = rec["state"]
         compressed = any(k.endswith(PART_SUFFIXES) for k in saved)
         s = self.slots[index]
-        ours = {k: str(self.store.dtypes[k]).removeprefix("torch.") for k in self.store.keys(s)}
+        ours = {k: str(self.store.dtype(s, k)).removeprefix("torch.") for k in self.store.keys(s)}
         mismatch = None
         if compressed != (quant is not None):
             mismatch = "compressed" if compressed else "full-precision"

@@ -122,9 +122,9 @@ def _check_parts(store, s, st: dict, saved_id, names: list) -> None:
             got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
             raise ValueError(f"load_state_dict: state {key!r} of parameter {saved_id} has shape {got}; {want} "
                              f"item(s) expected for a parameter of shape {tuple(s.local.shape)}")
-        if value.dtype != store.dtypes[key]:
+        if value.dtype != store.dtype(s, key):
             raise TypeError(f"load_state_dict: state {key!r} of parameter {saved_id} has dtype {value.dtype}; "
-                            f"this optimizer stores it as {store.dtypes[key]}")
+                            f"this optimizer stores it as {store.dtype(s, key)}")
 
 
 __all__ = ["check_state_dict"]

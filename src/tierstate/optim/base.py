@@ -177,8 +177,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         whole optimizer; hyper-parameters are validated as at construction."""
         super().add_param_group(checked_group(param_group, self.param_groups, self.defaults, self.rule))
         if self._engine is not None:  # a group added after construction: re-place the state
-            self._engine.rebuild()
-            self._publish_all()
+            try:
+                self._engine.rebuild(undo=self.param_groups.pop)  # refused there: the group goes again
+            finally:
+                self._publish_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._engine.backward_open:

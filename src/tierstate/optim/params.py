@@ -18,8 +18,8 @@ from ..tiers.host import sole_owner
 
 # complex: stepped as its real view (two floats per element), as torch's optimizers do
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64, torch.float64, torch.complex128)
-# float64 parameters keep float64 state (as torch's do) in an optimizer of their own: see
-# [Note: float64 parameters] in tierstate.pipeline.assembly
+# float64 parameters keep float64 state, as torch's do: see [Note: float64 parameters] in
+# tierstate.pipeline.assembly
 FLOAT64_DTYPES = (torch.float64, torch.complex128)
 
 
@@ -91,7 +91,6 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                 f"{where}[{i}] is the same tensor as {seen[p]}: a parameter may appear once in an "
                 "optimizer; remove the duplicate (e.g. tied weights: pass the shared tensor once)")
         seen[p] = f"{where}[{i}]"
-    check_one_width(tensors, [p for g in param_groups for p in g["params"]])
     merged = dict(param_group)
     for key, value in defaults.items():
         merged.setdefault(key, value)
@@ -109,27 +108,6 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                 "device=...) and initialize it, or load its weights) and build the optimizer after")
     give_contiguous_memory(tensors, to_move)
     return param_group
-
-
-def check_one_width(tensors: list[Tensor], held: list[Tensor]) -> None:
-    """Refuse float64 parameters beside parameters of other dtypes in one optimizer (``held``:
-    the parameters of the groups already there). The state of one optimizer is stored in one
-    dtype per key, float64 for float64 parameters and float32 (or narrower) for the others."""
-    wide = [p.dtype in FLOAT64_DTYPES for p in tensors]
-    if held:
-        first_wide = held[0].dtype in FLOAT64_DTYPES
-        odd = next((i for i, w in enumerate(wide) if w != first_wide), None)
-        if odd is not None:
-            raise TypeError(
-                f"params[{odd}] has dtype {tensors[odd].dtype} but this optimizer's parameters are {held[0].dtype}: "
-                "float64 parameters keep float64 state, the others float32 or narrower; give the float64 "
-                "parameters an optimizer of their own")
-        return
-    odd = next((i for i, w in enumerate(wide) if w != wide[0]), None)
-    if odd is not None:
-        raise TypeError(
-            f"params[{odd}] has dtype {tensors[odd].dtype} but params[0] is {tensors[0].dtype}: float64 parameters "
-            "keep float64 state, the others float32 or narrower; give the float64 parameters an optimizer of their own")
 
 
 def _layout(i: int, p: Tensor) -> str:

@@ -19,10 +19,13 @@ torch's own optimizer tests run in float64 (``test_foreach_matches_forloop``). A
 whose parameters are float64 (or complex128, as their float64 real views) stores every state
 key in float64 in its tiers (host RAM or NVMe, 16 B a parameter for Adam), keeps no master
 (the parameter is its own, as an fp32 one is) and updates with the reference kernels,
-which are torch's single-tensor op sequence, so the result is torch's bit for bit. The store
-keeps one dtype per key, so float64 parameters take an optimizer of their own
-(``optim.params.check_one_width``); narrower or compressed state would change torch's
-float64 results and is refused.
+which are torch's single-tensor op sequence, so the result is torch's bit for bit. Beside
+narrower parameters (torch's multi-tensor sparse Rosenbrock test puts a float64 parameter
+beside a float32 one), the float64 ones are the layout's ``wide`` parameters: their
+sub-groups hold only them, and the host tier keeps float64 arenas for those sub-groups beside
+the narrow ones (``StateStore.wide_dtypes``); such an optimizer keeps its state in host RAM
+(the NVMe records and the device tier have one dtype per key). Narrower or compressed state
+would change torch's float64 results and is refused.
 """
 from __future__ import annotations
 
@@ -62,7 +65,10 @@ class Parts:
         self.store.close()
 
 
-def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backward: bool, telemetry) -> Parts:
+def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backward: bool, telemetry,
+             held_back: frozenset = frozenset()) -> Parts:
+    """The parts of an optimizer over ``groups()``; ``held_back``: parameters placed as frozen
+    whatever their ``requires_grad`` (those whose adoption was just refused)."""
     generation = weights_generation()  # read first: a streamer made during assembly moves it
     param_groups = groups()
     params = [p for g in param_groups for p in g["params"]]
@@ -76,19 +82,20 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     if offload.gpu > 0 and step_in_backward:
         raise ValueError(f"step_in_backward=True with Offload(gpu={offload.gpu}): the update during backward "
                          "runs on the host tiers only; use Offload(gpu=0, ...) or step_in_backward=False")
-    wide = bool(params) and local_tensor(params[0]).dtype == torch.float64  # see the note above
-    if wide:
-        check_float64_offload(offload)
+    widths = {local_tensor(p).dtype == torch.float64 for p in params}  # see the note above
+    wide, mixed = widths == {True}, len(widths) == 2
+    if True in widths:
+        check_float64_offload(offload, mixed)
     slots, trainable = [], []
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
             # torch's Adagrad creates state for every parameter, frozen or not, so eager rules place all
-            t = len(trainable) if p.requires_grad or rule.eager_state else None
+            t = len(trainable) if (p.requires_grad or rule.eager_state) and p not in held_back else None
             if t is not None:
                 trainable.append(p)
             # a streamed weight is updated where it lives (its block's host image), even on an
             # accelerator: it is its own master, as a host parameter of the master's dtype is
-            own_master = wide or is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
+            own_master = local_tensor(p).dtype == torch.float64 or is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
                 not on_accel or weights_of(p) is not None)
             if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
                     and local_tensor(p) is p:
@@ -105,7 +112,8 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                          tier_fractions(offload, stores_nothing=stores_nothing),
                          offload.subgroup_numel_for(device, step_in_backward=step_in_backward,
                                                     streams_weights=any(weights_of(p) is not None for p in trainable)),
-                         align=quant.block_size if quant is not None else 1)
+                         align=quant.block_size if quant is not None else 1,
+                         wide=[local_tensor(p).dtype == torch.float64 for p in trainable] if mixed else ())
     if offload.gpu > 0 and shards:
         raise ValueError(f"Offload(gpu={offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "
                          "keep the state on the host tiers, e.g. Offload(cpu=0.6, nvme=0.4)")
@@ -139,10 +147,12 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     units = {k: quant.block_size for k in dtypes if k.endswith(".scale")} if quant is not None else None
     by_trainable = {s.trainable: s for s in slots if s.trainable is not None}
     master_on_device = any(by_trainable[t].needs_master for t in heads)
+    wide_dtypes = {name: torch.float64 for name in specs} if mixed else {}
     tiers = make_tiers(layout, dtypes, inits, offload, device, master_on_device=master_on_device, telemetry=telemetry,
-                       units=units, blocks=streamed_block_subgroups(layout, trainable) if step_in_backward else ())
+                       units=units, blocks=streamed_block_subgroups(layout, trainable) if step_in_backward else (),
+                       wide_dtypes=wide_dtypes)
     store = StateStore(slots, layout, tiers, dtypes, specs_of=lambda gi: rule.state_specs(groups()[gi]), quant=quant,
-                       sr_seed=offload.sr_seed)
+                       sr_seed=offload.sr_seed, wide_dtypes=wide_dtypes)
     grads = None
     try:
         grads = Gradients(trainable, heads, offload, device, telemetry, hook_norms=not step_in_backward,
@@ -171,9 +181,15 @@ def streamed_block_subgroups(layout, trainable: list) -> list[set[int]]:
     return list(spans.values())
 
 
-def check_float64_offload(offload: Offload) -> None:
+def check_float64_offload(offload: Offload, mixed: bool) -> None:
     """Refuse state narrower than float64 for float64 parameters: torch's float64 results
-    need float64 moments (see [Note: float64 parameters])."""
+    need float64 moments; and float64 parameters beside narrower ones outside host RAM (see
+    [Note: float64 parameters])."""
+    if mixed and (offload.nvme > 0 or offload.gpu > 0):
+        raise ValueError(
+            f"float64 parameters beside narrower ones with Offload(nvme={offload.nvme}, gpu={offload.gpu}): the state "
+            "of an optimizer mixing widths is kept in host RAM; use Offload(cpu=1.0) (offload='cpu'), or give the "
+            "float64 parameters an optimizer of their own, whose state may go to NVMe")
     if offload.quant_config() is not None or offload.moment_dtype != torch.float32 or offload.master_mode != "fp32":
         raise ValueError(
             f"float64 parameters with Offload(moment_dtype={dtype_name(offload.moment_dtype)!r}, "

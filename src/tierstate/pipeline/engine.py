@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -79,6 +80,7 @@ class StepEngine:
         self.counters = counters if counters is not None else StepCounters()
         self.backward = None
         self.parts: Parts | None = None
+        self._held_back: set[Tensor] = set()  # placed as frozen for one re-placement (adopt_new_trainables)
         self._assemble()
 
     def groups(self) -> list[dict]:
@@ -87,7 +89,8 @@ class StepEngine:
 
     # -- assembly ----------------------------------------------------------------------------
     def _assemble(self) -> None:
-        self.parts = assemble(self.groups, self.rule, self.offload, self.policy.step_in_backward, self.telemetry)
+        self.parts = assemble(self.groups, self.rule, self.offload, self.policy.step_in_backward, self.telemetry,
+                              held_back=frozenset(self._held_back))
         if self.rule.eager_state:
             for s in self.store.slots:
                 if s.trainable is not None:
@@ -106,12 +109,29 @@ class StepEngine:
     def device(self) -> torch.device:
         return self.parts.device
 
-    def rebuild(self) -> None:
-        """Assemble anew over the current parameter groups, carrying every existing state."""
+    def rebuild(self, undo: Callable[[], None] | None = None) -> None:
+        """Assemble anew over the current parameter groups, carrying every existing state.
+
+        ``undo``: reverts the caller's change to the groups (a group just added). When the new
+        placement is refused (a group the tiers cannot hold: a complex parameter beside 8-bit
+        state), it runs, the state is placed again over the groups as they were and the
+        refusal is raised: the optimizer is left as it was."""
         store = self.store
+        # host views of the old arenas where they exist: they keep those arenas alive until placed
         saved = {s.param: (store.export(s, self.rule.has_step), s.master.filled) for s in store.slots if s.has_state}
         self._close_parts()
-        self._assemble()
+        try:
+            self._assemble()
+        except BaseException:
+            if undo is None:
+                raise
+            undo()
+            self._assemble()
+            self._import(saved)
+            raise
+        self._import(saved)
+
+    def _import(self, saved: dict) -> None:
         for s in self.store.slots:
             if s.param in saved:
                 state, master_filled = saved[s.param]
@@ -176,12 +196,16 @@ class StepEngine:
 
     def adopt_new_trainables(self) -> bool:
         """A parameter frozen at construction that now has a gradient gets a place in the tiers."""
-        if not any(s.trainable is None and s.param.requires_grad and s.param.grad is not None
-                   for s in self.store.slots):
+        new = [s.param for s in self.store.slots if s.trainable is None and s.param.requires_grad
+               and s.param.grad is not None]
+        if not new:
             return False
         pending = self.parts.grads.carry_over()  # gradients already streamed survive the re-placement
-        self.rebuild()
-        self.parts.grads.take_over(self.store.slots, pending)
+        try:  # refused (a complex parameter under 8-bit state): placed as before, still frozen
+            self.rebuild(undo=lambda: self._held_back.update(new))
+        finally:
+            self._held_back.clear()
+            self.parts.grads.take_over(self.store.slots, pending)
         return True
 
     def reset_grads(self, set_to_none: bool) -> None:

@@ -11,6 +11,10 @@ most ``subgroup_numel`` elements. A parameter may straddle sub-groups (GPT-2's 3
 element embedding spans three 16M sub-groups) and even tiers; every piece of it is a
 :class:`Segment`. Optimizer kernels are elementwise, so a parameter updated segment by
 segment is updated exactly as if it were updated whole.
+
+A sub-group never mixes widths: where float64 parameters lie beside narrower ones (``wide``),
+a sub-group also ends where the width changes, and is marked ``wide`` when its state is
+float64 (see [Note: float64 parameters] in tierstate.pipeline.assembly).
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ class SubGroup:
     numel: int
     tier_offset: int  # first element inside its tier's own range
     segments: tuple[Segment, ...]
+    wide: bool = False  # its parameters are float64 beside narrower ones: float64 state
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Layout:
     total: int
     align: int = 1  # parameters start, and tiers are cut, at multiples of this (see the note)
     subgroup_numel: int = 0  # the largest sub-group asked for (plan_layout's argument)
+    wide: tuple[bool, ...] = ()  # per parameter: float64 beside narrower ones (empty: none is)
 
     def segments_of(self, param_index: int) -> list[Segment]:
         return self._param_segments[param_index]
@@ -91,7 +97,8 @@ def tier_sizes(total: int, fractions: dict, align: int = 1) -> dict:
     return {TierKind.DEVICE: device, TierKind.HOST: total - device - nvme, TierKind.NVME: nvme}
 
 
-def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: int, align: int = 1) -> Layout:
+def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: int, align: int = 1,
+                wide: Sequence[bool] = ()) -> Layout:
     """Cut the flat index space of ``param_numels`` into tiered sub-groups.
 
     Args:
@@ -99,6 +106,8 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
         fractions: TierKind -> fraction of the elements to place there (sums to 1).
         subgroup_numel: the largest sub-group, in elements.
         align: the block size of compressed state (1: none); see [Note: block-aligned layouts].
+        wide: per parameter, whether its state is float64 beside narrower state (empty: none);
+            sub-groups then also end where the width changes.
     """
     if subgroup_numel <= 0:
         raise ValueError(f"subgroup_numel={subgroup_numel}: must be positive")
@@ -106,12 +115,21 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
         raise ValueError(f"plan_layout(subgroup_numel={subgroup_numel}, align={align}): align must be >= 1 and "
                          "divide subgroup_numel")
     numels = tuple(int(n) for n in param_numels)
+    wide = tuple(bool(w) for w in wide) if any(wide) else ()
+    if wide and len(wide) != len(numels):
+        raise ValueError(f"plan_layout: wide has {len(wide)} flags for {len(numels)} parameters")
     starts, acc = [], 0
     for n in numels:
         starts.append(acc)
         acc += (n + align - 1) // align * align
     total = acc
     sizes = tier_sizes(total, fractions, align)
+    # where the width changes (the first element of each parameter of the other width than the
+    # one before it), with the width from there on; empty parameters change nothing
+    changes: list[tuple[int, bool]] = []
+    for p, n in enumerate(numels):
+        if wide and n and (not changes or changes[-1][1] != wide[p]):
+            changes.append((starts[p], wide[p]))
 
     subgroups: list[SubGroup] = []
     tier_start = 0
@@ -122,6 +140,15 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
         while offset < size:
             n = min(subgroup_numel, size - offset)
             start = tier_start + offset
+            width = False
+            for at, w in changes:  # the width at start, and the sub-group's end at the next change
+                if at <= start:
+                    width = w
+                elif at < start + n:
+                    n = at - start
+                    break
+                else:
+                    break
             end = start + n
             segs = []
             while param_cursor < len(numels) and starts[param_cursor] + numels[param_cursor] <= start:
@@ -133,7 +160,7 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
                 if hi > lo:
                     segs.append(Segment(p, lo - starts[p], len(subgroups), lo - start, hi - lo))
                 p += 1
-            subgroups.append(SubGroup(len(subgroups), tier, start, n, offset, tuple(segs)))
+            subgroups.append(SubGroup(len(subgroups), tier, start, n, offset, tuple(segs), width))
             offset += n
         tier_start += size
-    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total, align, subgroup_numel)
+    return Layout(numels, tuple(starts), tuple(subgroups), sizes, total, align, subgroup_numel, wide)

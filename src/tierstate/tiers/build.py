@@ -12,7 +12,8 @@ from .host import HostTier
 
 def make_tiers(layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float], offload: Offload,
                device: torch.device, *, master_on_device: bool, telemetry,
-               units: Mapping[str, int] | None = None, blocks: Sequence[set[int]] = ()) -> dict:
+               units: Mapping[str, int] | None = None, blocks: Sequence[set[int]] = (),
+               wide_dtypes: Mapping[str, torch.dtype] | None = None) -> dict:
     """``{kind: tier}`` for every kind the layout gives elements to.
 
     ``master_on_device``: whether a parameter in the device range keeps an fp32 master there
@@ -21,6 +22,8 @@ def make_tiers(layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping
     state key -> elements per stored item (a compressed moment's block scale).
     ``blocks``: per block of streamed weights, the sub-group indices its gradients complete
     during backward (sizes the NVMe tier's read-ahead; empty when no update runs in backward).
+    ``wide_dtypes``: the dtypes of the state of the layout's ``wide`` sub-groups (float64
+    parameters beside narrower ones), which only the host tier holds.
     """
     pin = offload.pin_memory and device.type == "cuda"
     tiers: dict = {}
@@ -28,7 +31,7 @@ def make_tiers(layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping
         tiers[TierKind.DEVICE] = DeviceTier(
             layout, {k: d for k, d in dtypes.items() if k != "master" or master_on_device}, inits, device, units)
     if layout.tier_numel[TierKind.HOST] > 0:
-        tiers[TierKind.HOST] = HostTier(layout, dtypes, inits, pin_memory=pin, units=units)
+        tiers[TierKind.HOST] = HostTier(layout, dtypes, inits, pin_memory=pin, units=units, wide_dtypes=wide_dtypes)
     if layout.tier_numel[TierKind.NVME] > 0:
         from .nvme import NvmeTier  # noqa: PLC0415 - the NVMe tier loads the I/O engine
 

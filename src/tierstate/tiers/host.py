@@ -1,6 +1,8 @@
 """HostTier: optimizer state resident in host RAM (pinned when a CUDA device is used)."""
 from __future__ import annotations
 
+import bisect
+
 from typing import Mapping
 
 import torch
@@ -139,17 +141,30 @@ class ArenaTier:
         """Always: the state is in memory."""
         return True
 
+    def arenas_of(self, sg: SubGroup) -> dict[str, Tensor]:
+        """The arenas holding ``sg``'s state: one per key (a wide tier: those of its width)."""
+        return self.arenas
+
+    def offset_of(self, sg: SubGroup) -> int:
+        """``sg``'s first element in its arenas."""
+        return sg.tier_offset
+
+    def holds(self, key: str, flat_start: int) -> bool:
+        """Whether the arenas holding flat index ``flat_start`` hold ``key`` (host views only)."""
+        return key in self.arenas
+
     def acquire(self, sg: SubGroup) -> dict[str, Tensor]:
         """Views of the sub-group's state (no copy)."""
         out = {}
-        for k, a in self.arenas.items():
-            lo, hi = item_range(self.units.get(k, 1), sg.tier_offset, sg.numel)
+        first = self.offset_of(sg)
+        for k, a in self.arenas_of(sg).items():
+            lo, hi = item_range(self.units.get(k, 1), first, sg.numel)
             out[k] = a[lo:hi]
         return out
 
     def _items(self, key: str, sg: SubGroup, offset: int) -> int:
         """The arena index of item ``offset`` of ``key`` inside ``sg``."""
-        return sg.tier_offset // self.units.get(key, 1) + offset
+        return self.offset_of(sg) // self.units.get(key, 1) + offset
 
     def release(self, sg: SubGroup, dirty: bool) -> None:
         """Nothing to write back: the views are the storage."""
@@ -182,20 +197,60 @@ class HostTier(ArenaTier):
     host_views = True
 
     def __init__(self, layout: Layout, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float],
-                 pin_memory: bool = False, units: Mapping[str, int] | None = None) -> None:
+                 pin_memory: bool = False, units: Mapping[str, int] | None = None,
+                 wide_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.layout = layout
         self.numel = layout.tier_numel[TierKind.HOST]
         self.units = dict(units or {})
-        self.arenas: dict[str, Tensor] = {}
+        own = [sg for sg in layout.subgroups if sg.tier is TierKind.HOST]
+        # With float64 parameters beside narrower ones (``wide_dtypes``: their keys' dtypes),
+        # each width has its own arenas, over its own sub-groups laid end to end: sub-group
+        # ``sg`` starts at ``self._offsets[sg.index]`` in the arenas of its width.
+        self._offsets: dict[int, int] = {}
+        counts = {False: 0, True: 0}
+        for sg in own:
+            self._offsets[sg.index] = counts[sg.wide]
+            counts[sg.wide] += sg.numel
+        self.arenas = self._make_arenas(dtypes, inits, counts[False], pin_memory)
+        self.wide_arenas = self._make_arenas(wide_dtypes or {}, inits, counts[True], pin_memory)
+        self._starts = [sg.start for sg in own]  # sorted: the flat index of each sub-group's first element
+        self._own = own
+
+    def _make_arenas(self, dtypes: Mapping[str, torch.dtype], inits: Mapping[str, float], numel: int,
+                     pin_memory: bool) -> dict[str, Tensor]:
+        arenas = {}
         for key, dtype in dtypes.items():
             # host_buffer zeroes every page, so the arenas count in RSS from construction on (as
             # they would after the first step anyway): memory trouble shows at once, not mid-run.
-            items = item_range(self.units.get(key, 1), 0, self.numel)[1]
+            items = item_range(self.units.get(key, 1), 0, numel)[1]
             arena = host_buffer(items * dtype.itemsize, pin_memory=pin_memory).view(dtype)
             if inits.get(key, 0.0) != 0.0:
                 arena.fill_(inits[key])
-            self.arenas[key] = arena
-        self._start = min((sg.start for sg in layout.subgroups if sg.tier is TierKind.HOST), default=0)
+            arenas[key] = arena
+        return arenas
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in (*self.arenas.values(), *self.wide_arenas.values()))
+
+    @property
+    def pinned_nbytes(self) -> int:
+        return sum(a.untyped_storage().nbytes() for a in (*self.arenas.values(), *self.wide_arenas.values())
+                   if a.is_pinned())
+
+    def arenas_of(self, sg: SubGroup) -> dict[str, Tensor]:
+        return self.wide_arenas if sg.wide else self.arenas
+
+    def offset_of(self, sg: SubGroup) -> int:
+        return self._offsets[sg.index]
+
+    def _subgroup_at(self, flat: int) -> SubGroup:
+        """The host sub-group holding flat index ``flat`` (the last one for its end)."""
+        return self._own[max(bisect.bisect_right(self._starts, flat) - 1, 0)]
+
+    def holds(self, key: str, flat_start: int) -> bool:
+        """Whether the arenas of the width at flat index ``flat_start`` hold ``key``."""
+        return bool(self._own) and key in self.arenas_of(self._subgroup_at(flat_start))
 
     def drain(self) -> None:
         """No writes in flight."""
@@ -206,17 +261,21 @@ class HostTier(ArenaTier):
     def read_range(self, key: str, sg: SubGroup, offset: int, numel: int) -> Tensor:
         """``numel`` items of ``key`` from item ``offset`` inside sub-group ``sg`` (a view)."""
         lo = self._items(key, sg, offset)
-        return self.arenas[key][lo: lo + numel]
+        return self.arenas_of(sg)[key][lo: lo + numel]
 
     def write_range(self, key: str, sg: SubGroup, offset: int, values: Tensor) -> None:
         """Store ``values`` (converted to the key's dtype) at item ``offset`` inside sub-group ``sg``."""
         lo = self._items(key, sg, offset)
-        self.arenas[key][lo: lo + values.numel()].copy_(values)
+        self.arenas_of(sg)[key][lo: lo + values.numel()].copy_(values)
 
     def flat_range(self, key: str, flat_start: int, numel: int) -> Tensor:
-        """A view of the items of ``key`` that cover ``numel`` elements from flat index ``flat_start``."""
-        lo, hi = item_range(self.units.get(key, 1), flat_start - self._start, numel)
-        return self.arenas[key][lo:hi]
+        """A view of the items of ``key`` that cover ``numel`` elements from flat index
+        ``flat_start`` (elements of one width: one parameter's, whose sub-groups follow each
+        other in the arenas of its width)."""
+        sg = self._subgroup_at(flat_start)
+        lo, hi = item_range(self.units.get(key, 1), self.offset_of(sg) + flat_start - sg.start, numel)
+        return self.arenas_of(sg)[key][lo:hi]
 
     def close(self) -> None:
         self.arenas.clear()
+        self.wide_arenas.clear()

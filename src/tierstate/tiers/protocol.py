@@ -37,7 +37,8 @@ class Tier(Protocol):
     does_io: bool  # acquire may wait on storage
     wait_phase: str | None  # telemetry phase a wait in acquire is booked under (None: never waits)
     on_device: bool  # the state lives on the compute device: updated there, gradients read in place
-    host_views: bool  # flat_range(key, start, numel) gives views of host memory (optimizer.state holds them)
+    host_views: bool  # flat_range(key, start, numel) gives views of host memory (optimizer.state holds them),
+    # for the keys holds(key, start) says it keeps there
 
     @property
     def nbytes(self) -> int: ...

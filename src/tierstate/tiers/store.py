@@ -46,11 +46,13 @@ class StateStore:
             only ``master.comp`` (:meth:`keeps_own_comp`); see :mod:`tierstate.kernels.quant`.
             Keys stored per block are counted in blocks ("items") by every method taking
             offsets or sizes.
+        wide_dtypes: the stored dtype of each state key of the float64 parameters that lie
+            beside narrower ones (the layout's ``wide`` ones; empty when none do).
     """
 
     def __init__(self, slots: Sequence[Slot], layout: Layout, tiers: Mapping, dtypes: Mapping[str, torch.dtype],
                  specs_of: Callable[[int], Sequence], values_of: Callable | None = None, quant=None,
-                 sr_seed: int = 0) -> None:
+                 sr_seed: int = 0, wide_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
         self.values_of = values_of if values_of is not None else resident_values
         self.quant = quant
         self.sr_seed = sr_seed  # Offload.sr_seed: the stochastic rounding of a bf16_sr master
@@ -60,6 +62,7 @@ class StateStore:
         self.layout = layout
         self.tiers: dict = dict(tiers)
         self.dtypes = dict(dtypes)
+        self.wide_dtypes = dict(wide_dtypes or {})
         self._specs_of = specs_of
         self._slot_of = {s.param: s for s in self.slots}  # tensors hash by identity, as in torch.optim
         self._by_trainable = {s.trainable: s for s in self.slots if s.trainable is not None}
@@ -78,6 +81,17 @@ class StateStore:
 
     def segments(self, s: Slot) -> tuple[Segment, ...]:
         return self.layout.segments_of(s.trainable) if s.trainable is not None else ()
+
+    def is_wide(self, s: Slot) -> bool:
+        """``s`` is a float64 parameter beside narrower ones: its state has dtypes of its own."""
+        return bool(self.layout.wide) and s.trainable is not None and self.layout.wide[s.trainable]
+
+    def dtypes_of(self, s: Slot) -> Mapping[str, torch.dtype]:
+        """The stored dtype of each key of ``s``'s state."""
+        return self.wide_dtypes if self.is_wide(s) else self.dtypes
+
+    def dtype(self, s: Slot, key: str) -> torch.dtype:
+        return self.dtypes_of(s)[key]
 
     def keys(self, s: Slot) -> list[str]:
         """The state keys of ``s`` (torch's names), plus ``master`` where it has one; with
@@ -128,7 +142,7 @@ class StateStore:
         """(moments, master) bytes stored per element of ``s`` (a block's scale counts 4 / block)."""
         moments = master = 0.0
         for k in self.keys(s):
-            b = self.dtypes[k].itemsize / self.unit(k)
+            b = self.dtype(s, k).itemsize / self.unit(k)
             if k.startswith("master"):
                 master += b
             else:
@@ -146,16 +160,19 @@ class StateStore:
     def host_view(self, s: Slot, key: str) -> Tensor | None:
         """A view of ``s``'s state ``key`` in host memory, shaped like it, where one exists: the
         parameter lies wholly in a tier whose state is host memory."""
-        if s.trainable is None or key not in self.dtypes:
+        if s.trainable is None or key not in self.dtypes_of(s):
             return None
+        if not s.local.numel() and self.is_wide(s):  # no segment, so no sub-group of its width
+            return torch.empty(s.local.shape, dtype=self.dtype(s, key))
         if s.local.numel():
             kind = self.layout.tier_of_param(s.trainable)  # None: it straddles tiers
             tier = self.tiers.get(kind) if kind is not None else None
         else:  # no segment: any tier keeping host views gives its empty view
             tier = self._empty_param_tier()
-        if tier is None or not tier.host_views or key not in tier.arenas:
+        start = self.layout.param_starts[s.trainable]
+        if tier is None or not tier.host_views or not tier.holds(key, start):
             return None
-        view = tier.flat_range(key, self.layout.param_starts[s.trainable], s.local.numel())
+        view = tier.flat_range(key, start, s.local.numel())
         return view if self.unit(key) != 1 else view.view(s.local.shape)
 
     def _empty_param_tier(self):
@@ -174,7 +191,7 @@ class StateStore:
     def read_flat(self, s: Slot, key: str, first: int = 0) -> Tensor:
         """A flat CPU copy of state ``key`` of ``s`` from item ``first`` on, read segment by
         segment from whichever tiers hold them."""
-        out = torch.empty(self.item_count(s, key) - first, dtype=self.dtypes[key])
+        out = torch.empty(self.item_count(s, key) - first, dtype=self.dtype(s, key))
         for p0, sg, offset, count in self._pieces(s, key):
             if p0 < first:
                 continue
@@ -215,7 +232,7 @@ class StateStore:
                 # compressed moments start at 0: codes 0 and scale 0 (Adam's only init value)
                 init = spec.init if self.quant is None else 0.0
                 # stride 0: no parameter-sized temporary (glibc would keep the freed heap as RSS)
-                fill = torch.full((1,), init, dtype=self.dtypes[key]).expand(self.item_count(s, key))
+                fill = torch.full((1,), init, dtype=self.dtype(s, key)).expand(self.item_count(s, key))
                 self.write(s, key, fill)
         if self.keeps_own_comp(s) and (skip is None or skip.get("master.comp") is None):
             # the parameter holds its bf16 master exactly: nothing is left to compensate
