@@ -217,3 +217,56 @@ def test_grad_scaler_attribute_protocol(caplog) -> None:
         ours.step()
     assert_snapshots_equal(before, snapshot(ours, net_ours))
     assert ours.skipped_steps == 1 and "step skipped" not in caplog.text
+
+
+@pytest.mark.parametrize("cls", [ts.AdamW, ts.SGD, ts.Adagrad, ts.Adam])
+def test_found_inf_without_grad_scale_skips_the_step(cls) -> None:
+    """torch's test_fused_does_not_step_if_foundinf: found_inf set on the optimizer and
+    grad_scale None (nothing to unscale) still skips the step, as torch's fused step does
+    (found 2026-12-07: the step ran)."""
+    for grad_scale in (None, torch.ones(1)):
+        params = [torch.nn.Parameter(torch.ones(1)) for _ in range(2)]
+        opt = cls(params, lr=0.1, fused=True)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.grad_scale, opt.found_inf = grad_scale, torch.ones(())
+        opt.step()
+        assert all(torch.equal(p.detach(), torch.ones(1)) for p in params)
+        for p in params:
+            if "step" in opt.state[p]:
+                assert torch.equal(opt.state[p]["step"], torch.zeros(()))
+        opt.close()
+
+
+@pytest.mark.parametrize("ts_cls, torch_cls, kwargs", [
+    (ts.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (ts.SGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+    (ts.Adagrad, torch.optim.Adagrad, dict(lr=0.1)),
+])
+def test_tensors_without_requires_grad_step_when_given_a_grad(ts_cls, torch_cls, kwargs) -> None:
+    """torch steps every parameter whose .grad is set, whatever its requires_grad (its own
+    tests build plain tensors and assign .grad by hand); so does tierstate (found
+    2026-12-07: such tensors were never stepped), without a warning for plain tensors."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(0)
+    ours = [torch.randn(10, 5, generator=gen), torch.randn(10, generator=gen)]
+    theirs = [t.clone() for t in ours]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = ts_cls(ours, **kwargs)
+    ref = torch_cls(theirs, foreach=False, **kwargs)
+    for step in range(8):
+        grads = [torch.randn(t.shape, generator=torch.Generator().manual_seed(step)) for t in ours]
+        for a, b, g in zip(ours, theirs, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        if step == 3:  # one without a gradient this step
+            ours[1].grad = theirs[1].grad = None
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours, theirs):
+        for key, value in ref.state[b].items():
+            torch.testing.assert_close(opt.state[a][key], value, rtol=1e-5, atol=1e-6)
+    opt.close()

@@ -21,9 +21,15 @@ def scaling_of(opt, grad_scaler, host_copies: bool) -> Scaling:
     ``host_copies``: gradients were copied to host buffers during backward (the gradient
     stream), where ``scaler.unscale_(opt)`` never unscaled them.
     """
-    if grad_scaler is None and getattr(opt, "grad_scale", None) is not None:
-        # GradScaler's attribute protocol (used when a wrapper hides our grad_scaler argument)
-        return Scaling(1.0 / float(opt.grad_scale), bool(float(getattr(opt, "found_inf", 0.0))), None, True)
+    if grad_scaler is None and (getattr(opt, "grad_scale", None) is not None
+                                or getattr(opt, "found_inf", None) is not None):
+        # GradScaler's attribute protocol (used when a wrapper hides our grad_scaler argument);
+        # found_inf without grad_scale: nothing to unscale, but an inf found skips the step, as
+        # torch's fused step skips it
+        scale = getattr(opt, "grad_scale", None)
+        found = getattr(opt, "found_inf", None)
+        return Scaling(1.0 if scale is None else 1.0 / float(scale),
+                       found is not None and bool(float(found)), None, True)
     if grad_scaler is None or not grad_scaler.is_enabled():
         return Scaling()
     record = grad_scaler._per_optimizer_states[id(opt)]  # GradScaler's own keying

@@ -192,11 +192,14 @@ def _caller_level() -> int:
 def check_something_to_train(owner: str, params: list) -> None:
     """Parameter groups that hold no parameter at all are refused (a generator passed twice, a
     filter that left nothing); parameters that are all frozen are taken, as torch takes them:
-    they step once unfrozen (a parameter unfrozen later gets its state then), and until then
-    ``step()`` does nothing, which a warning says once."""
+    they step once given a ``.grad`` (unfrozen, or set by hand; its state starts then), and
+    until then ``step()`` does nothing, which a warning says once (for ``nn.Parameter`` objects)."""
     if not params:
         raise ValueError(f"{owner} got no parameter: its parameter groups are empty (was a generator passed "
                          "twice, or a filter left nothing?); pass the parameters to train, e.g. model.parameters()")
-    if not any(p.requires_grad for p in params):
-        warnings.warn(f"{owner}: all {len(params)} parameters have requires_grad=False; step() updates nothing "
-                      "until some are unfrozen", UserWarning, stacklevel=_caller_level())
+    # plain tensors (not nn.Parameter) without requires_grad are how torch's own tests and
+    # hand-written loops give gradients (.grad set by hand): stepped when they have one, no warning
+    if not any(p.requires_grad for p in params) and any(isinstance(p, torch.nn.Parameter) for p in params):
+        warnings.warn(f"{owner}: all {len(params)} parameters have requires_grad=False; step() updates only "
+                      "those given a .grad, as torch's optimizers do: none until some are unfrozen",
+                      UserWarning, stacklevel=_caller_level())

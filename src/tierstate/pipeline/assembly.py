@@ -89,8 +89,10 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     slots, trainable = [], []
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
-            # torch's Adagrad creates state for every parameter, frozen or not, so eager rules place all
-            t = len(trainable) if (p.requires_grad or rule.eager_state) and p not in held_back else None
+            # torch's Adagrad creates state for every parameter, frozen or not, so eager rules place all;
+            # torch steps a tensor whose .grad is set whatever its requires_grad, so one is placed too
+            t = len(trainable) if (p.requires_grad or p.grad is not None or rule.eager_state) \
+                and p not in held_back else None
             if t is not None:
                 trainable.append(p)
             # a streamed weight is updated where it lives (its block's host image), even on an

@@ -195,9 +195,9 @@ class StepEngine:
         return True
 
     def adopt_new_trainables(self) -> bool:
-        """A parameter frozen at construction that now has a gradient gets a place in the tiers."""
-        new = [s.param for s in self.store.slots if s.trainable is None and s.param.requires_grad
-               and s.param.grad is not None]
+        """A parameter frozen at construction that now has a gradient gets a place in the tiers
+        (whatever its ``requires_grad``: torch steps any tensor whose ``.grad`` is set)."""
+        new = [s.param for s in self.store.slots if s.trainable is None and s.param.grad is not None]
         if not new:
             return False
         pending = self.parts.grads.carry_over()  # gradients already streamed survive the re-placement
