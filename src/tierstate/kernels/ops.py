@@ -246,13 +246,13 @@ def sgd_update(
     """
     op = "sgd_update"
     n = _weight(op, weight)
-    g = _grad(op, grad, n) if weight.dtype != torch.float64 else None
     if momentum != 0 and momentum_buffer is None:
         raise ValueError(f"{op}: momentum={momentum} needs a momentum_buffer tensor (or pass momentum=0)")
     if weight.dtype == torch.float64:
         _float64(op, n, grad, weight_out, momentum_buffer=momentum_buffer)
         kernels = None
     else:
+        g = _grad(op, grad, n)
         m = _moments(op, n, momentum_buffer=momentum_buffer)
         out_ptr, o = _out(op, weight_out, n)
         kernels = native_kernels()
