@@ -43,11 +43,16 @@ def _grads(step, params):
     return [torch.randn(p.shape, dtype=p.dtype, generator=g) for p in params]
 
 
-def _train(params, opt, steps=STEPS, backward=False):
-    for step in range(steps):
+def _train(params, opt, steps=STEPS, backward=False, first=0, without=None):
+    """``steps`` steps on seeded gradients from step ``first``; ``without``: (step, index) of a
+    parameter left without a gradient that step (torch skips it)."""
+    for step in range(first, first + steps):
         grads = _grads(step, params)
+        if without is not None and step == without[0] and len(params) > without[1]:
+            grads[without[1]] = None
         if backward:  # through autograd, so the hooks (and step_in_backward) see them
-            torch.autograd.backward(params, grads)
+            given = [(p, g) for p, g in zip(params, grads) if g is not None]
+            torch.autograd.backward([p for p, _ in given], [g for _, g in given])
         else:
             for p, g in zip(params, grads):
                 p.grad = g

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import tierstate as ts
+from test_complex_params import _grads, _offload
+from test_complex_params import _train as _train_complex
 from tierstate.checkpoint import load_optimizer, save_optimizer
 
 STEPS = 8
@@ -41,29 +43,9 @@ def _params(seed=0, dtype=torch.float64):
             torch.nn.Parameter(torch.randn(3, 4, 2, dtype=dtype, generator=g))]
 
 
-def _grads(step, params):
-    g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, dtype=p.dtype, generator=g) for p in params]
-
-
 def _train(params, opt, steps=STEPS, backward=False, first=0):
-    for step in range(first, first + steps):
-        grads = _grads(step, params)
-        if step == 3 and len(params) > 3:  # a parameter without a gradient this step (torch skips it)
-            grads[3] = None
-        if backward:
-            pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
-            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
-        else:
-            for p, g in zip(params, grads):
-                p.grad = g
-        opt.step()
-        opt.zero_grad()
-
-
-def _offload(place, tmp_path):
-    return "cpu" if place == "cpu" else ts.Offload(cpu=0.0, nvme=1.0, subgroup_numel=1024, buffer_count=2,
-                                                   nvme_dir=tmp_path / "nv")
+    """As for complex parameters, with params[3] left without a gradient at step 3."""
+    _train_complex(params, opt, steps, backward, first, without=(3, 3))
 
 
 def _assert_state_equal(ours, theirs):

@@ -64,6 +64,20 @@ def _float64(op: str, n: int, grad: object, weight_out: object, **state: Tensor 
         raise TypeError(f"{op}: weight is float64, which is its own master: pass weight_out=None")
 
 
+def _faced(op: str, weight: object, grad: object, weight_out: object, **state: Tensor | None) -> tuple:
+    """Check the tensors of one update; return ``(native kernels, or None for the reference,
+    grad code, moment code, weight_out address, weight_out code)``. A float64 update runs the
+    reference (see :func:`_float64`)."""
+    n = _weight(op, weight)
+    if weight.dtype == torch.float64:
+        _float64(op, n, grad, weight_out, **state)
+        return None, 0, 0, 0, _NONE
+    g = _grad(op, grad, n)
+    m = _moments(op, n, **state)
+    out_ptr, o = _out(op, weight_out, n)
+    return native_kernels(), g, m, out_ptr, o
+
+
 def _dtype_code(op: str, name: str, t: Tensor, codes: dict) -> int:
     code = codes.get(t.dtype)
     if code is None:
@@ -129,16 +143,8 @@ def adam_update(
     enables amsgrad; ``weight_out`` (bf16/fp16) receives the new weight rounded to
     nearest even in the same pass. Bias corrections come from the caller's step count.
     """
-    op = "adam_update"
-    n = _weight(op, weight)
-    if weight.dtype == torch.float64:
-        _float64(op, n, grad, weight_out, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
-        kernels = None
-    else:
-        g = _grad(op, grad, n)
-        m = _moments(op, n, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
-        out_ptr, o = _out(op, weight_out, n)
-        kernels = native_kernels()
+    kernels, g, m, out_ptr, o = _faced("adam_update", weight, grad, weight_out, exp_avg=exp_avg,
+                                       exp_avg_sq=exp_avg_sq, max_exp_avg_sq=max_exp_avg_sq)
     if kernels is None:
         reference.adam_update(
             weight, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, weight_out, lr=lr, beta1=beta1,
@@ -149,7 +155,7 @@ def adam_update(
         return
     kernels.adam_update(
         weight.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-        _ptr(max_exp_avg_sq), out_ptr, n, g, m, o, float(lr), float(beta1), float(beta2),
+        _ptr(max_exp_avg_sq), out_ptr, weight.numel(), g, m, o, float(lr), float(beta1), float(beta2),
         float(eps), float(weight_decay), bool(decoupled), float(bias_correction1),
         float(bias_correction2), bool(maximize), float(grad_scale),
     )
@@ -203,16 +209,7 @@ def lion_update(
     grad_scale: float = 1.0,
 ) -> None:
     """Lion in place (Chen et al. 2023): sign of the interpolated momentum, decoupled decay."""
-    op = "lion_update"
-    n = _weight(op, weight)
-    if weight.dtype == torch.float64:
-        _float64(op, n, grad, weight_out, exp_avg=exp_avg)
-        kernels = None
-    else:
-        g = _grad(op, grad, n)
-        m = _moments(op, n, exp_avg=exp_avg)
-        out_ptr, o = _out(op, weight_out, n)
-        kernels = native_kernels()
+    kernels, g, m, out_ptr, o = _faced("lion_update", weight, grad, weight_out, exp_avg=exp_avg)
     if kernels is None:
         reference.lion_update(
             weight, grad, exp_avg, weight_out, lr=lr, beta1=beta1, beta2=beta2,
@@ -220,7 +217,7 @@ def lion_update(
         )
         return
     kernels.lion_update(
-        weight.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), out_ptr, n, g, m, o, float(lr),
+        weight.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), out_ptr, weight.numel(), g, m, o, float(lr),
         float(beta1), float(beta2), float(weight_decay), bool(maximize), float(grad_scale),
     )
 
@@ -244,18 +241,9 @@ def sgd_update(
 
     ``first_step=True`` starts the momentum buffer at the gradient (torch's clone).
     """
-    op = "sgd_update"
-    n = _weight(op, weight)
     if momentum != 0 and momentum_buffer is None:
-        raise ValueError(f"{op}: momentum={momentum} needs a momentum_buffer tensor (or pass momentum=0)")
-    if weight.dtype == torch.float64:
-        _float64(op, n, grad, weight_out, momentum_buffer=momentum_buffer)
-        kernels = None
-    else:
-        g = _grad(op, grad, n)
-        m = _moments(op, n, momentum_buffer=momentum_buffer)
-        out_ptr, o = _out(op, weight_out, n)
-        kernels = native_kernels()
+        raise ValueError(f"sgd_update: momentum={momentum} needs a momentum_buffer tensor (or pass momentum=0)")
+    kernels, g, m, out_ptr, o = _faced("sgd_update", weight, grad, weight_out, momentum_buffer=momentum_buffer)
     if kernels is None:
         reference.sgd_update(
             weight, grad, momentum_buffer, weight_out, lr=lr, momentum=momentum,
@@ -264,7 +252,7 @@ def sgd_update(
         )
         return
     kernels.sgd_update(
-        weight.data_ptr(), grad.data_ptr(), _ptr(momentum_buffer), out_ptr, n, g, m, o, float(lr),
+        weight.data_ptr(), grad.data_ptr(), _ptr(momentum_buffer), out_ptr, weight.numel(), g, m, o, float(lr),
         float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
         bool(first_step), float(grad_scale),
     )
@@ -283,16 +271,7 @@ def adagrad_update(
     grad_scale: float = 1.0,
 ) -> None:
     """Adagrad in place, torch semantics; ``clr = lr / (1 + (step - 1) * lr_decay)``."""
-    op = "adagrad_update"
-    n = _weight(op, weight)
-    if weight.dtype == torch.float64:
-        _float64(op, n, grad, weight_out, state_sum=state_sum)
-        kernels = None
-    else:
-        g = _grad(op, grad, n)
-        m = _moments(op, n, state_sum=state_sum)
-        out_ptr, o = _out(op, weight_out, n)
-        kernels = native_kernels()
+    kernels, g, m, out_ptr, o = _faced("adagrad_update", weight, grad, weight_out, state_sum=state_sum)
     if kernels is None:
         reference.adagrad_update(
             weight, grad, state_sum, weight_out, clr=clr, weight_decay=weight_decay, eps=eps,
@@ -300,7 +279,7 @@ def adagrad_update(
         )
         return
     kernels.adagrad_update(
-        weight.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), out_ptr, n, g, m, o, float(clr),
+        weight.data_ptr(), grad.data_ptr(), state_sum.data_ptr(), out_ptr, weight.numel(), g, m, o, float(clr),
         float(weight_decay), float(eps), bool(maximize), float(grad_scale),
     )
 

@@ -13,12 +13,12 @@ never by iterating the dict.
 
 [Note: the state of a complex parameter]
 A complex parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so
-its state is stored as float32 pairs (float64 pairs for complex128). What torch code sees is torch's: complex tensors shaped
-like the parameter (``torch.view_as_complex`` of the stored pairs, a view where the pairs are
-host memory), in ``optimizer.state``, ``state_dict()`` and on-demand reads; complex state
-given to ``load_state_dict`` is stored through its real view. Checkpoints written by
-:func:`tierstate.save_optimizer` keep the pairs (safetensors has no complex dtype): a shape
-``(*param.shape, 2)``, float32 (float64).
+its state is stored as float32 pairs (float64 pairs for complex128). What torch code sees is
+torch's: complex tensors shaped like the parameter (``torch.view_as_complex`` of the stored
+pairs, a view where the pairs are host memory), in ``optimizer.state``, ``state_dict()`` and
+on-demand reads; complex state given to ``load_state_dict`` is stored through its real view.
+Checkpoints written by :func:`tierstate.save_optimizer` keep the pairs (safetensors has no
+complex dtype): a shape ``(*param.shape, 2)``, float32 (float64 for complex128).
 """
 from __future__ import annotations
 

@@ -96,8 +96,10 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             if t is not None:
                 trainable.append(p)
             # a streamed weight is updated where it lives (its block's host image), even on an
-            # accelerator: it is its own master, as a host parameter of the master's dtype is
-            own_master = local_tensor(p).dtype == torch.float64 or is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
+            # accelerator: it is its own master, as a host parameter of the master's dtype is;
+            # a float64 one always is (see the note above)
+            dtype = local_tensor(p).dtype
+            own_master = dtype == torch.float64 or is_own_master(dtype_name(dtype), offload.master_mode) and (
                 not on_accel or weights_of(p) is not None)
             if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
                     and local_tensor(p) is p:

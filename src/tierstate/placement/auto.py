@@ -144,7 +144,8 @@ def _priced_numel(p) -> int:
     """The values the planner prices ``p`` as: a complex parameter's state is that of its real
     view (two values per element); a float64 value's state is float64
     (tierstate.pipeline.assembly), priced as two fp32 values."""
-    return p.numel() * (2 if p.is_complex() else 1) * (2 if str(p.dtype) in ("torch.float64", "torch.complex128") else 1)
+    wide = str(p.dtype) in ("torch.float64", "torch.complex128")
+    return p.numel() * (2 if p.is_complex() else 1) * (2 if wide else 1)
 
 
 def request_for(trainable: Sequence, *, state_keys: tuple[str, ...], moment_dtype: str = "fp32",
