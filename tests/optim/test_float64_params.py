@@ -372,3 +372,22 @@ def test_float64_is_priced_as_its_bytes():
     assert request_for([w64], state_keys=keys).model.numel == 2000
     assert request_for([c128], state_keys=keys).model.numel == 4000
     assert request_for([w32], state_keys=keys).model.numel == 1000
+
+
+def test_empty_parameters_keep_their_width_beside_others():
+    """An empty parameter has no sub-group: its state takes its own dtype, as torch's does,
+    wherever it falls beside the other width."""
+    params = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.empty(0, dtype=torch.float64)),
+              torch.nn.Parameter(torch.randn(1500, dtype=torch.float64)), torch.nn.Parameter(torch.empty(0))]
+    opt = ts.AdamW(params, lr=1e-2)
+    ref = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2, foreach=False)
+    for o, ps in ((opt, params), (ref, ref.param_groups[0]["params"])):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        o.step()
+    ours, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    for i in range(4):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours[i][key].dtype == theirs[i][key].dtype == params[i].dtype, (i, key)
+            assert opt.state[params[i]][key].dtype == params[i].dtype, (i, key)
+    opt.close()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import bisect
-
 from typing import Mapping
 
 import torch

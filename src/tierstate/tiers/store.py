@@ -162,7 +162,7 @@ class StateStore:
         parameter lies wholly in a tier whose state is host memory."""
         if s.trainable is None or key not in self.dtypes_of(s):
             return None
-        if not s.local.numel() and self.is_wide(s):  # no segment, so no sub-group of its width
+        if not s.local.numel() and self.layout.wide:  # no segment, so no sub-group of its width to view
             return torch.empty(s.local.shape, dtype=self.dtype(s, key))
         if s.local.numel():
             kind = self.layout.tier_of_param(s.trainable)  # None: it straddles tiers
