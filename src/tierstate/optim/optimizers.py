@@ -46,6 +46,12 @@ _ENGINE_ARGS = """
     how torch computes, and tierstate always runs its own fused kernels. ``capturable=True`` and
     ``differentiable=True`` are refused with why.
 
+    Parameters, as torch takes them: float32 (its own master), bfloat16 and float16 (an fp32
+    master in the tiers, rounded into the parameter after each update), float64 (float64 state
+    and torch's own float64 math; beside narrower parameters the state stays in host RAM),
+    complex64 and complex128 (stepped as their real views, torch's complex state shown). A
+    tensor is stepped when its ``.grad`` is set, whatever its ``requires_grad``, as in torch.
+
     What ``optimizer.state[p]`` holds (see [Note: what optimizer.state holds] in
     :mod:`tierstate.optim.state_view`): ``step`` (a CPU float32 tensor, as torch's) and, for a
     parameter whose state lives wholly in host RAM, views of that state under torch's keys:
