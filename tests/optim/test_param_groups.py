@@ -329,3 +329,34 @@ def test_unfrozen_parameter_refused_by_the_placement_leaves_the_optimizer_as_it_
     assert torch.equal(w, twin)
     opt.close()
     ref.close()
+
+
+def test_replaced_parameters_refused_by_the_placement_are_placed_again_once_put_back() -> None:
+    """Parameters replaced in ``param_groups`` before the first step (as a wrapper does) by
+    ones the tiers refuse: each step and state access raises the refusal, and once parameters
+    that fit are back the optimizer trains as an untouched twin (found 2026-12-07: after the
+    refusal the optimizer raised KeyError: TierKind.HOST forever)."""
+    offload = ts.Offload(cpu=1.0, moment_dtype="q8")
+    w = torch.nn.Parameter(torch.randn(3000))
+    opt = ts.AdamW([w], lr=1e-2, offload=offload)
+    twin = torch.nn.Parameter(w.detach().clone())
+    ref = ts.AdamW([twin], lr=1e-2, offload=offload)
+    c = torch.nn.Parameter(torch.randn(300, dtype=torch.complex64))
+    opt.param_groups[0]["params"] = [c]
+    c.grad = torch.randn(300, dtype=torch.complex64)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"moment_dtype='q8'.*complex"):
+            opt.step()
+    with pytest.raises(ValueError, match=r"moment_dtype='q8'.*complex"):
+        opt.state_dict()
+    opt.zero_grad()
+    opt.param_groups[0]["params"] = [w]
+    for step in range(3):
+        for p, o in ((w, opt), (twin, ref)):
+            p.grad = torch.randn(3000, generator=torch.Generator().manual_seed(step))
+            o.step()
+    assert torch.equal(w, twin)
+    for k, v in ref.state_dict()["state"][0].items():
+        assert torch.equal(opt.state_dict()["state"][0][k], v), k
+    opt.close()
+    ref.close()

@@ -81,6 +81,7 @@ class StepEngine:
         self.backward = None
         self.parts: Parts | None = None
         self._held_back: set[Tensor] = set()  # placed as frozen for one re-placement (adopt_new_trainables)
+        self._unplaced: dict | None = None  # the state of a refused placement (place_again)
         self._assemble()
 
     def groups(self) -> list[dict]:
@@ -115,21 +116,41 @@ class StepEngine:
         ``undo``: reverts the caller's change to the groups (a group just added). When the new
         placement is refused (a group the tiers cannot hold: a complex parameter beside 8-bit
         state), it runs, the state is placed again over the groups as they were and the
-        refusal is raised: the optimizer is left as it was."""
-        store = self.store
-        # host views of the old arenas where they exist: they keep those arenas alive until placed
-        saved = {s.param: (store.export(s, self.rule.has_step), s.master.filled) for s in store.slots if s.has_state}
+        refusal is raised: the optimizer is left as it was. Without one, the state waits to be
+        placed over the groups as the next step or state access finds them."""
+        if self._unplaced is not None:  # a refused placement's state, not placed since
+            saved = self._unplaced
+        else:
+            store = self.store
+            # host views of the old arenas where they exist: they keep those arenas alive until placed
+            saved = {s.param: (store.export(s, self.rule.has_step), s.master.filled)
+                     for s in store.slots if s.has_state}
         self._close_parts()
+        self._place(saved, undo)
+
+    def _place(self, saved: dict, undo: Callable[[], None] | None = None) -> None:
+        """Assemble and put ``saved`` back; on a refusal, ``undo`` and place again, or (no undo:
+        parameters replaced by hand, weights that started streaming) keep ``saved`` for
+        :meth:`place_again`, which the next step or state access runs."""
         try:
             self._assemble()
         except BaseException:
             if undo is None:
+                self._unplaced = saved
                 raise
             undo()
             self._assemble()
+            self._unplaced = None
             self._import(saved)
             raise
+        self._unplaced = None
         self._import(saved)
+
+    def place_again(self) -> None:
+        """After a refused placement without an undo: place the state over the groups as they
+        are now (the refusal again while they still cannot be placed)."""
+        if self._unplaced is not None:
+            self._place(self._unplaced)
 
     def _import(self, saved: dict) -> None:
         for s in self.store.slots:
@@ -141,7 +162,7 @@ class StepEngine:
         if self.backward is not None:
             self.backward.close()
             self.backward = None
-        if self.parts is not None:
+        if self.parts is not None and self._unplaced is None:  # (closed already while unplaced)
             self.parts.close()
 
     def close(self) -> None:
@@ -158,6 +179,7 @@ class StepEngine:
         runs during backward land first (its driver owns the tiers until then; the step stays
         open for ``step()`` to finish), write the master pieces still pending, and follow
         parameters that FSDP2 replaced. True if the engine was rebuilt."""
+        self.place_again()
         if self.backward_open:
             self.backward.finish()
         self.store.write_pending_masters()
@@ -209,7 +231,8 @@ class StepEngine:
         return True
 
     def reset_grads(self, set_to_none: bool) -> None:
-        self.parts.grads.reset(set_to_none)
+        if self._unplaced is None:  # (unplaced: no gradient stream to reset; the groups' grads are torch's)
+            self.parts.grads.reset(set_to_none)
 
     # -- the step ------------------------------------------------------------------------------
     def prepare(self, s: Slot, grad: Tensor | None, traffic: HostTraffic | None = None) -> bool:
@@ -253,6 +276,7 @@ class StepEngine:
         """One step over every parameter with a gradient (see ``OffloadOptimizer.step`` for what a
         failure leaves). Raises the I/O errors of the tiers; a write that failed during the step
         is left for the caller to collect (``store.take_write_errors()``)."""
+        self.place_again()
         tel, store = self.telemetry, self.store
         backward_open = self.backward_open
         if not backward_open:
