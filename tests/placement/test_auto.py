@@ -67,6 +67,24 @@ def test_auto_spills_to_nvme_under_a_small_host_budget(profile, caplog, monkeypa
     opt.close()
 
 
+def test_auto_keeps_mixed_widths_in_host_ram(profile, monkeypatch):
+    """float64 parameters beside narrower ones keep their state in RAM (an NVMe share is
+    refused at placement), so auto plans no disk for them: under the budget that sends the
+    float32 model above to NVMe it says so, naming the cause (found 2026-12-07: it chose an NVMe
+    share, which the placement then refused with a message about an Offload the user never
+    wrote); with the budget to hold it, RAM."""
+    import psutil
+    params = _params(8) + [torch.nn.Parameter(torch.randn(1 << 10, dtype=torch.float64))]
+    monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", f"{(40 << 20) / psutil.virtual_memory().available:.6f}")
+    with pytest.raises(ValueError, match=r"(?s)offload='auto' found no placement.*float64 parameters beside narrower "
+                                         r"ones keep their state in host RAM"):
+        ts.AdamW(params, offload="auto")
+    monkeypatch.delenv("TIERSTATE_AUTO_HOST_FRACTION")
+    opt = ts.AdamW(params, offload="auto")
+    assert opt.offload.cpu == 1.0
+    opt.close()
+
+
 def _host_budget_beyond_params(monkeypatch, nbytes: int) -> None:
     import psutil
     monkeypatch.setenv("TIERSTATE_AUTO_HOST_FRACTION", f"{nbytes / psutil.virtual_memory().available:.6f}")

@@ -224,14 +224,20 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
         share = device_budget(free, param_bytes) if allow_device_tier else None
         search_device = share is not None
         device_bytes = share if search_device else free + param_bytes
+    # float64 parameters beside narrower ones keep their state in host RAM (the NVMe records
+    # hold one dtype per key; tierstate.pipeline.assembly): no disk to plan with then
+    widths = {str(p.dtype) in ("torch.float64", "torch.complex128") for p in _tensors(params)}
+    mixed = len(widths) == 2
     budgets = Budgets(device=device_bytes, host=int(available * fraction) + existing,
-                      disk=st.f_bavail * st.f_frsize, disk_dir=str(default_nvme_root()))
+                      disk=0 if mixed else st.f_bavail * st.f_frsize, disk_dir=str(default_nvme_root()))
     hw = _hardware()
     try:
         plan = choose(req, hw, budgets, allow_device_tier=search_device,
                       subgroup_options=SUBGROUP_OPTIONS, buffer_options=BUFFER_OPTIONS)
     except PlanError as exc:
-        raise ValueError(f"offload='auto' found no placement: {exc}\nPass offload='cpu', 'nvme' or a "
+        why = ("\nfloat64 parameters beside narrower ones keep their state in host RAM: free memory, or give "
+               "the float64 parameters an optimizer of their own, whose state may go to NVMe.") if mixed else ""
+        raise ValueError(f"offload='auto' found no placement: {exc}{why}\nPass offload='cpu', 'nvme' or a "
                          "tierstate.Offload(...) explicitly, or free memory/disk.") from exc
     offload = offload_from_plan(plan)
     _log.info(
