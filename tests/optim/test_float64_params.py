@@ -1,12 +1,14 @@
 """float64 parameters, as torch's optimizers take them (torch's ``test_foreach_matches_forloop``
-runs in float64 only): an optimizer whose parameters are all float64 keeps float64 state, and
-its math is torch's single-tensor math in float64.
+runs in float64 only): their state is float64, and their math is torch's single-tensor math in
+float64.
 
 * against torch's optimizer of the same name: params and every state key, 8 steps, RAM and
-  NVMe, plain, in backward and with clipping, bit for bit (the update is torch's op sequence);
+  NVMe, plain, in backward, with streamed weights, bit for bit (the update is torch's op
+  sequence); with clipping within 1e-12;
 * torch's foreach and fused implementations agree within torch's own test tolerance;
 * state_dict both ways with torch, checkpoints byte for byte, complex128 as its float64 view;
-* the refusals: float64 beside other dtypes in one optimizer, compressed or bf16 state.
+* beside float32, complex128 and bf16 parameters in one optimizer, each in its own width;
+* the refusals: such a mix with an NVMe share, compressed or bf16 state.
 """
 from __future__ import annotations
 
