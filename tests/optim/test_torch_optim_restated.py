@@ -240,3 +240,44 @@ def test_step_is_noop_without_grads_and_for_zero_grads(info) -> None:
         param.grad = torch.zeros_like(param)
         opt.step(lambda: torch.tensor([1.0]))
         torch.testing.assert_close(param.detach(), before)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("info", _infos())
+def test_derived_implementations_match_forloop_in_float64(info, impl) -> None:
+    """torch's test_foreach_matches_forloop (float64 only) and test_fused_matches_forloop, as
+    its _test_derived_optimizers runs them: a float64 MLP and an empty parameter, 7 steps, the
+    third without a backward, the last layer frozen for the fourth and fifth; every parameter and
+    state key of tierstate with the switch on, against tierstate with it off (torch's bar) and
+    against torch's for-loop optimizer, bit for bit."""
+    cls = PAIRS[info.optim_cls.__name__]
+    for inp in cliquey_inputs("cpu", torch.float64, info, skip=("differentiable", "foreach", "fused")):
+        models, optimizers = [], []
+        for make, switch in ((cls, False), (cls, True), (info.optim_cls, False)):
+            torch.manual_seed(1)
+            model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1),
+                                        torch.nn.Sigmoid()).to(torch.float64)
+            empty = torch.nn.Parameter(torch.empty(0, dtype=torch.float64))
+            kwargs = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inp.kwargs.items()}
+            models.append(model)
+            optimizers.append(make(list(model.parameters()) + [empty], **kwargs, **{impl: switch}))
+        x = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=torch.float64).reshape(3, 2)
+        for i in range(7):
+            for model, opt in zip(models, optimizers):
+                opt.zero_grad()
+                if i == 3:
+                    model[2].requires_grad_(False)
+                if i == 5:
+                    model[2].requires_grad_(True)
+                if i != 2:
+                    model(x).sum().backward()
+                opt.step()
+            theirs = optimizers[2]
+            for ours in optimizers[:2]:
+                for p, q in zip(ours.param_groups[0]["params"], theirs.param_groups[0]["params"]):
+                    torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{inp.desc}, step {i}")
+                    for key, value in theirs.state[q].items():
+                        torch.testing.assert_close(ours.state[p][key], value, rtol=0, atol=0,
+                                                   msg=f"{inp.desc}, step {i}, {key}")
+        for opt in optimizers[:2]:
+            opt.close()
