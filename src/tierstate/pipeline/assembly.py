@@ -82,7 +82,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     if offload.gpu > 0 and step_in_backward:
         raise ValueError(f"step_in_backward=True with Offload(gpu={offload.gpu}): the update during backward "
                          "runs on the host tiers only; use Offload(gpu=0, ...) or step_in_backward=False")
-    widths = {local_tensor(p).dtype == torch.float64 for p in params}  # see the note above
+    widths = {is_float64(p) for p in params}  # see the note above
     wide, mixed = widths == {True}, len(widths) == 2
     if True in widths:
         check_float64_offload(offload, mixed)
@@ -98,8 +98,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
             # a streamed weight is updated where it lives (its block's host image), even on an
             # accelerator: it is its own master, as a host parameter of the master's dtype is;
             # a float64 one always is (see the note above)
-            dtype = local_tensor(p).dtype
-            own_master = dtype == torch.float64 or is_own_master(dtype_name(dtype), offload.master_mode) and (
+            own_master = is_float64(p) or is_own_master(dtype_name(local_tensor(p).dtype), offload.master_mode) and (
                 not on_accel or weights_of(p) is not None)
             if own_master and p.dtype == torch.float32 and t is not None and not on_accel and weights_of(p) is None \
                     and local_tensor(p) is p:
@@ -117,7 +116,7 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
                          offload.subgroup_numel_for(device, step_in_backward=step_in_backward,
                                                     streams_weights=any(weights_of(p) is not None for p in trainable)),
                          align=quant.block_size if quant is not None else 1,
-                         wide=[local_tensor(p).dtype == torch.float64 for p in trainable] if mixed else ())
+                         wide=[is_float64(p) for p in trainable] if mixed else ())
     if offload.gpu > 0 and shards:
         raise ValueError(f"Offload(gpu={offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "
                          "keep the state on the host tiers, e.g. Offload(cpu=0.6, nvme=0.4)")
@@ -183,6 +182,11 @@ def streamed_block_subgroups(layout, trainable: list) -> list[set[int]]:
             spans.setdefault((id(handle.streamer), handle.block), set()).update(
                 seg.subgroup for seg in layout.segments_of(t))
     return list(spans.values())
+
+
+def is_float64(p: Tensor) -> bool:
+    """``p``'s values are float64 (a complex128 parameter's real view too): its state is float64."""
+    return local_tensor(p).dtype == torch.float64
 
 
 def check_float64_offload(offload: Offload, mixed: bool) -> None:

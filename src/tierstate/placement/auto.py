@@ -140,12 +140,15 @@ def _tensors(params: Sequence) -> list:
     return out
 
 
+def _is_float64(p) -> bool:
+    """``p`` holds float64 values (complex128 too): its state is float64 (tierstate.pipeline.assembly)."""
+    return str(p.dtype) in ("torch.float64", "torch.complex128")
+
+
 def _priced_numel(p) -> int:
     """The values the planner prices ``p`` as: a complex parameter's state is that of its real
-    view (two values per element); a float64 value's state is float64
-    (tierstate.pipeline.assembly), priced as two fp32 values."""
-    wide = str(p.dtype) in ("torch.float64", "torch.complex128")
-    return p.numel() * (2 if p.is_complex() else 1) * (2 if wide else 1)
+    view (two values per element); a float64 value's state is priced as two fp32 values."""
+    return p.numel() * (2 if p.is_complex() else 1) * (2 if _is_float64(p) else 1)
 
 
 def request_for(trainable: Sequence, *, state_keys: tuple[str, ...], moment_dtype: str = "fp32",
@@ -226,7 +229,7 @@ def choose_offload(params: Sequence, allow_device_tier: bool = True, *, state_ke
         device_bytes = share if search_device else free + param_bytes
     # float64 parameters beside narrower ones keep their state in host RAM (the NVMe records
     # hold one dtype per key; tierstate.pipeline.assembly): no disk to plan with then
-    widths = {str(p.dtype) in ("torch.float64", "torch.complex128") for p in _tensors(params)}
+    widths = {_is_float64(p) for p in _tensors(params)}
     mixed = len(widths) == 2
     budgets = Budgets(device=device_bytes, host=int(available * fraction) + existing,
                       disk=0 if mixed else st.f_bavail * st.f_frsize, disk_dir=str(default_nvme_root()))
