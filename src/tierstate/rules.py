@@ -53,13 +53,27 @@ def _as_float(value: Any) -> float:
     return float(value.item()) if isinstance(value, Tensor) else float(value)
 
 
+# torch.optim's own words for a hyper-parameter out of range ("Invalid learning rate: -1"), which
+# tierstate's messages start with, so that code and tests matching torch's errors match these
+TORCH_WORDS = {
+    "lr": "Invalid learning rate",
+    "eps": "Invalid epsilon value",
+    "betas[0]": "Invalid beta parameter at index 0",
+    "betas[1]": "Invalid beta parameter at index 1",
+    "weight_decay": "Invalid weight_decay value",
+    "momentum": "Invalid momentum value",
+    "lr_decay": "Invalid lr_decay value",
+    "initial_accumulator_value": "Invalid initial_accumulator_value value",
+}
+
+
 def _check_number(name: str, value: Any, *, low: float | None = None, low_open: bool = False,
                   high: float | None = None, high_open: bool = False, hint: str = "") -> None:
     """A finite real number (or one-element tensor) in the given range; inf and nan never are."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"Invalid {name}: a tensor {name} must have one element (as torch's 'Tensor lr must be "
-                             f"1-element'), got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"Tensor {name} must be 1-element, got a tensor of shape {tuple(value.shape)}: give "
+                             f"{name} as a number or a one-element tensor")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
@@ -80,7 +94,8 @@ def _check_number(name: str, value: Any, *, low: float | None = None, low_open: 
             rng = f" <{'' if high_open else '='} {high:g}"
         else:
             rng = ""
-        raise ValueError(f"Invalid {name}: {value!r}; it must be a finite number{rng}{hint}")
+        words = TORCH_WORDS.get(name, f"Invalid {name}")
+        raise ValueError(f"{words}: {value} ({name} must be a finite number{rng}{hint})")
 
 
 def _check_flag(name: str, value: Any) -> None:
@@ -133,8 +148,8 @@ def _check_betas(betas: Any, n: int = 2) -> None:
     if not isinstance(betas, (tuple, list)) or len(betas) != n:
         raise ValueError(f"Invalid betas: {betas!r}; give a tuple of {n} numbers in [0, 1), e.g. (0.9, 0.999)")
     if len({isinstance(b, Tensor) for b in betas}) > 1:
-        raise ValueError(f"Invalid betas: {betas!r}; betas must be either all numbers or all one-element tensors "
-                         "(as torch requires)")
+        raise ValueError(f"betas must be either both floats or both Tensors, got {betas!r}: give numbers, or "
+                         "one-element tensors")
     for i, b in enumerate(betas):
         _check_number(f"betas[{i}]", b, low=0.0, high=1.0, high_open=True)
 
@@ -368,8 +383,8 @@ class SGDRule(UpdateRule):
         _check_flag("nesterov", group["nesterov"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(
-                f"nesterov=True needs momentum > 0 and dampening == 0 (got momentum={group['momentum']}, "
-                f"dampening={group['dampening']})"
+                "Nesterov momentum requires a momentum and zero dampening (torch's words): nesterov=True needs "
+                f"momentum > 0 and dampening == 0 (got momentum={group['momentum']}, dampening={group['dampening']})"
             )
 
     def state_specs(self, group):

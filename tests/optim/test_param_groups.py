@@ -80,20 +80,48 @@ def test_frozen_parameters_are_taken() -> None:
         ts.AdamW(m.parameters())  # all frozen: taken, as torch takes them
 
 
-def test_same_tensor_twice_in_a_group_is_refused_by_index() -> None:
+def test_same_tensor_twice_in_a_group_is_warned_about_in_torchs_words_and_kept_once() -> None:
+    """torch warns about a tensor given twice in one group ("in future, this will cause an
+    error") and then updates it once per occurrence with one state; tierstate warns in torch's
+    words, names both places, keeps the tensor once and updates it once per step: bit-identical
+    to an optimizer given it once."""
+    m, twin = mlp(), mlp()
+    w, b = m[0].weight, m[0].bias
+    with pytest.warns(UserWarning, match=r"a parameter group with duplicate parameters.*param_groups\[0\]\['params'\]"
+                                         r"\[2\] is the same tensor as param_groups\[0\]\['params'\]\[0\].*once per step"):
+        ours = ts.AdamW([w, b, w, *m[2].parameters()], lr=1e-2)
+    ref = ts.AdamW([twin[0].weight, twin[0].bias, *twin[2].parameters()], lr=1e-2)
+    assert [id(p) for p in ours.param_groups[0]["params"]] == [id(w), id(b), *map(id, m[2].parameters())]
+    run(m, ours)
+    run(twin, ref)
+    for p, q in zip(m.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+        assert ours.state[p]["step"] == ref.state[q]["step"] == 3
+        assert all(torch.equal(ours.state[p][k], ref.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))
+    assert [len(g) for g in (ours.state_dict()["param_groups"][0]["params"],)] == [4]
+    # named parameters: the later (name, tensor) pair goes too
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        named = ts.AdamW([("w", w), ("b", b), ("w_again", w)], lr=1e-2)
+    assert named.param_groups[0]["param_names"] == ["w", "b"]
+
+
+def test_same_tensor_in_two_groups_is_refused_in_torchs_words_by_index() -> None:
     m = mlp()
     w = m[0].weight
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is the same tensor as "
-                                         r"param_groups\[0\]\['params'\]\[0\]"):
-        ts.AdamW([w, m[0].bias, w])
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is the same tensor as "
+    with pytest.raises(ValueError, match=r"some parameters appear in more than one parameter group: "
+                                         r"param_groups\[1\]\['params'\]\[0\] is the same tensor as "
                                          r"param_groups\[0\]\['params'\]\[0\]"):
         ts.AdamW([{"params": [w]}, {"params": [w]}])
     opt = ts.AdamW([w])
-    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] is the same tensor as "
+    with pytest.raises(ValueError, match=r"some parameters appear in more than one parameter group: "
+                                         r"param_groups\[1\]\['params'\]\[1\] is the same tensor as "
                                          r"param_groups\[0\]\['params'\]\[0\]"):
         opt.add_param_group({"params": [m[0].bias, w]})
     assert len(opt.param_groups) == 1
+    with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
+        opt.add_param_group({"params": [m[0].bias, m[0].bias]})
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
+    run(m, opt, 1)
 
 
 BAD_HYPER = [

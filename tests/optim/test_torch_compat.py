@@ -242,7 +242,7 @@ def test_tierstate_checkpoint_of_groups_without_torch_keys_loads_with_them(tmp_p
     g["lr"] = float("inf")
     manifests[0].write_text(json.dumps(seal(man, man["manifest_checksum"]["algorithm"])).replace("Infinity", "1e999"))
     before = opt2.param_groups[0]["lr"]
-    with pytest.raises(ValueError, match=r"param_groups\[0\].*Invalid lr"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*Invalid learning rate"):
         load_optimizer(opt2, tmp_path / "ckpt")
     assert opt2.param_groups[0]["lr"] == before
 

@@ -45,16 +45,18 @@ def check_state_dict(opt, state_dict) -> list[dict]:
         raise TypeError("load_state_dict: 'state' must be a dict of parameter index -> state, got "
                         f"{type(state).__name__}")
     if len(groups) != len(opt.param_groups):
-        raise ValueError(f"load_state_dict: the state dict has {len(groups)} param group(s), this {name} has "
-                         f"{len(opt.param_groups)}; load a state dict of an optimizer over the same parameter groups")
+        raise ValueError(f"loaded state dict has a different number of parameter groups (torch's words): the state "
+                         f"dict has {len(groups)} param group(s), this {name} has {len(opt.param_groups)}; load a state "
+                         "dict of an optimizer over the same parameter groups")
     needed = opt.rule.required_keys()
     merged = []
     for gi, (saved, current) in enumerate(zip(groups, opt.param_groups)):
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
             raise ValueError(f"load_state_dict: param_groups[{gi}] must be a dict with a 'params' list")
         if len(saved["params"]) != len(current["params"]):
-            raise ValueError(f"load_state_dict: param_groups[{gi}] has {len(saved['params'])} parameter(s) in the "
-                             f"state dict, {len(current['params'])} in this {name}")
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             f"optimizer's group (torch's words): param_groups[{gi}] has {len(saved['params'])} "
+                             f"parameter(s) in the state dict, {len(current['params'])} in this {name}")
         missing = sorted(set(needed) - set(saved))
         if missing:
             raise ValueError(f"load_state_dict: param_groups[{gi}] lacks {missing[0]!r}, which {name} needs "

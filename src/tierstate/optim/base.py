@@ -51,6 +51,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise TypeError(f"offload must be 'cpu', 'nvme', 'auto' or a tierstate.Offload, got {type(offload).__name__}")
         if nvme_dir is not None:
             offload = Offload.with_nvme_dir(offload, nvme_dir)
+        # the hyper-parameters first, as torch's optimizers check them before reading params
+        self.rule.validate(defaults)
         params = params_list(params, type(self).__name__)
         if isinstance(offload, str) and offload == "auto":
             offload = self._choose_auto(params, defaults, step_in_backward=step_in_backward)

@@ -32,7 +32,12 @@ def params_list(params: Iterable, owner: str) -> list:
     if isinstance(params, Tensor):
         raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
                         f"a {torch.typename(params)}; pass [tensor]")
-    params = list(params)  # once: a generator read twice (offload='auto', then torch) would be empty
+    try:
+        params = list(params)  # once: a generator read twice (offload='auto', then torch) would be empty
+    except TypeError:
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        f"{type(params).__name__}; pass model.parameters() or a list of tensors or of param group "
+                        "dicts") from None
     if not params:
         raise ValueError(f"{owner} got no trainable parameter: the parameter list is empty (was a "
                          "generator such as model.parameters() used up before?); pass the parameters to train")
@@ -43,7 +48,8 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
     """Check a group about to be added (``param_groups`` are the groups already there) and return
     it with its ``params`` as a list; raise, naming the argument and the fix, before anything changes."""
     if not isinstance(param_group, dict):
-        raise TypeError(f"param_group must be a dict with a 'params' entry, got {type(param_group).__name__}")
+        raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}: give a dict with a "
+                        "'params' entry")
     where = f"param_groups[{len(param_groups)}]['params']"
     if "params" not in param_group:
         raise ValueError(f"param_groups[{len(param_groups)}] has no 'params' entry: give the tensors to "
@@ -64,12 +70,14 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
     tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
     seen = {p: f"param_groups[{gi}]['params'][{i}]" for gi, g in enumerate(param_groups)
             for i, p in enumerate(g["params"])}  # tensors hash by identity
+    duplicates: list[int] = []  # indices of tensors this group already holds
     for i, p in enumerate(tensors):
         if not isinstance(p, Tensor):
-            raise TypeError(f"params[{i}] is a {type(p).__name__}; an optimizer takes torch Tensors (model.parameters())")
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}: "
+                            f"params[{i}]; give torch Tensors (model.parameters())")
         if not p.is_leaf:
-            raise ValueError(f"params[{i}] is not a leaf tensor (it was computed from others); optimize the leaf "
-                             "tensors (nn.Parameter) instead")
+            raise ValueError(f"can't optimize a non-leaf Tensor: params[{i}] was computed from others; optimize "
+                             "the leaf tensors (nn.Parameter) instead")
         if p.dtype not in SUPPORTED_DTYPES:
             if p.is_floating_point():
                 fix = ("cast the model with model.float() (or .bfloat16()), or give these parameters to a "
@@ -83,14 +91,28 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
             raise TypeError(f"params[{i}] is a {kind} {'DTensor' if is_dtensor(p) else 'parameter'} on {p.device}: "
                             f"tierstate steps {kind} parameters of one process on the CPU only; keep them there, "
                             "or give them to a torch.optim optimizer of their own")
-        # torch warns on a duplicate in one group and refuses one in two; tierstate refuses both:
-        # one tensor updated twice per step with one state differs from torch's result (3e-3 after
-        # 3 Adam steps), and a parameter must have one slot of state
+        # torch refuses a tensor in two groups, in these words; a tensor twice in one group it only
+        # warns about, and then updates once per occurrence with one state (two Adam steps a step).
+        # A parameter has one slot of state here, so it is kept once (below): updated once a step.
+        if p in seen and seen[p].startswith(where):
+            duplicates.append(i)
+            warnings.warn(
+                "optimizer contains a parameter group with duplicate parameters; in future, this will cause an "
+                f"error (torch's words): {where}[{i}] is the same tensor as {seen[p]}; tierstate keeps it once "
+                "and updates it once per step (torch's optimizers update it once per occurrence): remove the "
+                "duplicate", UserWarning, stacklevel=_caller_level())
+            continue
         if p in seen:
             raise ValueError(
-                f"{where}[{i}] is the same tensor as {seen[p]}: a parameter may appear once in an "
-                "optimizer; remove the duplicate (e.g. tied weights: pass the shared tensor once)")
+                f"some parameters appear in more than one parameter group: {where}[{i}] is the same tensor as "
+                f"{seen[p]}; a parameter may appear once in an optimizer: remove the duplicate (e.g. tied weights: "
+                "pass the shared tensor once)")
         seen[p] = f"{where}[{i}]"
+    if duplicates:
+        dropped = set(duplicates)
+        params = [p for i, p in enumerate(params) if i not in dropped]
+        tensors = [p for i, p in enumerate(tensors) if i not in dropped]
+        param_group["params"] = params
     merged = dict(param_group)
     for key, value in defaults.items():
         merged.setdefault(key, value)
