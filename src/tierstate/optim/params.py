@@ -146,9 +146,28 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
+def _overlaps(t: Tensor) -> bool:
+    """Whether two of ``t``'s elements may share a memory location (an expanded tensor): taken
+    in order of stride, each dim must step past all the elements the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _no_other_tensor(t: Tensor) -> bool:
+    """Whether no tensor but ``t`` is on its storage (see :func:`tierstate.tiers.host.sole_owner`,
+    which also asks that ``t`` span all of it)."""
+    storage = t.untyped_storage()
+    return sole_owner(t, storage.nbytes())
+
+
 def non_contiguous(tensors: list[Tensor]) -> list[int]:
-    """The indices of the parameters that are dense but not contiguous (a transposed weight, a
-    channels_last convolution), which :func:`give_contiguous_memory` can move; raise, naming
+    """The indices of the parameters that are not contiguous but can be moved by
+    :func:`give_contiguous_memory` (a transposed weight, a channels_last convolution, a slice
+    with gaps between its elements such as ``x[..., 0]``); raise, naming
     the parameter and the fix, for one that cannot be moved without harm.
 
     [Note: parameters are updated through a flat view of their memory]
@@ -168,14 +187,18 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
             raise ValueError(f"{what} is a DTensor whose local shard is not contiguous; tierstate updates a "
                              "parameter through a flat view of its memory: shard contiguous parameters (make the "
                              "module's parameters contiguous before fully_shard)")
-        if not _dense(local):
+        if _overlaps(local):
             raise ValueError(f"{what} is not contiguous and its elements overlap in memory (an expanded tensor): "
                              "an update in place would write one location for several elements; give it memory "
                              "of its own before building the optimizer: p.data = p.data.clone()")
-        if not sole_owner(local, local.numel() * local.element_size()):
+        # dense (transposed, channels_last): it must span its storage alone; a slice with gaps
+        # between its elements (x[..., 0]): no other tensor may be on its storage
+        alone = (sole_owner(local, local.numel() * local.element_size()) if _dense(local)
+                 else _no_other_tensor(local))
+        if not alone:
             raise ValueError(
                 f"{what} is not contiguous, and another tensor shares its memory (a view kept elsewhere, such as "
-                "the tensor it was transposed from): tierstate updates a parameter through a flat view of its "
+                "the tensor it was transposed or sliced from): tierstate updates a parameter through a flat view of its "
                 "memory and would have to give this one memory of its own, which that tensor would not see; "
                 "make it contiguous before building the optimizer (p.data = p.data.contiguous(), or "
                 "model.to(memory_format=torch.contiguous_format)), or drop the other reference")

@@ -25,6 +25,14 @@ from . import grad_mark
 from .grad_stream import GradStream
 
 
+
+def flat_grad(g: Tensor) -> Tensor:
+    """``g``'s elements as one contiguous run, as the kernels read them: a view of a contiguous
+    gradient, a copy of one laid out otherwise (transposed, sliced with gaps, expanded), which
+    torch's optimizers take as they are. ``reshape(-1)`` alone keeps a slice's gaps (a 1-d view
+    of stride 2)."""
+    return g.detach().reshape(-1).contiguous()
+
 class HookNorms:
     """Each CPU gradient's sum of squares, taken by its post-accumulate-grad hook in backward.
 
@@ -212,7 +220,7 @@ class Gradients:
             with self.telemetry.phase("grad_transfer"):
                 g = g.detach().to("cpu")
             self.telemetry.add_bytes("device", "d2h", g.numel() * g.element_size())
-        return g.detach().reshape(-1)
+        return flat_grad(g)
 
     def grad_of(self, s: Slot) -> Tensor | None:
         """The flat gradient a step reads: ``param.grad`` where it lies for a parameter touching
@@ -220,7 +228,7 @@ class Gradients:
         if s.trainable not in self.device_heads:
             return self.host_grad(s)
         g = s.param.grad
-        return None if g is None else self._densified(s, g).detach().reshape(-1)
+        return None if g is None else flat_grad(self._densified(s, g))
 
     def split(self, active: list) -> tuple[dict[int, tuple[Tensor, int]], dict[int, Tensor]]:
         """Split a step's ``(slot, gradient)`` pairs between the host tiers and the device tier.
