@@ -69,8 +69,10 @@ def _model(kind: str, args):
         return GPT(cfg), cfg.num_parameters()
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    # bos/eos: GPT-2's defaults (50256) lie outside the byte vocabulary, and transformers warns of it
     cfg = GPT2Config(n_layer=args.gpt2_layers, n_embd=args.gpt2_width, n_head=args.gpt2_heads, vocab_size=256,
-                     n_positions=max(128, args.seq_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     n_positions=max(128, args.seq_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=None, eos_token_id=None)
     model = GPT2LMHeadModel(cfg)
     return model, sum(p.numel() for p in model.parameters())
 
