@@ -281,3 +281,45 @@ def test_derived_implementations_match_forloop_in_float64(info, impl) -> None:
                                                    msg=f"{inp.desc}, step {i}, {key}")
         for opt in optimizers[:2]:
             opt.close()
+
+
+@pytest.mark.parametrize("default_dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("info", _infos())
+def test_set_default_dtype_works_with_foreach(info, default_dtype) -> None:
+    """torch's test_set_default_dtype_works_with_foreach: with the default dtype float64 (or
+    float16), a float32 model trained 7 steps as _test_derived_optimizers trains it, with the
+    foreach switch on, against torch's for-loop optimizer; ``step`` is a float64 tensor under a
+    float64 default and float32 otherwise, as torch makes it (found 2026-12-07: always float32)."""
+    cls = PAIRS[info.optim_cls.__name__]
+    step_dtype = torch.float64 if default_dtype == torch.float64 else torch.float32
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(default_dtype)
+        for inp in cliquey_inputs("cpu", torch.float32, info, skip=("differentiable", "foreach", "fused")):
+            models, optimizers = [], []
+            for make, switch in ((cls, True), (info.optim_cls, False)):
+                torch.manual_seed(1)
+                model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Sigmoid(), torch.nn.Linear(3, 1),
+                                            torch.nn.Sigmoid()).to(torch.float32)
+                kwargs = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in inp.kwargs.items()}
+                models.append(model)
+                optimizers.append(make(model.parameters(), **kwargs, foreach=switch))
+            x = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=torch.float32).reshape(3, 2)
+            for i in range(7):
+                for model, opt in zip(models, optimizers):
+                    opt.zero_grad()
+                    if i != 2:
+                        model(x).sum().backward()
+                    opt.step()
+            ours, theirs = optimizers
+            for p, q in zip(ours.param_groups[0]["params"], theirs.param_groups[0]["params"]):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=inp.desc)
+                for key, value in theirs.state[q].items():
+                    torch.testing.assert_close(ours.state[p][key], value, rtol=1e-5, atol=1e-6, msg=f"{inp.desc} {key}")
+                if "step" in theirs.state[q]:
+                    assert theirs.state[q]["step"].dtype == step_dtype, "torch's own rule"
+                    assert ours.state[p]["step"].dtype == step_dtype, inp.desc
+                    assert ours.state_dict()["state"][0]["step"].dtype == step_dtype, inp.desc
+            ours.close()
+    finally:
+        torch.set_default_dtype(old)

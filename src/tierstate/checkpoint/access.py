@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..tiers import StateStore
+from ..tiers import StateStore, step_tensor
 from ..kernels import quant as Q
 from .compressed import PART_SUFFIXES
 
@@ -255,7 +255,7 @@ class TorchAccess:
         for key in list(st):
             st[key] = st[key].view(shape)
         if step is not None:
-            st["step"] = torch.tensor(step, dtype=torch.float32)
+            st["step"] = step_tensor(step)
 
     def finish_load(self, step_count: int | None, skipped_steps: int | None) -> None:
         self.opt.load_state_dict({"state": self._pending, "param_groups": self._groups})

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..io.errors import from_oserror
+from ..tiers import step_tensor
 from .access import OffloadAccess, store_of
 from .torch_hooks import entries_not_of_parameters, packed
 
@@ -89,7 +90,7 @@ def mmap_state_dict(opt, scratch_dir: str | os.PathLike, *, host_views: bool = T
                 mapped = _file_backed(scratch, numel, dtype, pieces)
                 entry[key] = mapped.view(s.local.shape) if access.store.unit(key) == 1 else mapped
         if info.step is not None:
-            entry["step"] = torch.tensor(info.step, dtype=torch.float32)
+            entry["step"] = step_tensor(info.step)
         state[info.index] = entry
     state.update(entries_not_of_parameters(opt))
     sd["state"] = state

@@ -4,8 +4,9 @@
 Frameworks (Lightning, Accelerate) move every tensor found in ``optimizer.state`` to the
 accelerator, so it must never hold device tensors, and it must not hold copies either (a
 copy is memory the user did not ask for). ``optimizer.state[p]`` therefore holds the
-``step`` tensor (CPU, float32, as torch) and, for parameters whose state lives wholly in
-host memory, views into it under torch's key names (plus ``master`` for low-precision or
+``step`` tensor (CPU; float32, or float64 under a float64 default dtype, as torch:
+:func:`~tierstate.tiers.step_tensor`) and, for parameters whose state lives wholly in host
+memory, views into it under torch's key names (plus ``master`` for low-precision or
 accelerator parameters). State held elsewhere (the device tier, NVMe, or a parameter
 straddling tiers) is read on demand, as new CPU tensors, by ``state_dict()`` and by a
 lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``: see :class:`ParamState`),
@@ -27,7 +28,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from ..tiers import Slot, StateStore
+from ..tiers import Slot, StateStore, step_tensor
 
 
 class ParamState(dict):
@@ -92,7 +93,7 @@ def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
     if not isinstance(st, ParamState):
         st = opt.state[s.param] = ParamState(opt, s.param, st or {})
     if has_step:
-        st["step"] = torch.tensor(float(s.step), dtype=torch.float32)
+        st["step"] = step_tensor(s.step)
     for key in keys:
         if key == "master" and not s.master.filled:
             continue  # filled from the parameter at its first step

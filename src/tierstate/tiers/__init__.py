@@ -13,10 +13,10 @@ from .device import DeviceTier, device_tier_on_cpu_allowed
 from .host import HostTier, packed_arena
 from .protocol import Tier
 from .slots import MasterLife, Slot, StateLife
-from .store import StateStore, resident_values
+from .store import StateStore, resident_values, step_tensor
 
 __all__ = ["DeviceTier", "HostTier", "MasterLife", "NvmeTier", "Slot", "StateLife", "StateStore", "Tier", "resident_values",
-           "device_heads", "device_tier_on_cpu_allowed", "make_tiers", "packed_arena", "tier_fractions"]
+           "step_tensor", "device_heads", "device_tier_on_cpu_allowed", "make_tiers", "packed_arena", "tier_fractions"]
 
 
 def __getattr__(name: str):

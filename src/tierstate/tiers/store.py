@@ -20,6 +20,13 @@ from .protocol import Tier
 from .slots import MasterLife, Slot, StateLife
 
 
+def step_tensor(step: float) -> Tensor:
+    """``step`` as torch's optimizers keep it: a CPU scalar tensor, float64 while the default
+    dtype is float64 and float32 otherwise (``torch.optim.optimizer._get_scalar_dtype``)."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(step), dtype=dtype)
+
+
 @contextlib.contextmanager
 def resident_values(s: Slot, write: bool) -> Iterator[Tensor]:
     """The flat values of a parameter that is where it always is (its own storage)."""
@@ -320,7 +327,7 @@ class StateStore:
         """``s``'s state as torch's dict of key -> tensor (host views where they exist)."""
         out = {key: self.read(s, key) for key in self.held_keys(s)}
         if has_step:
-            out["step"] = torch.tensor(float(s.step), dtype=torch.float32)
+            out["step"] = step_tensor(s.step)
         return out
 
     def import_(self, s: Slot, state: Mapping, master_filled: bool | None = None) -> None:
