@@ -195,7 +195,8 @@ MUTATIONS = [
     ("group-index-out-of-range", _set(["params", 0, "group"], 3), CORRUPT, r"group"),
     ("param-records-swapped", _swap_param_records, CORRUPT, r"index"),
     # hyper-parameters: the rule's own validation, before anything is applied
-    ("lr-negative", _set(["param_groups", 0, "lr"], -1), ValueError, r"param_groups\[0\].*Invalid learning rate: -1 \(lr must"),
+    ("lr-negative", _set(["param_groups", 0, "lr"], -1), ValueError,
+     r"param_groups\[0\].*Invalid learning rate: -1 \(lr must"),
     ("lr-string", _set(["param_groups", 0, "lr"], "abc"), TypeError, r"param_groups\[0\].*lr.*abc"),
     ("lr-nan", _set(["param_groups", 0, "lr"], float("nan")), ValueError, r"param_groups\[0\].*lr"),
     ("betas-out-of-range", _set(["param_groups", 0, "betas"], [1.5, 0.95]), ValueError,

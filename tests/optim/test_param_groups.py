@@ -87,8 +87,9 @@ def test_same_tensor_twice_in_a_group_is_warned_about_in_torchs_words_and_kept_o
     to an optimizer given it once."""
     m, twin = mlp(), mlp()
     w, b = m[0].weight, m[0].bias
-    with pytest.warns(UserWarning, match=r"a parameter group with duplicate parameters.*param_groups\[0\]\['params'\]"
-                                         r"\[2\] is the same tensor as param_groups\[0\]\['params'\]\[0\].*once per step"):
+    with pytest.warns(UserWarning, match=r"a parameter group with duplicate parameters.*"
+                                         r"param_groups\[0\]\['params'\]\[2\] is the same tensor as "
+                                         r"param_groups\[0\]\['params'\]\[0\].*once per step"):
         ours = ts.AdamW([w, b, w, *m[2].parameters()], lr=1e-2)
     ref = ts.AdamW([twin[0].weight, twin[0].bias, *twin[2].parameters()], lr=1e-2)
     assert [id(p) for p in ours.param_groups[0]["params"]] == [id(w), id(b), *map(id, m[2].parameters())]
@@ -98,7 +99,7 @@ def test_same_tensor_twice_in_a_group_is_warned_about_in_torchs_words_and_kept_o
         assert torch.equal(p, q)
         assert ours.state[p]["step"] == ref.state[q]["step"] == 3
         assert all(torch.equal(ours.state[p][k], ref.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))
-    assert [len(g) for g in (ours.state_dict()["param_groups"][0]["params"],)] == [4]
+    assert len(ours.state_dict()["param_groups"][0]["params"]) == 4
     # named parameters: the later (name, tensor) pair goes too
     with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):
         named = ts.AdamW([("w", w), ("b", b), ("w_again", w)], lr=1e-2)

@@ -45,9 +45,9 @@ def check_state_dict(opt, state_dict) -> list[dict]:
         raise TypeError("load_state_dict: 'state' must be a dict of parameter index -> state, got "
                         f"{type(state).__name__}")
     if len(groups) != len(opt.param_groups):
-        raise ValueError(f"loaded state dict has a different number of parameter groups (torch's words): the state "
-                         f"dict has {len(groups)} param group(s), this {name} has {len(opt.param_groups)}; load a state "
-                         "dict of an optimizer over the same parameter groups")
+        raise ValueError(f"loaded state dict has a different number of parameter groups (torch's words): the "
+                         f"state dict has {len(groups)} param group(s), this {name} has {len(opt.param_groups)}; "
+                         "load a state dict of an optimizer over the same parameter groups")
     needed = opt.rule.required_keys()
     merged = []
     for gi, (saved, current) in enumerate(zip(groups, opt.param_groups)):

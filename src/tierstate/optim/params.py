@@ -198,8 +198,8 @@ def non_contiguous(tensors: list[Tensor]) -> list[int]:
         if not alone:
             raise ValueError(
                 f"{what} is not contiguous, and another tensor shares its memory (a view kept elsewhere, such as "
-                "the tensor it was transposed or sliced from): tierstate updates a parameter through a flat view of its "
-                "memory and would have to give this one memory of its own, which that tensor would not see; "
+                "the tensor it was transposed or sliced from): tierstate updates a parameter through a flat view of "
+                "its memory and would have to give this one memory of its own, which that tensor would not see; "
                 "make it contiguous before building the optimizer (p.data = p.data.contiguous(), or "
                 "model.to(memory_format=torch.contiguous_format)), or drop the other reference")
         moves.append(i)

@@ -25,13 +25,13 @@ from . import grad_mark
 from .grad_stream import GradStream
 
 
-
 def flat_grad(g: Tensor) -> Tensor:
     """``g``'s elements as one contiguous run, as the kernels read them: a view of a contiguous
     gradient, a copy of one laid out otherwise (transposed, sliced with gaps, expanded), which
     torch's optimizers take as they are. ``reshape(-1)`` alone keeps a slice's gaps (a 1-d view
     of stride 2)."""
     return g.detach().reshape(-1).contiguous()
+
 
 class HookNorms:
     """Each CPU gradient's sum of squares, taken by its post-accumulate-grad hook in backward.
