@@ -153,6 +153,8 @@ def main(argv: list[str]) -> None:
         ckpt, steps = argv[2], int(argv[3])
         if os.environ.get("CKPT_TEST_SIGTERM_EXIT") == "1":  # a graceful-exit handler, as launchers' users write
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(3))
+        else:  # the default disposition the test means, even where the test runner ignores SIGTERM
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when this process was started
         # from a background job: a shell's `cmd &` ignores SIGINT, and exec keeps it ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -75,6 +75,11 @@ def _mp_child(conn_path):
 
 def main() -> None:
     what, where, disposition = sys.argv[1:4]
+    # The dispositions the test names, whatever the test runner left: an ignored signal stays
+    # ignored across exec, and a runner started under nohup ignores SIGHUP (the SIGHUP test
+    # then waited 60 s for a child that rightly left the ignored signal alone).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
     if disposition == "ignore":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     elif disposition == "exit":
