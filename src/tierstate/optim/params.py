@@ -68,9 +68,11 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
                             "(module.parameters())") from None
     param_group["params"] = params  # the list, not the generator it came from (read once, here)
     tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
-    seen = {p: f"param_groups[{gi}]['params'][{i}]" for gi, g in enumerate(param_groups)
-            for i, p in enumerate(g["params"])}  # tensors hash by identity
-    duplicates: list[int] = []  # indices of tensors this group already holds
+    # where each tensor already is (tensors hash by identity): in the groups there, in this one
+    elsewhere = {p: f"param_groups[{gi}]['params'][{i}]" for gi, g in enumerate(param_groups)
+                 for i, p in enumerate(g["params"])}
+    here: dict[Tensor, str] = {}
+    kept: list[int] = []  # the first place of each tensor in this group
     for i, p in enumerate(tensors):
         if not isinstance(p, Tensor):
             raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {torch.typename(p)}: "
@@ -94,24 +96,22 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
         # torch refuses a tensor in two groups, in these words; a tensor twice in one group it only
         # warns about, and then updates once per occurrence with one state (two Adam steps a step).
         # A parameter has one slot of state here, so it is kept once (below): updated once a step.
-        if p in seen and seen[p].startswith(where):
-            duplicates.append(i)
+        if p in elsewhere:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: {where}[{i}] is the same tensor as "
+                f"{elsewhere[p]}; a parameter may appear once in an optimizer: remove the duplicate (e.g. tied "
+                "weights: pass the shared tensor once)")
+        if p in here:
             warnings.warn(
                 "optimizer contains a parameter group with duplicate parameters; in future, this will cause an "
-                f"error (torch's words): {where}[{i}] is the same tensor as {seen[p]}; tierstate keeps it once "
+                f"error (torch's words): {where}[{i}] is the same tensor as {here[p]}; tierstate keeps it once "
                 "and updates it once per step (torch's optimizers update it once per occurrence): remove the "
                 "duplicate", UserWarning, stacklevel=_caller_level())
             continue
-        if p in seen:
-            raise ValueError(
-                f"some parameters appear in more than one parameter group: {where}[{i}] is the same tensor as "
-                f"{seen[p]}; a parameter may appear once in an optimizer: remove the duplicate (e.g. tied weights: "
-                "pass the shared tensor once)")
-        seen[p] = f"{where}[{i}]"
-    if duplicates:
-        dropped = set(duplicates)
-        params = [p for i, p in enumerate(params) if i not in dropped]
-        tensors = [p for i, p in enumerate(tensors) if i not in dropped]
+        here[p] = f"{where}[{i}]"
+        kept.append(i)
+    if len(kept) < len(tensors):
+        params, tensors = [params[i] for i in kept], [tensors[i] for i in kept]
         param_group["params"] = params
     merged = dict(param_group)
     for key, value in defaults.items():
