@@ -8,6 +8,7 @@ a float64 parameter beside the float32 one, as here.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -323,3 +324,66 @@ def test_set_default_dtype_works_with_foreach(info, default_dtype) -> None:
             ours.close()
     finally:
         torch.set_default_dtype(old)
+
+
+def _step_dtypes_through_a_life(make) -> list:
+    """What ``state[p]["step"]`` is at each point of a life that changes the default dtype, uses
+    ``fused``, and loads state dicts saved under another default (torch's rules: the dtype is
+    fixed when the state starts, float32 under ``fused``; a loaded tensor keeps its dtype unless
+    its saved group was fused; a loaded number becomes a tensor of the rule of the moment)."""
+    seen = []
+
+    def look(what, opt, p):
+        step = opt.state[p]["step"]
+        seen.append((what, type(step).__name__, getattr(step, "dtype", None), float(step),
+                     opt.state_dict()["state"][0]["step"].dtype))
+
+    p = torch.nn.Parameter(torch.randn(4, dtype=torch.float32))
+    p.grad = torch.ones_like(p)
+    torch.set_default_dtype(torch.float64)
+    opt = make([p], fused=True)
+    opt.step()
+    look("fused, float64 default", opt, p)
+    opt = make([p])
+    opt.step()
+    look("float64 default", opt, p)
+    saved64 = copy.deepcopy(opt.state_dict())
+    torch.set_default_dtype(torch.float32)
+    look("the default back to float32", opt, p)
+    opt.step()
+    look("a step after that", opt, p)
+    for fused in (False, True):
+        other = make([p], fused=fused)
+        other.load_state_dict(copy.deepcopy(saved64))
+        look(f"float64 step loaded under float32, fused={fused}", other, p)
+        other.step()
+        look(f"... and a step, fused={fused}", other, p)
+    fused_saved = make([p], fused=True)
+    fused_saved.step()
+    sd = copy.deepcopy(fused_saved.state_dict())
+    sd["state"][0]["step"] = sd["state"][0]["step"].double()
+    other = make([p])
+    other.load_state_dict(sd)
+    look("a float64 step saved by a fused optimizer", other, p)
+    sd = copy.deepcopy(saved64)
+    sd["state"][0]["step"] = 3
+    torch.set_default_dtype(torch.float64)
+    other = make([p])
+    other.load_state_dict(sd)
+    look("a number loaded under float64", other, p)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad"])
+def test_step_dtype_is_fixed_when_the_state_starts_and_kept_by_a_load_as_in_torch(name) -> None:
+    """found 2026-12-07: tierstate made ``step`` anew by the default dtype of the moment it was
+    looked at, and ignored ``fused`` (float32 in torch whatever the default)."""
+    old = torch.get_default_dtype()
+    try:
+        theirs = _step_dtypes_through_a_life(getattr(torch.optim, name))
+        ours = _step_dtypes_through_a_life(PAIRS[name])
+    finally:
+        torch.set_default_dtype(old)
+    for a, b in zip(ours, theirs):
+        assert a == b, f"{name}: {a[0]}: tierstate {a[1:]}, torch {b[1:]}"
+    assert len(ours) == len(theirs) == 10

@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..tiers import StateStore, step_tensor
+from ..tiers import StateStore, fused_group, step_tensor
 from ..kernels import quant as Q
 from .compressed import PART_SUFFIXES
 
@@ -168,7 +168,8 @@ class OffloadAccess:
 
     def commit_param(self, index: int, keys: set, step: float | None) -> None:
         """Parameter ``index`` has all of ``keys`` written: it now has state, like after a step."""
-        self.store.commit_loaded(self.slots[index], keys, step)
+        s = self.slots[index]
+        self.store.commit_loaded(s, keys, step, fused=fused_group(self.opt.param_groups[s.group]))
 
     def finish_load(self, step_count: int | None, skipped_steps: int | None) -> None:
         self.opt.refresh_state_view()

@@ -90,7 +90,7 @@ def mmap_state_dict(opt, scratch_dir: str | os.PathLike, *, host_views: bool = T
                 mapped = _file_backed(scratch, numel, dtype, pieces)
                 entry[key] = mapped.view(s.local.shape) if access.store.unit(key) == 1 else mapped
         if info.step is not None:
-            entry["step"] = step_tensor(info.step)
+            entry["step"] = step_tensor(info.step, s.step_dtype)
         state[info.index] = entry
     state.update(entries_not_of_parameters(opt))
     sd["state"] = state

@@ -25,6 +25,7 @@ from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
 from ..telemetry import Telemetry
+from ..tiers import fused_group
 from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
@@ -377,13 +378,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         merged = check_state_dict(self, state_dict)  # all of it, before anything is replaced
         saved_state = state_dict.get("state", {})
         pairs = list(self._by_saved_index(state_dict))  # (saved index, parameter), checked above
+        # torch keeps a loaded step's dtype unless the group it was saved from was fused or capturable
+        saved_fused = {i: fused_group(g) for g in state_dict["param_groups"] for i in g["params"]}
         self.take_param_groups(state_dict["param_groups"], merged)
         store = self._engine.store
         for saved_id, p in pairs:
             st = saved_state.get(saved_id)
             s = store.slot_of(p)
             if st and s.trainable is not None:
-                store.import_(s, st)
+                store.import_(s, st, saved_fused=saved_fused.get(saved_id, False))
                 publish(self, store, s, self.rule.has_step)
         known = {saved_id for saved_id, _ in pairs}
         for key, value in saved_state.items():  # an entry that is not a parameter's, as torch keeps it

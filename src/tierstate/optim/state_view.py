@@ -93,7 +93,7 @@ def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
     if not isinstance(st, ParamState):
         st = opt.state[s.param] = ParamState(opt, s.param, st or {})
     if has_step:
-        st["step"] = step_tensor(s.step)
+        st["step"] = step_tensor(s.step, s.step_dtype)
     for key in keys:
         if key == "master" and not s.master.filled:
             continue  # filled from the parameter at its first step

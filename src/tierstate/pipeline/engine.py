@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..placement import Offload
-from ..tiers import Slot, StateLife
+from ..tiers import Slot, StateLife, fused_group
 from ..weights import generation as weights_generation
 from ..weights import streamed as weights_of
 from .assembly import Parts, assemble
@@ -88,6 +88,10 @@ class StepEngine:
         owner = self._owner()
         return owner.param_groups if owner is not None else []
 
+    def _start_state(self, s: Slot) -> None:
+        groups = self.groups()
+        self.store.start_state(s, fused=s.group < len(groups) and fused_group(groups[s.group]))
+
     # -- assembly ----------------------------------------------------------------------------
     def _assemble(self) -> None:
         self.parts = assemble(self.groups, self.rule, self.offload, self.policy.step_in_backward, self.telemetry,
@@ -95,7 +99,7 @@ class StepEngine:
         if self.rule.eager_state:
             for s in self.store.slots:
                 if s.trainable is not None:
-                    self.store.start_state(s)
+                    self._start_state(s)
         if self.policy.step_in_backward and self.parts.trainable:
             from .backward import BackwardDriver  # noqa: PLC0415 - only this mode needs it
 
@@ -244,7 +248,7 @@ class StepEngine:
         """
         fresh = not s.has_state
         if fresh:
-            self.store.start_state(s)
+            self._start_state(s)
         self.store.fill_master(s)
         s.life = StateLife.LIVE
         s.step += 1
@@ -334,7 +338,7 @@ class StepEngine:
                 # lr 0 only to make state exist. Its outcome is known (state at init, step 1), so
                 # no sub-group is streamed through the tiers for it.
                 for s, _ in active:
-                    store.start_state(s)
+                    self._start_state(s)
                     s.step = 1
                 return StepResult([s for s, _ in active], {s.trainable for s, _ in active}, rebuilt)
         result = self._run(active, host_grads, device_grads, decision)

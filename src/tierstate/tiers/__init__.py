@@ -13,10 +13,11 @@ from .device import DeviceTier, device_tier_on_cpu_allowed
 from .host import HostTier, packed_arena
 from .protocol import Tier
 from .slots import MasterLife, Slot, StateLife
-from .store import StateStore, resident_values, step_tensor
+from .store import StateStore, fused_group, loaded_step_dtype, resident_values, scalar_dtype, step_tensor
 
 __all__ = ["DeviceTier", "HostTier", "MasterLife", "NvmeTier", "Slot", "StateLife", "StateStore", "Tier", "resident_values",
-           "step_tensor", "device_heads", "device_tier_on_cpu_allowed", "make_tiers", "packed_arena", "tier_fractions"]
+           "step_tensor", "scalar_dtype", "loaded_step_dtype", "fused_group", "device_heads",
+           "device_tier_on_cpu_allowed", "make_tiers", "packed_arena", "tier_fractions"]
 
 
 def __getattr__(name: str):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from ..dist import local_tensor
@@ -82,6 +83,9 @@ class Slot:
     # (sub-group, param offset) of the master pieces still PENDING
     pending_pieces: set = field(default_factory=set)
     step: int = 0
+    # torch's dtype of ``step``, fixed when the state starts or is loaded (store.scalar_dtype);
+    # None while the parameter has no state
+    step_dtype: torch.dtype | None = None
 
     @property
     def local(self) -> Tensor:

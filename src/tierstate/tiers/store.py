@@ -20,11 +20,35 @@ from .protocol import Tier
 from .slots import MasterLife, Slot, StateLife
 
 
-def step_tensor(step: float) -> Tensor:
-    """``step`` as torch's optimizers keep it: a CPU scalar tensor, float64 while the default
-    dtype is float64 and float32 otherwise (``torch.optim.optimizer._get_scalar_dtype``)."""
-    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    return torch.tensor(float(step), dtype=dtype)
+def fused_group(group: Mapping) -> bool:
+    """Whether a parameter group asks for torch's fused or capturable implementation (which
+    keep ``step`` in float32): tierstate runs its own kernels either way, only ``step``'s dtype follows."""
+    return bool(group.get("fused") or group.get("capturable"))
+
+
+def scalar_dtype(fused: bool = False) -> torch.dtype:
+    """The dtype torch gives a new ``step`` (``torch.optim.optimizer._get_scalar_dtype``):
+    float32 for a ``fused`` or ``capturable`` group, else float64 while the default dtype is
+    float64 and float32 otherwise. Fixed when the state starts: a later change of the default
+    dtype leaves it as it was."""
+    if not fused and torch.get_default_dtype() == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
+def step_tensor(step: float, dtype: torch.dtype | None = None) -> Tensor:
+    """``step`` as torch's optimizers keep it: a CPU scalar tensor of ``dtype`` (the slot's
+    ``step_dtype``; None: :func:`scalar_dtype` of the moment)."""
+    return torch.tensor(float(step), dtype=dtype or scalar_dtype())
+
+
+def loaded_step_dtype(value, saved_fused: bool) -> torch.dtype:
+    """The dtype of a ``step`` loaded from a state dict, as torch's ``load_state_dict`` leaves it:
+    float32 where the saved group was fused or capturable, else a tensor keeps its own and a
+    number (an old state dict) takes :func:`scalar_dtype` of the moment."""
+    if saved_fused:
+        return torch.float32
+    return value.dtype if isinstance(value, Tensor) else scalar_dtype()
 
 
 @contextlib.contextmanager
@@ -245,11 +269,14 @@ class StateStore:
             # the parameter holds its bf16 master exactly: nothing is left to compensate
             self.write(s, "master.comp", torch.zeros((1,), dtype=self.dtypes["master.comp"]).expand(s.local.numel()))
 
-    def start_state(self, s: Slot) -> None:
-        """First step of a parameter with a gradient: its state starts existing (torch semantics)."""
+    def start_state(self, s: Slot, fused: bool = False) -> None:
+        """First step of a parameter with a gradient: its state starts existing (torch semantics).
+        ``fused``: its group asks for torch's fused or capturable implementation, whose ``step``
+        is float32 whatever the default dtype."""
         self.reset_to_init(s)
         s.life = StateLife.AT_INIT
         s.step = 0
+        s.step_dtype = scalar_dtype(fused)
 
     def forget_all(self) -> None:
         """Every state stops existing (a load replaces them all); no record need be read back."""
@@ -257,7 +284,7 @@ class StateStore:
             tier.forget_state()
         for s in self.slots:
             s.life = s.life.forgotten()
-            s.master, s.step = MasterLife.ABSENT, 0
+            s.master, s.step, s.step_dtype = MasterLife.ABSENT, 0, None
             s.pending_pieces.clear()
 
     def fill_master(self, s: Slot) -> None:
@@ -327,16 +354,17 @@ class StateStore:
         """``s``'s state as torch's dict of key -> tensor (host views where they exist)."""
         out = {key: self.read(s, key) for key in self.held_keys(s)}
         if has_step:
-            out["step"] = step_tensor(s.step)
+            out["step"] = step_tensor(s.step, s.step_dtype)
         return out
 
-    def import_(self, s: Slot, state: Mapping, master_filled: bool | None = None) -> None:
-        """Make ``state`` (torch's dict of key -> tensor) ``s``'s state; keys it lacks start at init."""
+    def import_(self, s: Slot, state: Mapping, master_filled: bool | None = None, saved_fused: bool = False) -> None:
+        """Make ``state`` (torch's dict of key -> tensor) ``s``'s state; keys it lacks start at init.
+        ``saved_fused``: the group it was saved from was fused or capturable (:func:`loaded_step_dtype`)."""
         if not s.has_state:
             # Only keys the state dict lacks start from their init value: the given ones may be
             # this optimizer's own views (DCP loads in place), which a reset would wipe first.
             self.reset_to_init(s, skip=state)
-            s.step = 0
+            s.step, s.step_dtype = 0, scalar_dtype(saved_fused)
         s.life = StateLife.LIVE
         for key in self.keys(s):
             value = state.get(key)
@@ -350,14 +378,17 @@ class StateStore:
             self.write(s, key, value)
         if "step" in state:
             s.step = int(float(state["step"]))
+            s.step_dtype = loaded_step_dtype(state["step"], saved_fused)
         filled = ("master" in state) if master_filled is None else master_filled
         s.master = MasterLife.READY if filled else MasterLife.ABSENT
         s.pending_pieces.clear()
 
-    def commit_loaded(self, s: Slot, keys: set, step: float | None) -> None:
-        """``s`` has all of ``keys`` written by a streaming load: it has state, as after a step."""
+    def commit_loaded(self, s: Slot, keys: set, step: float | None, fused: bool = False) -> None:
+        """``s`` has all of ``keys`` written by a streaming load: it has state, as after a step.
+        The checkpoint keeps ``step`` as a number: its dtype is :func:`scalar_dtype` of the moment."""
         s.life = StateLife.LIVE
         s.step = int(step) if step is not None else 0
+        s.step_dtype = scalar_dtype(fused)
         s.master = MasterLife.READY if ("master" in keys and s.needs_master) else MasterLife.ABSENT
         s.pending_pieces.clear()
         if "master.comp" in self.keys(s) and "master.comp" not in keys and (not s.needs_master or "master" in keys):
