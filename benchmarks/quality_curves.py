@@ -196,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="runs at once, one thread each")
     ap.add_argument("--out", default=".", help="folder for quality_curves.png and .json")
     ap.add_argument("--report-only", action="store_true", help="table and figure from OUT/quality_curves.json")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs OUT/quality_curves.json holds (same configuration) and run only the rest")
     args = ap.parse_args(argv)
     for name in ("steps", "seeds", "batch_size", "seq_len", "eval_batches", "workers"):
         if getattr(args, name) < 1:
@@ -220,17 +222,40 @@ def main(argv=None) -> int:
     meta = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "cpu": cpu_model() or "unknown CPU",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "torch": torch.__version__, "python": platform.python_version(), "config": {
-                k: v for k, v in vars(args).items() if k != "out"}}
-    results = []
+                k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}}
+    results = _resumed(out, meta) if args.resume else []
+    done = {(r["kind"], r["format"], r["seed"]) for r in results}
+    jobs = [j for j in jobs if (j["kind"], j["format"], j["seed"]) not in done]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for r in pool.imap_unordered(run_one, jobs):
             results.append({k: v for k, v in r.items() if k != "args"})
             done = "skipped: " + r["skipped"][:60] if "skipped" in r else f"final {r['final']:.4f} in {r['seconds']:.0f}s"
-            print(f"[{len(results)}/{len(jobs)}] {r['kind']} {r['format']} seed {r['seed']}: {done}", flush=True)
-            meta["wall_s"] = time.perf_counter() - t0
+            print(f"[{len(results)}/{len(jobs) + len(done)}] {r['kind']} {r['format']} seed {r['seed']}: {done}", flush=True)
+            meta["wall_s"] = time.perf_counter() - t0 + meta.get("wall_s_earlier", 0.0)
             # saved after every run: an interrupted sweep still reports (--report-only)
             (out / "quality_curves.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
     return _report(results, kinds, out, meta)
+
+
+# options that change how a sweep runs, not what a run computes
+_NOT_CONFIG = ("out", "workers", "report_only", "resume", "seeds", "models", "formats")
+
+
+def _resumed(out: Path, meta: dict) -> list[dict]:
+    """The finished runs a previous sweep saved in ``out``, if it trained as this one does."""
+    path = out / "quality_curves.json"
+    if not path.exists():
+        return []
+    saved = json.loads(path.read_text())
+    theirs = {k: v for k, v in saved["meta"].get("config", {}).items() if k not in _NOT_CONFIG}
+    if theirs != meta["config"]:
+        differ = sorted(k for k in set(theirs) | set(meta["config"]) if theirs.get(k) != meta["config"].get(k))
+        raise SystemExit(f"--resume: {path} was trained with other settings ({', '.join(differ)}); "
+                         f"pass another --out or the same settings")
+    meta["date"] = saved["meta"].get("date", meta["date"]) + " to " + meta["date"]
+    meta["wall_s_earlier"] = saved["meta"].get("wall_s", 0.0)  # which counts any sweep before it
+    print(f"--resume: {len(saved['runs'])} runs kept from {path}", flush=True)
+    return list(saved["runs"])
 
 
 def _report(results: list[dict], kinds: list[str], out: Path, meta: dict) -> int:
