@@ -19,6 +19,10 @@ prints a table of final held-out losses and their ratio to the fp32-state run (m
 seeds, and the worst seed).
 
     python benchmarks/quality_curves.py --steps 1000 --seeds 3 --out docs/figures
+
+The runs are saved as each finishes: ``--report-only`` reports what a stopped sweep saved, and
+the same command with ``--resume`` keeps those runs and trains only the rest (a larger
+``--seeds`` adds seeds to a finished sweep).
 """
 from __future__ import annotations
 
@@ -224,13 +228,14 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "python": platform.python_version(), "config": {
                 k: v for k, v in vars(args).items() if k not in _NOT_CONFIG}}
     results = _resumed(out, meta) if args.resume else []
-    done = {(r["kind"], r["format"], r["seed"]) for r in results}
-    jobs = [j for j in jobs if (j["kind"], j["format"], j["seed"]) not in done]
+    kept = {(r["kind"], r["format"], r["seed"]) for r in results}
+    total = len(jobs)
+    jobs = [j for j in jobs if (j["kind"], j["format"], j["seed"]) not in kept]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for r in pool.imap_unordered(run_one, jobs):
             results.append({k: v for k, v in r.items() if k != "args"})
             done = "skipped: " + r["skipped"][:60] if "skipped" in r else f"final {r['final']:.4f} in {r['seconds']:.0f}s"
-            print(f"[{len(results)}/{len(jobs) + len(done)}] {r['kind']} {r['format']} seed {r['seed']}: {done}", flush=True)
+            print(f"[{len(results)}/{total}] {r['kind']} {r['format']} seed {r['seed']}: {done}", flush=True)
             meta["wall_s"] = time.perf_counter() - t0 + meta.get("wall_s_earlier", 0.0)
             # saved after every run: an interrupted sweep still reports (--report-only)
             (out / "quality_curves.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
