@@ -37,8 +37,8 @@ One training step = compute (6 FLOPs per parameter per token, plus attention, at
 measured matmul rate; under activation checkpointing plus the blocks' forward again, 2 FLOPs per
 block parameter per token) + the gradient copy to the host that backward could not hide
 (backward is taken as 2/3 of compute) + the optimizer step + the weight upload. The
-optimizer step is the gradient pass (global norm and inf check: one read of every
-gradient) plus the sub-group pipeline, in which the CPU update and the NVMe reads/writes
+optimizer step is the gradient pass (global norm and inf check: one read of every host
+copy of an accelerator's gradients; a CPU gradient's is taken in backward) plus the sub-group pipeline, in which the CPU update and the NVMe reads/writes
 overlap: max(CPU time, disk time + one record's update). The NVMe pool is a write-back
 cache that keeps the last ``buffer_count`` records of a step for the next one, so a step
 reads and writes ``S - buffer_count`` of its ``S`` records. CPU update time is the configuration's
@@ -249,7 +249,10 @@ def predict_time(req: PlanRequest, placement: Placement, hw: Hardware) -> StepTi
         seconds_per_param = max(seconds_per_param, 1.0 / compressed_rate)
     cpu_host = n_host * seconds_per_param
     cpu_nvme = n_nvme * seconds_per_param
-    grad_pass = (n_host + n_nvme) * pb / (hw.sumsq_params_per_s * 4)
+    # A CPU gradient's norm is taken by its hook in backward, while the gradient is in cache
+    # (pipeline/grads.py HookNorms; in backward.py for step_in_backward): no pass in the step.
+    # The host copies of accelerator gradients are read once more for it.
+    grad_pass = (n_host + n_nvme) * pb / (hw.sumsq_params_per_s * 4) if req.on_accelerator else 0.0
 
     state = req.state_bytes_per_param
     disk = 0.0
