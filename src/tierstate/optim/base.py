@@ -234,6 +234,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
           refuse to start: a failed write is raised at the end of ``step()`` as above, and the
           record is written again when it is next evicted (each step updates it).
         """
+        self._engine.check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -207,7 +207,7 @@ class BackwardDriver(Speculation):
         self.pending = {}
         self.seen = set()
         self.waiting.clear()
-        lost = engine.store.lost_error()
+        lost = engine.store.lost_error() or engine.user_writes_refused()  # masters follow the user's writes
         if lost is not None:  # update nothing: step() raises it with the state as before this backward
             self.error, self.stopped = lost, True
         streamed = engine.parts.weights.streamed

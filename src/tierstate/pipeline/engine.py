@@ -28,6 +28,7 @@ from .assembly import Parts, assemble
 from .decision import Decision, Scaling, Verdict, decide
 from .executors import DeviceExecutor, HostExecutor
 from .loop import run_subgroups
+from .user_writes import ParamMarks, follow_values
 
 _log = logging.getLogger("tierstate")
 
@@ -82,6 +83,8 @@ class StepEngine:
         self.parts: Parts | None = None
         self._held_back: set[Tensor] = set()  # placed as frozen for one re-placement (adopt_new_trainables)
         self._unplaced: dict | None = None  # the state of a refused placement (place_again)
+        self.closed = False
+        self.marks = ParamMarks()  # what the parameters were after we last wrote them (user_writes.py)
         self._assemble()
 
     def groups(self) -> list[dict]:
@@ -105,6 +108,7 @@ class StepEngine:
 
             self.backward = BackwardDriver(self)
             self.backward.plan_next()
+        self.mark_params()
 
     @property
     def store(self):
@@ -170,8 +174,35 @@ class StepEngine:
             self.parts.close()
 
     def close(self) -> None:
-        """Release host buffers, files and hooks."""
+        """Release host buffers, files and hooks; any later use of the state is refused."""
         self._close_parts()
+        self.closed = True
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this optimizer was closed: close() released its buffers, files and hooks, and "
+                               "its state with them. build a new optimizer (a state_dict() or checkpoint taken "
+                               "before close() loads into it)")
+
+    def follow_user_writes(self) -> None:
+        """Before a step updates anything: refuse parameters whose shape or dtype changed, and
+        make masters follow the values written into their parameters (see [Note: weights
+        changed between steps])."""
+        changed = self.marks.changed(self.store.slots, self.store.layout.param_numels)
+        if changed:
+            follow_values(self.store, changed)
+
+    def user_writes_refused(self) -> RuntimeError | None:
+        """:meth:`follow_user_writes` where it cannot raise (in a backward hook): its refusal."""
+        try:
+            self.follow_user_writes()
+        except RuntimeError as refused:
+            return refused
+        return None
+
+    def mark_params(self) -> None:
+        """The parameters as tierstate last wrote them (after a step, a placement, a load)."""
+        self.marks.record(self.store.slots)
 
     # -- outside a step ------------------------------------------------------------------------
     @property
@@ -183,6 +214,7 @@ class StepEngine:
         runs during backward land first (its driver owns the tiers until then; the step stays
         open for ``step()`` to finish), write the master pieces still pending, and follow
         parameters that FSDP2 replaced. True if the engine was rebuilt."""
+        self.check_open()
         self.place_again()
         if self.backward_open:
             self.backward.finish()
@@ -280,12 +312,21 @@ class StepEngine:
         """One step over every parameter with a gradient (see ``OffloadOptimizer.step`` for what a
         failure leaves). Raises the I/O errors of the tiers; a write that failed during the step
         is left for the caller to collect (``store.take_write_errors()``)."""
+        result = self._step(scaling)
+        # the parameters as this step left them (a failed step keeps the earlier marks: the next
+        # one then compares values it wrote itself, which changes nothing)
+        self.mark_params()
+        return result
+
+    def _step(self, scaling: Scaling) -> StepResult:
+        self.check_open()
         self.place_again()
         tel, store = self.telemetry, self.store
         backward_open = self.backward_open
         if not backward_open:
             self.parts.grads.check_sparse(store.slots)  # a sparse gradient refused: nothing changed yet
             store.settle()  # earlier failed writes retried, or raise with nothing changed yet
+            self.follow_user_writes()  # a changed shape refused: nothing changed yet
         self.counters.steps_taken += 1
         self.parts.weights.wait_upload(tel)  # the staging buffers are about to be rewritten
         self.parts.grads.wait()

@@ -1,0 +1,111 @@
+"""Parameters the user changed between two steps.
+
+[Note: weights changed between steps]
+torch's optimizers read each parameter at every step, so whatever the user wrote into it since
+the last one (a pruning mask applied in place, weights loaded with ``model.load_state_dict``
+or through ``param.data``) is what the next step trains from. A parameter with a master copy
+(bf16/fp16 parameters under an fp32 master; fp32 ones under a 16-bit master with 8-bit
+state) is updated from the master, which would write the old weights back. So before each
+step (and before the first update of a step run in backward) :class:`ParamMarks` compares
+every host parameter with what it was after tierstate last wrote it:
+
+- its shape, dtype or device changed (``model.half()``, ``param.data = other``): refused,
+  naming the parameter, before anything changes. Its state was laid out for the old one.
+- its memory changed (``param.data = new``, same shape and dtype): the master is filled
+  again from the parameter, as at the first step.
+- its version changed (torch bumps ``_version`` at every in-place write; the native kernels
+  write through a pointer and bump nothing): the master follows the values. An fp32 master
+  takes the parameter's value only where the parameter is no longer the master rounded
+  (:func:`follow_values`), so an EMA's evaluation swap, which writes the same values back,
+  leaves the master's fp32 bits as they were. A 16-bit master (8-bit state) is filled again
+  from the parameter: under an fp32 parameter the kernels wrote the value the master and its
+  compensation stand for, so an unchanged parameter gives back the same master (under an
+  fp16 one, the master keeps only what the fp16 values hold).
+
+A parameter that is its own master (fp32 state, or a bf16 parameter under ``bf16_kahan``,
+whose int16 compensation is then at most half an ulp stale) needs nothing. Parameters on an
+accelerator (written by their upload, on a stream) are checked for shape, dtype and device
+only; parameters whose weights stream (:mod:`tierstate.weights`, whose storage is swapped
+around every block) are not checked.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..tiers import MasterLife, Slot, StateStore
+from ..weights import streamed as weights_of
+
+Mark = tuple  # (shape, dtype, device, data_ptr, version)
+
+
+def _mark(t: Tensor) -> Mark:
+    return (tuple(t.shape), t.dtype, t.device, t.data_ptr(), t._version)
+
+
+def _values_watched(s: Slot) -> bool:
+    return s.needs_master and s.local.device.type == "cpu" and weights_of(s.param) is None
+
+
+class ParamMarks:
+    """What each trainable parameter was after tierstate last wrote it."""
+
+    def __init__(self) -> None:
+        self._marks: dict[int, Mark] = {}
+
+    def record(self, slots) -> None:
+        """After a placement and after each step."""
+        self._marks = {s.index: _mark(s.local) for s in slots
+                       if s.trainable is not None and weights_of(s.param) is None}
+
+    def changed(self, slots, numels) -> list[tuple[Slot, bool]]:
+        """``(slot, replaced)`` for each slot whose values the user wrote since :meth:`record`
+        (``replaced``: in other memory, ``param.data = ...``); raises for a parameter whose
+        shape, dtype or device changed (nothing is changed by this call)."""
+        out = []
+        for s in slots:
+            old = self._marks.get(s.index)
+            if s.trainable is None or old is None:
+                continue
+            now = _mark(s.local)
+            if now == old:
+                continue
+            shape, dtype, device = now[:3]
+            if (shape, dtype, device) != old[:3] or s.local.numel() != numels[s.trainable]:
+                what = ("shape" if shape != old[0] else "dtype" if dtype != old[1] else "device")
+                was, became = {"shape": (old[0], shape), "dtype": (old[1], dtype), "device": (old[2], device)}[what]
+                raise RuntimeError(
+                    f"params[{s.index}] changed {what} from {_show(was)} to {_show(became)} since the optimizer "
+                    f"placed its state (model.half(), .to(), or param.data replaced after building the optimizer): "
+                    f"its state was laid out for the parameter as it was. build the optimizer after the model is "
+                    f"cast, moved or resized (its state_dict() loads into the new one)")
+            if _values_watched(s):
+                out.append((s, now[3] != old[3]))
+        return out
+
+
+def _show(v) -> str:
+    if not isinstance(v, tuple):
+        return str(v)
+    return "(" + ", ".join(str(n) for n in v) + ("," if len(v) == 1 else "") + ")"
+
+
+def follow_values(store: StateStore, changed: list[tuple[Slot, bool]]) -> None:
+    """Make the master of each changed slot stand for what its parameter now holds (see the
+    note); ``replaced``: the parameter is other memory, whose values all replace the master's."""
+    if any(s.master is MasterLife.PENDING for s, _ in changed):
+        store.write_pending_masters()  # pieces not filled yet take the parameter's values now
+    for s, replaced in changed:
+        if not s.master.filled:
+            continue  # filled from the parameter at its next update
+        param = s.local.detach()
+        if replaced or store.dtype(s, "master") != torch.float32:  # filled again, as at the first step
+            s.master = MasterLife.ABSENT
+            s.pending_pieces.clear()
+            store.fill_master(s)
+            continue
+        master = store.read(s, "master")
+        rounded = master.to(param.dtype)
+        kept = (rounded == param) | (rounded.isnan() & param.isnan())
+        if not bool(kept.all()):
+            store.write(s, "master", torch.where(kept, master, param.to(master.dtype)))
