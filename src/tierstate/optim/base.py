@@ -25,7 +25,7 @@ from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
 from ..telemetry import Telemetry
-from ..tiers import fused_group
+from ..tiers import fused_group, loaded_step_dtype, step_tensor
 from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
@@ -305,7 +305,37 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if s is None or s.trainable is None or not s.has_state or key not in store.held_keys(s):
             raise KeyError(key)
         self.sync_state()
-        return as_torch_state(param, store.read(s, key))
+        value = store.read(s, key)
+        return self._engine.copies.hand_out(s, key, value, as_torch_state(param, value))
+
+    def _assign_state(self, param: Tensor, key, value) -> bool:
+        """``optimizer.state[param][key] = value`` for a key of its state or ``step``: the value
+        is written into the state (see [Note: writes into optimizer.state]); False for any
+        other key, or a parameter without state, which the dict keeps as given."""
+        store = self._engine.store
+        s = store.slot_of(param)
+        if s is None or s.trainable is None or not s.has_state:
+            return False
+        st = self.state[param]
+        if key == "step" and self.rule.has_step:
+            self.sync_state()
+            s.step = int(float(value))
+            s.step_dtype = loaded_step_dtype(value, saved_fused=False)
+            st.keep("step", step_tensor(s.step, s.step_dtype) if not isinstance(value, Tensor) else value)
+            return True
+        if key not in store.held_keys(s) or not isinstance(value, Tensor):
+            return False
+        held = dict.get(st, key)
+        if held is not None and held.data_ptr() == value.data_ptr() and held.device == value.device:
+            return True  # its own view given back (frameworks moving the state "to" the CPU)
+        stored = as_stored_state(param, {key: value})[key]
+        if stored.numel() != store.item_count(s, key):
+            raise ValueError(f"optimizer.state[params[{s.index}]][{key!r}] = a tensor of shape {tuple(value.shape)}: "
+                             f"the state of a parameter of shape {tuple(param.shape)} holds {store.item_count(s, key)} "
+                             "items; assign a tensor of as many (e.g. torch.zeros_like(param))")
+        self.sync_state()
+        store.write(s, key, stored)
+        return True
 
     def state_dict(self) -> dict:
         """torch's schema: ``{"state": {index: {key: tensor}}, "param_groups": [...]}``.

@@ -12,6 +12,21 @@ straddling tiers) is read on demand, as new CPU tensors, by ``state_dict()`` and
 lookup of its key (``optimizer.state[p]["exp_avg"]``, ``.get``: see :class:`ParamState`),
 never by iterating the dict.
 
+[Note: writes into optimizer.state]
+In torch the entries of ``optimizer.state[p]`` are the state, so code may write them:
+``state["exp_avg"].zero_()`` to reset a moment, ``state["exp_avg"] = torch.zeros_like(p)``,
+``state["step"] = torch.tensor(0.)``. A host view is the state already. The rest reach the
+tiers thus (found 2026-12-07: both were silently dropped):
+
+- an assignment to a state key or ``step`` writes the value into the state
+  (:meth:`ParamState.__setitem__`), and the dict keeps its view (or the ``step`` given);
+- a copy read on demand is watched (:class:`tierstate.pipeline.user_writes.OnDemandCopies`): one written in place is
+  written back before anything next reads or updates that state (the next step, the first
+  update of a step run in backward, ``state_dict()``, another read), and every copy handed
+  out before a step is let go once it ends, as it no longer shows the state. A copy that is
+  never written is freed as soon as the caller drops it: only written ones are kept, until
+  written back.
+
 [Note: the state of a complex parameter]
 A complex parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so
 its state is stored as float32 pairs (float64 pairs for complex128). What torch code sees is
@@ -54,6 +69,17 @@ class ParamState(dict):
             raise KeyError(key)
         return opt._read_on_demand(self._param, key)
 
+    def __setitem__(self, key, value) -> None:
+        """``state[key] = value``: for a state key or ``step``, the value is written into the
+        state (see [Note: writes into optimizer.state]); any other key is kept as given."""
+        opt = self._optimizer()
+        if opt is None or not opt._assign_state(self._param, key, value):
+            super().__setitem__(key, value)
+
+    def keep(self, key, value) -> None:
+        """An entry tierstate itself publishes (a view, ``step``): kept as it is."""
+        super().__setitem__(key, value)
+
     def get(self, key, default=None):
         try:
             return self[key]
@@ -93,13 +119,13 @@ def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
     if not isinstance(st, ParamState):
         st = opt.state[s.param] = ParamState(opt, s.param, st or {})
     if has_step:
-        st["step"] = step_tensor(s.step, s.step_dtype)
+        st.keep("step", step_tensor(s.step, s.step_dtype))
     for key in keys:
         if key == "master" and not s.master.filled:
             continue  # filled from the parameter at its first step
         view = store.host_view(s, key)
         if view is not None:
-            st[key] = as_torch_state(s.param, view)
+            st.keep(key, as_torch_state(s.param, view))
 
 
 def publish_step(opt, s: Slot) -> None:

@@ -28,7 +28,7 @@ from .assembly import Parts, assemble
 from .decision import Decision, Scaling, Verdict, decide
 from .executors import DeviceExecutor, HostExecutor
 from .loop import run_subgroups
-from .user_writes import ParamMarks, follow_values
+from .user_writes import OnDemandCopies, ParamMarks, follow_values
 
 _log = logging.getLogger("tierstate")
 
@@ -85,6 +85,7 @@ class StepEngine:
         self._unplaced: dict | None = None  # the state of a refused placement (place_again)
         self.closed = False
         self.marks = ParamMarks()  # what the parameters were after we last wrote them (user_writes.py)
+        self.copies = OnDemandCopies()  # state read on demand, written back if the user writes it
         self._assemble()
 
     def groups(self) -> list[dict]:
@@ -185,12 +186,13 @@ class StepEngine:
                                "before close() loads into it)")
 
     def follow_user_writes(self) -> None:
-        """Before a step updates anything: refuse parameters whose shape or dtype changed, and
-        make masters follow the values written into their parameters (see [Note: weights
-        changed between steps])."""
+        """Before a step updates anything: refuse parameters whose shape or dtype changed, make
+        masters follow the values written into their parameters (see [Note: weights changed
+        between steps]), and write back the state copies written since they were read."""
         changed = self.marks.changed(self.store.slots, self.store.layout.param_numels)
         if changed:
             follow_values(self.store, changed)
+        self.copies.write_back(self.store)
 
     def user_writes_refused(self) -> RuntimeError | None:
         """:meth:`follow_user_writes` where it cannot raise (in a backward hook): its refusal."""
@@ -219,6 +221,7 @@ class StepEngine:
         if self.backward_open:
             self.backward.finish()
         self.store.write_pending_masters()
+        self.copies.write_back(self.store)
         return self.follow_replaced_params()
 
     def follow_replaced_params(self) -> bool:
@@ -316,6 +319,7 @@ class StepEngine:
         # the parameters as this step left them (a failed step keeps the earlier marks: the next
         # one then compares values it wrote itself, which changes nothing)
         self.mark_params()
+        self.copies.let_go()  # copies read before this step no longer show the state
         return result
 
     def _step(self, scaling: Scaling) -> StepResult:
@@ -333,6 +337,7 @@ class StepEngine:
         rebuilt = refused = False
         if backward_open:
             self.backward.finish()
+            self.copies.write_back(store)  # state read and written after the backward updates
             try:
                 refused = self.backward.refuse_sparse()
             except RuntimeError:

@@ -1,4 +1,4 @@
-"""Parameters the user changed between two steps.
+"""What the user wrote between two steps: parameters, and copies of state read on demand.
 
 [Note: weights changed between steps]
 torch's optimizers read each parameter at every step, so whatever the user wrote into it since
@@ -29,6 +29,10 @@ only; parameters whose weights stream (:mod:`tierstate.weights`, whose storage i
 around every block) are not checked.
 """
 from __future__ import annotations
+
+import itertools
+import threading
+import weakref
 
 import torch
 from torch import Tensor
@@ -109,3 +113,51 @@ def follow_values(store: StateStore, changed: list[tuple[Slot, bool]]) -> None:
         kept = (rounded == param) | (rounded.isnan() & param.isnan())
         if not bool(kept.all()):
             store.write(s, "master", torch.where(kept, master, param.to(master.dtype)))
+
+
+class OnDemandCopies:
+    """The copies of state read on demand (see [Note: writes into optimizer.state] in
+    :mod:`tierstate.optim.state_view`).
+
+    Each copy handed out is watched through a second tensor on its storage, which shares its
+    version counter: torch bumps it at every in-place write, through either."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watched: dict[int, list] = {}  # token -> [alias, slot, key, version when last seen]
+        self._tokens = itertools.count()
+
+    def hand_out(self, s: Slot, key: str, value: Tensor, out: Tensor) -> Tensor:
+        """``out``, the caller's tensor over ``value`` (a fresh CPU copy of state ``key`` of ``s``,
+        as the tiers store it), watched."""
+        if out is value:
+            out = value.view_as(value)  # another tensor object: the caller's may die while ours lives
+        token = next(self._tokens)
+        with self._lock:
+            self._watched[token] = [value, s, key, value._version]
+        weakref.finalize(out, OnDemandCopies._dropped, weakref.ref(self), token)
+        return out
+
+    @staticmethod
+    def _dropped(ref, token: int) -> None:
+        self = ref()
+        if self is None:
+            return
+        with self._lock:
+            entry = self._watched.get(token)
+            if entry is not None and entry[0]._version == entry[3]:
+                del self._watched[token]  # gone unwritten: nothing to write back
+
+    def write_back(self, store: StateStore) -> None:
+        """Write into the state every watched copy written since it was last seen."""
+        with self._lock:
+            written = [entry for entry in self._watched.values() if entry[0]._version != entry[3]]
+        for entry in written:
+            alias, s, key, _ = entry
+            store.write(s, key, alias)
+            entry[3] = alias._version
+
+    def let_go(self) -> None:
+        """After a step: the copies handed out before it no longer show the state."""
+        with self._lock:
+            self._watched.clear()
