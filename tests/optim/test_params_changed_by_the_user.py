@@ -170,3 +170,26 @@ def test_an_optimizer_used_after_close_says_so() -> None:
             use()
     opt.zero_grad()  # touches only the parameters' gradients
     assert m.weight.grad is None
+
+
+@pytest.mark.parametrize("master_dtype", ["bf16_kahan", "bf16_sr"])
+def test_an_fp32_weight_written_unchanged_gives_back_the_same_16_bit_master(master_dtype) -> None:
+    """The refill from the parameter computes the master and its compensation as the kernels
+    did: a write that changes no value (``p.add_(0)``) leaves them bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    p = torch.nn.Parameter(torch.randn(5000, generator=gen))
+    opt = ts.AdamW([p], offload=ts.Offload(cpu=1.0, moment_dtype="q8", master_dtype=master_dtype), **HYPER)
+    for _ in range(4):
+        p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    keys = [k for k in ("master", "master.comp") if k in opt.state[p]]
+    before = {k: opt.state[p][k].clone() for k in keys}
+    with torch.no_grad():
+        p.add_(0.0)
+    opt.param_groups[0]["lr"] = 0.0
+    opt.param_groups[0]["weight_decay"] = 0.0
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    for k in keys:
+        assert torch.equal(opt.state[p][k], before[k]), k
+    opt.close()

@@ -116,3 +116,16 @@ def test_an_unwritten_copy_is_freed_once_dropped_and_a_stale_one_is_let_go(tmp_p
     assert not torch.equal(opt.state[p]["exp_avg_sq"], torch.full_like(before, 123.0 * 0.999)), \
         "a copy read before a step was written back over the state after it"
     opt.close()
+
+
+def test_a_copy_read_before_a_load_is_let_go(tmp_path) -> None:
+    p, _, opt, _ = _pair("nvme", tmp_path)
+    p.grad = torch.randn(p.shape)
+    opt.step()
+    saved = opt.state_dict()
+    held = opt.state[p]["exp_avg"]
+    opt.load_state_dict(saved)
+    held.zero_()  # after the load: the copy shows the state before it
+    loaded = opt.state[p]["exp_avg"]
+    assert torch.equal(loaded, saved["state"][0]["exp_avg"]) and bool(loaded.abs().sum() > 0)
+    opt.close()

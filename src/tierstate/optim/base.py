@@ -419,6 +419,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if st and s.trainable is not None:
                 store.import_(s, st, saved_fused=saved_fused.get(saved_id, False))
                 publish(self, store, s, self.rule.has_step)
+        self._engine.copies.let_go()  # copies read before the load no longer show the state
         known = {saved_id for saved_id, _ in pairs}
         for key, value in saved_state.items():  # an entry that is not a parameter's, as torch keeps it
             if key not in known:

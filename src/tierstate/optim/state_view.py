@@ -20,12 +20,12 @@ tiers thus (found 2026-12-07: both were silently dropped):
 
 - an assignment to a state key or ``step`` writes the value into the state
   (:meth:`ParamState.__setitem__`), and the dict keeps its view (or the ``step`` given);
-- a copy read on demand is watched (:class:`tierstate.pipeline.user_writes.OnDemandCopies`): one written in place is
-  written back before anything next reads or updates that state (the next step, the first
-  update of a step run in backward, ``state_dict()``, another read), and every copy handed
-  out before a step is let go once it ends, as it no longer shows the state. A copy that is
-  never written is freed as soon as the caller drops it: only written ones are kept, until
-  written back.
+- a copy read on demand is watched (:class:`tierstate.pipeline.user_writes.OnDemandCopies`):
+  one written in place is written back before anything next reads or updates that state (the
+  next step, the first update of a step run in backward, ``state_dict()``, another read), and
+  every copy handed out before a step or a ``load_state_dict`` is let go once it ends, as it
+  no longer shows the state. A copy that is never written is freed as soon as the caller drops
+  it: only written ones are kept, until written back.
 
 [Note: the state of a complex parameter]
 A complex parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so

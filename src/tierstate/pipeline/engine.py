@@ -203,7 +203,7 @@ class StepEngine:
         return None
 
     def mark_params(self) -> None:
-        """The parameters as tierstate last wrote them (after a step, a placement, a load)."""
+        """The parameters as tierstate last wrote them (after a placement and after each step)."""
         self.marks.record(self.store.slots)
 
     # -- outside a step ------------------------------------------------------------------------
