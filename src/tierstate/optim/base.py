@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -30,7 +31,7 @@ from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
 from .params import check_something_to_train, checked_group, params_list
-from .state_view import as_stored_state, as_torch_state, publish, publish_step
+from .state_view import ParamState, as_stored_state, as_torch_state, publish, publish_step
 
 NONFINITE_POLICIES = ("skip", "raise")
 _log = logging.getLogger("tierstate")
@@ -85,6 +86,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         check_something_to_train(type(self).__name__, self._all_params())
         self._engine = StepEngine(self, self.rule, self.offload, self._policy(), self.telemetry, self._counters)
+        take = weakref.WeakMethod(self._take_dropped_state)  # the engine must not keep the optimizer alive
+        self._engine.before_update = lambda: (method := take()) is not None and method()
         self._publish_all()
         exit_drain.install()  # one rank of several: gloo's threads finish before Python ends
         fail_fast.arm()  # one rank of several: its failure ends the others, naming it
@@ -307,6 +310,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.sync_state()
         value = store.read(s, key)
         return self._engine.copies.hand_out(s, key, value, as_torch_state(param, value))
+
+    def _take_dropped_state(self) -> None:
+        """torch code resets a parameter's state by dropping its ``optimizer.state`` entry
+        (``optimizer.state.clear()``, ``optimizer.state = defaultdict(dict)``, ``del
+        optimizer.state[p]``) and sets it by assigning a dict: before a step updates anything,
+        a dropped state starts afresh at that step and an assigned one is loaded, as torch's
+        optimizers read ``optimizer.state`` (see [Note: writes into optimizer.state])."""
+        store = self._engine.store
+        for s in store.slots:
+            if s.trainable is None or (not store.keys(s) and not self.rule.has_step):
+                continue  # no state kept (SGD without momentum): torch keeps no entry either
+            entry = self.state.get(s.param)
+            if isinstance(entry, ParamState) or (entry is None and not s.has_state):
+                continue
+            store.forget(s)
+            if entry:
+                store.import_(s, as_stored_state(s.param, entry))
+            if entry is not None:
+                del self.state[s.param]
+            if s.has_state:
+                publish(self, store, s, self.rule.has_step)
 
     def _assign_state(self, param: Tensor, key, value) -> bool:
         """``optimizer.state[param][key] = value`` for a key of its state or ``step``: the value

@@ -25,7 +25,11 @@ tiers thus (found 2026-12-07: both were silently dropped):
   next step, the first update of a step run in backward, ``state_dict()``, another read), and
   every copy handed out before a step or a ``load_state_dict`` is let go once it ends, as it
   no longer shows the state. A copy that is never written is freed as soon as the caller drops
-  it: only written ones are kept, until written back.
+  it: only written ones are kept, until written back;
+- an entry dropped (``optimizer.state.clear()``, ``optimizer.state = defaultdict(dict)``,
+  ``del optimizer.state[p]``: how torch code resets state) starts that state afresh at the
+  next step, and a dict assigned as the entry is loaded as its state
+  (``OffloadOptimizer._take_dropped_state``; before, the next step raised ``KeyError: 'step'``).
 
 [Note: the state of a complex parameter]
 A complex parameter is stepped as its real view (:func:`tierstate.dist.local_tensor`), so

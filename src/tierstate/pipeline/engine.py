@@ -86,6 +86,8 @@ class StepEngine:
         self.closed = False
         self.marks = ParamMarks()  # what the parameters were after we last wrote them (user_writes.py)
         self.copies = OnDemandCopies()  # state read on demand, written back if the user writes it
+        # the owner's own check before a step updates anything (optim/base.py: state entries dropped)
+        self.before_update: Callable[[], None] = lambda: None
         self._assemble()
 
     def groups(self) -> list[dict]:
@@ -188,11 +190,13 @@ class StepEngine:
     def follow_user_writes(self) -> None:
         """Before a step updates anything: refuse parameters whose shape or dtype changed, make
         masters follow the values written into their parameters (see [Note: weights changed
-        between steps]), and write back the state copies written since they were read."""
+        between steps]), write back the state copies written since they were read, and let the
+        owner take the state entries torch code dropped or replaced."""
         changed = self.marks.changed(self.store.slots, self.store.layout.param_numels)
         if changed:
             follow_values(self.store, changed)
         self.copies.write_back(self.store)
+        self.before_update()
 
     def user_writes_refused(self) -> RuntimeError | None:
         """:meth:`follow_user_writes` where it cannot raise (in a backward hook): its refusal."""

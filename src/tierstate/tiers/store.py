@@ -278,6 +278,13 @@ class StateStore:
         s.step = 0
         s.step_dtype = scalar_dtype(fused)
 
+    def forget(self, s: Slot) -> None:
+        """``s``'s state stops existing (torch code dropped its ``optimizer.state`` entry): the
+        next step starts it afresh from the init values, its master from the parameter."""
+        s.life = s.life.forgotten()
+        s.master, s.step, s.step_dtype = MasterLife.ABSENT, 0, None
+        s.pending_pieces.clear()
+
     def forget_all(self) -> None:
         """Every state stops existing (a load replaces them all); no record need be read back."""
         for tier in self.tiers.values():
