@@ -133,11 +133,16 @@ def test_fp32_weights_written_in_place_are_followed_by_a_16_bit_master(tmp_path,
     opt.close()
 
 
-def test_a_parameter_of_another_shape_is_refused_by_name() -> None:
+def _stepped_once():
     m = torch.nn.Linear(8, 4)
     opt = ts.AdamW(m.parameters(), lr=1e-2)
     m(torch.randn(2, 8)).sum().backward()
     opt.step()
+    return m, opt
+
+
+def test_a_parameter_of_another_shape_is_refused_by_name() -> None:
+    m, opt = _stepped_once()
     m.weight.data = torch.randn(5, 8)
     m.weight.grad = torch.randn(5, 8)
     before = m.weight.detach().clone()
@@ -147,10 +152,7 @@ def test_a_parameter_of_another_shape_is_refused_by_name() -> None:
 
 
 def test_a_parameter_cast_after_the_optimizer_was_built_is_refused_by_name() -> None:
-    m = torch.nn.Linear(8, 4)
-    opt = ts.AdamW(m.parameters(), lr=1e-2)
-    m(torch.randn(2, 8)).sum().backward()
-    opt.step()
+    m, opt = _stepped_once()
     m.half()
     m(torch.randn(2, 8).half()).sum().backward()
     with pytest.raises(RuntimeError, match=r"params\[0\] changed dtype from torch.float32 to torch.float16.*"
@@ -159,10 +161,7 @@ def test_a_parameter_cast_after_the_optimizer_was_built_is_refused_by_name() -> 
 
 
 def test_an_optimizer_used_after_close_says_so() -> None:
-    m = torch.nn.Linear(8, 4)
-    opt = ts.AdamW(m.parameters(), lr=1e-2)
-    m(torch.randn(2, 8)).sum().backward()
-    opt.step()
+    m, opt = _stepped_once()
     opt.close()
     opt.close()  # twice is harmless
     for use in (opt.step, opt.state_dict, lambda: opt.load_state_dict({})):
