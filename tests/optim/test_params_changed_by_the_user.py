@@ -192,3 +192,21 @@ def test_an_fp32_weight_written_unchanged_gives_back_the_same_16_bit_master(mast
     for k in keys:
         assert torch.equal(opt.state[p][k], before[k]), k
     opt.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_between_forward_and_backward_is_caught_by_autograd_as_in_torch(tmp_path, kind, dtype) -> None:
+    """torch's in-place update bumps the parameters' version counters, so a backward through a
+    graph that saved the old weights raises. tierstate's kernels write through a pointer and
+    bumped nothing (found 2026-12-07): the backward ran and its gradients used the new weights."""
+    lin = torch.nn.Linear(8, 8).to(dtype)
+    opt = ts.AdamW(lin.parameters(), lr=1e-2, offload=_offload(kind, tmp_path))
+    x = torch.randn(4, 8, dtype=dtype, requires_grad=True)
+    lin(x).float().square().sum().backward()
+    opt.step()
+    loss = lin(x).float().square().sum()  # the graph saves the weight
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    opt.close()

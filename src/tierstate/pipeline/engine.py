@@ -320,6 +320,12 @@ class StepEngine:
         failure leaves). Raises the I/O errors of the tiers; a write that failed during the step
         is left for the caller to collect (``store.take_write_errors()``)."""
         result = self._step(scaling)
+        # The kernels write the parameters through a pointer: bump their version counters as
+        # torch's in-place update would, so autograd refuses a graph that saved the old weights
+        # (a step between forward and backward) instead of computing wrong gradients from the new.
+        written = [s.local for s in result.stepped if weights_of(s.param) is None]
+        if written:
+            torch.autograd.graph.increment_version(written)
         # the parameters as this step left them (a failed step keeps the earlier marks: the next
         # one then compares values it wrote itself, which changes nothing)
         self.mark_params()
