@@ -319,11 +319,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         optimizers read ``optimizer.state`` (see [Note: writes into optimizer.state])."""
         store = self._engine.store
         for s in store.slots:
-            if s.trainable is None or (not store.keys(s) and not self.rule.has_step):
-                continue  # no state kept (SGD without momentum): torch keeps no entry either
             entry = self.state.get(s.param)
-            if isinstance(entry, ParamState) or (entry is None and not s.has_state):
-                continue
+            if isinstance(entry, ParamState) or (entry is None and not s.has_state) or s.trainable is None:
+                continue  # the common case first: this check runs before every step
+            if not store.keys(s) and not self.rule.has_step:
+                continue  # no state kept (SGD without momentum): torch keeps no entry either
             store.forget(s)
             if entry:
                 store.import_(s, as_stored_state(s.param, entry))

@@ -333,8 +333,7 @@ class StepEngine:
         return result
 
     def _step(self, scaling: Scaling) -> StepResult:
-        self.check_open()
-        self.place_again()
+        self.place_again()  # (a closed engine was refused by OffloadOptimizer.step, before the closure)
         tel, store = self.telemetry, self.store
         backward_open = self.backward_open
         if not backward_open:

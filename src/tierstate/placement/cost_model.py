@@ -38,8 +38,9 @@ measured matmul rate; under activation checkpointing plus the blocks' forward ag
 block parameter per token) + the gradient copy to the host that backward could not hide
 (backward is taken as 2/3 of compute) + the optimizer step + the weight upload. The
 optimizer step is the gradient pass (global norm and inf check: one read of every host
-copy of an accelerator's gradients; a CPU gradient's is taken in backward) plus the sub-group pipeline, in which the CPU update and the NVMe reads/writes
-overlap: max(CPU time, disk time + one record's update). The NVMe pool is a write-back
+copy of an accelerator's gradients; a CPU gradient's is taken in backward) plus the sub-group
+pipeline, in which the CPU update and the NVMe reads/writes overlap: max(CPU time, disk time +
+one record's update). The NVMe pool is a write-back
 cache that keeps the last ``buffer_count`` records of a step for the next one, so a step
 reads and writes ``S - buffer_count`` of its ``S`` records. CPU update time is the configuration's
 bytes per parameter divided by the byte rate of the measured fp32 Adam kernel (28 B per

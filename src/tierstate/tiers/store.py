@@ -279,8 +279,9 @@ class StateStore:
         s.step_dtype = scalar_dtype(fused)
 
     def forget(self, s: Slot) -> None:
-        """``s``'s state stops existing (torch code dropped its ``optimizer.state`` entry): the
-        next step starts it afresh from the init values, its master from the parameter."""
+        """``s``'s state stops existing (a load replaces it, or torch code dropped its
+        ``optimizer.state`` entry): its next step starts it afresh from the init values, its
+        master from the parameter."""
         s.life = s.life.forgotten()
         s.master, s.step, s.step_dtype = MasterLife.ABSENT, 0, None
         s.pending_pieces.clear()
@@ -290,9 +291,7 @@ class StateStore:
         for tier in self.tiers.values():
             tier.forget_state()
         for s in self.slots:
-            s.life = s.life.forgotten()
-            s.master, s.step, s.step_dtype = MasterLife.ABSENT, 0, None
-            s.pending_pieces.clear()
+            self.forget(s)
 
     def fill_master(self, s: Slot) -> None:
         """Fill ``s``'s master from its parameter before its first update; pieces in I/O tiers
