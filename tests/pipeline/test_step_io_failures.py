@@ -40,10 +40,10 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(n, generator=gen) for n in SIZES]
 
 
-def _make(nvme_dir, step_in_backward: bool = False):
+def _make(nvme_dir, step_in_backward: bool = False, max_grad_norm: float | None = None):
     gen = torch.Generator().manual_seed(1234)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in SIZES]
-    opt = ts.AdamW(params, lr=1e-2, weight_decay=0.1, step_in_backward=step_in_backward,
+    opt = ts.AdamW(params, lr=1e-2, weight_decay=0.1, step_in_backward=step_in_backward, max_grad_norm=max_grad_norm,
                    offload=Offload(cpu=0.0, nvme=1.0, nvme_dir=nvme_dir, subgroup_numel=1024, buffer_count=2))
     return params, opt
 
@@ -78,8 +78,8 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
             assert torch.equal(got["state"][i][k], v), f"{what}: state {i}/{k} differs"
 
 
-def _reference(tmp_path, steps: int, backward: bool = False) -> list[dict]:
-    params, opt = _make(tmp_path / "reference", backward)
+def _reference(tmp_path, steps: int, backward: bool = False, max_grad_norm: float | None = None) -> list[dict]:
+    params, opt = _make(tmp_path / "reference", backward, max_grad_norm)
     out = [_snapshot(params, opt)]
     for step in range(1, steps + 1):
         _step(params, opt, step, backward)
@@ -108,6 +108,30 @@ def test_failed_write_completes_the_step_in_ram_and_is_not_sticky(tmp_path, back
     tier = opt.tiers[TierKind.NVME]
     tier.flush()
     assert not tier._ledger.stranded
+    opt.close()
+
+
+def test_failed_speculative_write_that_a_rollback_rewrote_is_reported(tmp_path, caplog):
+    """In backward, with clipping, sub-groups are updated and written speculatively, then rolled
+    back and written again once the global norm is known. A speculative write that failed was
+    superseded by the second write, so nothing is lost; but the disk failed a write, and until
+    2026-12-07 (found by fuzzing fault injection) no one was told: its error was dropped without a
+    word. It is now logged, as a write that succeeded when retried is."""
+    from tierstate.io.faults import fail_nth
+
+    ref = _reference(tmp_path, 2, backward=True, max_grad_norm=1.0)
+    nvme_dir = tmp_path / "faulty"
+    params, opt = _make(nvme_dir, True, max_grad_norm=1.0)
+    _step(params, opt, 1, backward=True)
+    rollbacks = opt.rollbacks
+    with caplog.at_level("WARNING", logger="tierstate"), \
+            fail_nth("write", 1, errno.EIO, path_contains=str(nvme_dir)) as plan:
+        _step(params, opt, 2, backward=True)  # superseded: the step does not raise
+    assert plan.fired == 1 and opt.rollbacks == rollbacks + 1, "the write must fail before a rollback"
+    warned = [r.getMessage() for r in caplog.records if "NVMe write" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    assert str(nvme_dir) in warned[0] and os.strerror(errno.EIO) in warned[0], warned[0]
+    _assert_equal(_snapshot(params, opt), ref[2], "after the superseded failure")
     opt.close()
 
 

@@ -73,6 +73,14 @@ from .rundir import RunFolder, claim_folders, reserve_files
 _log = logging.getLogger("tierstate")
 
 
+def _warn_retried(errors: list[BaseException]) -> None:
+    """Say that the disk failed writes whose records a later write then put on it: nothing is
+    lost, but a failing disk must not go unnoticed (the first error names the path and errno)."""
+    if errors:
+        _log.warning("tierstate: %d NVMe write-back(s) failed (first: %s) and succeeded when retried",
+                     len(errors), errors[0])
+
+
 class _Resources:
     """What must be released even if the tier is never closed (held by the finalizer)."""
 
@@ -439,9 +447,7 @@ class NvmeTier:
             left = len(ledger.stranded)
         if first is not None:
             raise kept_in_ram(first, left)
-        if reported:
-            _log.warning("tierstate: %d NVMe write-back(s) failed (first: %s) and succeeded when retried",
-                         len(reported), reported[0][1])
+        _warn_retried([exc for _, exc in reported])
 
     def lost_error(self) -> BaseException | None:
         """The :class:`~tierstate.io.StateLostError` of a record found lost, or ``None``."""
@@ -454,7 +460,8 @@ class NvmeTier:
         Its record is kept in RAM; the error's message says how many are and that the next
         ``step()``, flush or save writes them again."""
         self._io.progress()
-        errors, left = self._ledger.take_write_errors()
+        errors, superseded, left = self._ledger.take_write_errors()
+        _warn_retried(superseded)
         if not errors:
             return None
         first = errors[0]

@@ -102,14 +102,16 @@ class Ledger:
         with self.lock:
             return next(iter(self.lost.values()), None)
 
-    def take_write_errors(self) -> tuple[list[BaseException], int]:
-        """The write failures not reported yet whose record is still kept in RAM or lost, and
-        how many records are kept in RAM. Forgets them (each is reported once)."""
+    def take_write_errors(self) -> tuple[list[BaseException], list[BaseException], int]:
+        """The write failures not reported yet: those whose record is still kept in RAM or
+        lost, those a later write of the same record has superseded since (nothing is lost, but
+        the disk failed a write: a step in backward writes a record, rolls it back and writes it
+        again), and how many records are kept in RAM. Forgets them (each is reported once)."""
         with self.lock:
             errors, self.write_errors = self.write_errors, []
-            # a later write of the same record may have landed since: nothing to report then
-            errors = [exc for key, exc in errors if key in self.stranded or key in self.lost]
-            return errors, len(self.stranded)
+            pending = [exc for key, exc in errors if key in self.stranded or key in self.lost]
+            superseded = [exc for key, exc in errors if not (key in self.stranded or key in self.lost)]
+            return pending, superseded, len(self.stranded)
 
     def forget(self, keys: set[int]) -> None:
         """Every record reads as its initial values until written; no failure matters any more."""
