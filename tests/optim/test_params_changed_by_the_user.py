@@ -11,6 +11,8 @@ word, or failed in a kernel's words.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -210,3 +212,103 @@ def test_a_step_between_forward_and_backward_is_caught_by_autograd_as_in_torch(t
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     opt.close()
+
+
+def _conv_net(dtype) -> torch.nn.Sequential:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3)).to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("change", ["channels_last", "transposed_in_place"])
+def test_memory_laid_out_otherwise_after_the_optimizer_was_built_trains_as_in_torch(tmp_path, kind, dtype,
+                                                                                     change) -> None:
+    """``model.to(memory_format=torch.channels_last)`` after building the optimizer (torch code
+    does it), or a square weight transposed in place: found 2026-12-07, the next step failed inside
+    torch ("view size is not compatible with input tensor's size and stride"). Now the parameter
+    is given contiguous memory, with a warning, as at construction, and training goes on as
+    torch's does over fp32 copies changed the same way."""
+    net = _conv_net(dtype)
+    square = torch.nn.Parameter(torch.randn(24, 24).to(dtype))
+    params = [*net.parameters(), square]
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = ts.AdamW(params, offload=_offload(kind, tmp_path), **HYPER)
+    theirs = torch.optim.AdamW(ref, **HYPER, foreach=False)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(8):
+        if step == 3:
+            if change == "channels_last":
+                net.to(memory_format=torch.channels_last)
+                with torch.no_grad():
+                    for q in ref:
+                        if q.dim() == 4:
+                            q.data = q.data.contiguous(memory_format=torch.channels_last)
+            else:
+                with torch.no_grad():
+                    square.t_()
+                    ref[-1].t_()
+                    if dtype != torch.float32:  # new values at each place: the master is filled from them
+                        ref[-1].copy_(square.float())
+        for p, q, g in zip(params, ref, _grads(gen, params, dtype)):
+            p.grad, q.grad = g, g.float()
+        if step == 3:
+            with pytest.warns(UserWarning, match="not contiguous since the optimizer was built") as caught:
+                opt.step()
+            named = [0, 2] if change == "channels_last" else [4]  # the two convolutions' weights, or the square
+            message = str(caught[0].message)
+            assert all(f"params[{i}]" in message for i in named) and message.count("params[") == len(named), message
+        else:
+            opt.step()
+        theirs.step()
+    for i, (p, q) in enumerate(zip(params, ref)):
+        assert p.is_contiguous()
+        if dtype == torch.float32:
+            torch.testing.assert_close(p.detach(), q.detach(), **FP32_TOL, msg=f"params[{i}]")
+        else:
+            torch.testing.assert_close(opt.state[p]["master"], q.detach(), **FP32_TOL, msg=f"params[{i}]")
+            assert torch.equal(p.detach(), opt.state[p]["master"].to(dtype))
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[p][key], theirs.state[q][key], **FP32_TOL, msg=f"params[{i}] {key}")
+    opt.close()
+
+
+def test_memory_replaced_by_an_expanded_tensor_between_steps_is_refused_by_name() -> None:
+    p = torch.nn.Parameter(torch.randn(4, 5))
+    opt = ts.AdamW([p, torch.nn.Parameter(torch.randn(3))], **HYPER)
+    p.grad = torch.randn(4, 5)
+    opt.step()
+    before = opt.state_dict()["state"][0]["exp_avg"].clone()
+    p.data = torch.randn(1, 5).expand(4, 5)
+    p.grad = torch.randn(4, 5)
+    with pytest.raises(RuntimeError, match=r"params\[0\] .*overlap in memory"):
+        opt.step()
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before)
+    opt.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nvme"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_format_changed_mid_training_in_backward_equals_the_plain_step(tmp_path, kind, dtype) -> None:
+    """In backward the new memory is given before the first update, inside the backward that saved
+    the channels_last weights: the gradients and the steps are those of the plain step, bit for bit."""
+    def train(step_in_backward: bool) -> list[torch.Tensor]:
+        net = _conv_net(dtype)
+        opt = ts.AdamW(net.parameters(), step_in_backward=step_in_backward, max_grad_norm=1.0,
+                       offload=_offload(kind, tmp_path / str(step_in_backward)), **HYPER)
+        gen = torch.Generator().manual_seed(5)
+        for step in range(6):
+            if step == 3:
+                net.to(memory_format=torch.channels_last)
+            # in backward, the warning comes from the first update, during backward
+            with pytest.warns(UserWarning, match="since the optimizer was built") if step == 3 else \
+                    contextlib.nullcontext():
+                net(torch.randn(2, 3, 9, 9, generator=gen).to(dtype)).float().pow(2).mean().backward()
+                opt.step()
+            opt.zero_grad()
+        out = [p.detach().clone() for p in net.parameters()]
+        opt.close()
+        return out
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b)

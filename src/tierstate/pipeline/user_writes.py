@@ -12,7 +12,12 @@ every host parameter with what it was after tierstate last wrote it:
 - its shape, dtype or device changed (``model.half()``, ``param.data = other``): refused,
   naming the parameter, before anything changes. Its state was laid out for the old one.
 - its memory changed (``param.data = new``, same shape and dtype): the master is filled
-  again from the parameter, as at the first step.
+  again from the parameter, as at the first step, unless the parameter still holds the
+  master rounded everywhere (the same weights in other memory: a copy, another memory
+  format), which leaves the master's fp32 bits as they were. Memory laid out otherwise (not contiguous:
+  ``model.to(memory_format=torch.channels_last)`` after building the optimizer) is first made
+  contiguous, with a warning, as at construction (see [Note: parameters are updated through a
+  flat view of their memory] in :mod:`tierstate.tiers.param_memory`).
 - its version changed (torch bumps ``_version`` at every in-place write; the native kernels
   write through a pointer and bump nothing): the master follows the values. An fp32 master
   takes the parameter's value only where the parameter is no longer the master rounded
@@ -38,13 +43,14 @@ import torch
 from torch import Tensor
 
 from ..tiers import MasterLife, Slot, StateStore
+from ..tiers.param_memory import give_contiguous_memory, needs_own_memory
 from ..weights import streamed as weights_of
 
-Mark = tuple  # (shape, dtype, device, data_ptr, version)
+Mark = tuple  # (shape, dtype, device, data_ptr, version, strides)
 
 
 def _mark(t: Tensor) -> Mark:
-    return (tuple(t.shape), t.dtype, t.device, t.data_ptr(), t._version)
+    return (tuple(t.shape), t.dtype, t.device, t.data_ptr(), t._version, t.stride())
 
 
 def _values_watched(s: Slot) -> bool:
@@ -65,8 +71,10 @@ class ParamMarks:
     def changed(self, slots, numels) -> list[tuple[Slot, bool]]:
         """``(slot, replaced)`` for each slot whose values the user wrote since :meth:`record`
         (``replaced``: in other memory, ``param.data = ...``); raises for a parameter whose
-        shape, dtype or device changed (nothing is changed by this call)."""
-        out = []
+        shape, dtype or device changed, or whose new memory cannot be made contiguous, before
+        changing anything; then gives the others whose new memory is not contiguous memory of
+        their own (:func:`~tierstate.tiers.param_memory.give_contiguous_memory`)."""
+        out, moves = [], {}
         for s in slots:
             old = self._marks.get(s.index)
             if s.trainable is None or old is None:
@@ -83,8 +91,12 @@ class ParamMarks:
                     f"placed its state (model.half(), .to(), or param.data replaced after building the optimizer): "
                     f"its state was laid out for the parameter as it was. build the optimizer after the model is "
                     f"cast, moved or resized (its state_dict() loads into the new one)")
+            replaced = now[3] != old[3] or now[5] != old[5]  # other memory, or laid out otherwise
+            if replaced and needs_own_memory(s.index, s.param, RuntimeError):
+                moves[s.index] = s.param
             if _values_watched(s):
-                out.append((s, now[3] != old[3]))
+                out.append((s, replaced))
+        give_contiguous_memory(moves, since_built=True)
         return out
 
 
@@ -103,16 +115,25 @@ def follow_values(store: StateStore, changed: list[tuple[Slot, bool]]) -> None:
         if not s.master.filled:
             continue  # filled from the parameter at its next update
         param = s.local.detach()
-        if replaced or store.dtype(s, "master") != torch.float32:  # filled again, as at the first step
-            s.master = MasterLife.ABSENT
-            s.pending_pieces.clear()
-            store.fill_master(s)
+        if store.dtype(s, "master") != torch.float32:
+            _fill_again(store, s)
             continue
         master = store.read(s, "master")
         rounded = master.to(param.dtype)
         kept = (rounded == param) | (rounded.isnan() & param.isnan())
-        if not bool(kept.all()):
+        if bool(kept.all()):
+            continue  # the same weights (in other memory: a copy, another memory format)
+        if replaced:  # new weights: taken whole, as at the first step
+            _fill_again(store, s)
+        else:
             store.write(s, "master", torch.where(kept, master, param.to(master.dtype)))
+
+
+def _fill_again(store: StateStore, s: Slot) -> None:
+    """Fill ``s``'s master from its parameter, as at the first step."""
+    s.master = MasterLife.ABSENT
+    s.pending_pieces.clear()
+    store.fill_master(s)
 
 
 class OnDemandCopies:
