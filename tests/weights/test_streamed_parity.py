@@ -256,3 +256,40 @@ def test_gradient_stream_leaves_streamed_weights_out(tmp_path, step_in_backward)
     streamed_bytes = sum(p.numel() * p.element_size() for _, p in ws.named_streamed())
     resident_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - streamed_bytes
     assert opts[1].tier_bytes().get("host_grads", 0) <= resident_bytes < opts[0].tier_bytes()["host_grads"]
+
+
+def test_in_backward_refusals_with_streamed_weights_name_the_way_out(tmp_path):
+    """Updates of streamed weights made during backward cannot be rolled back (their gradients
+    are released once applied), so step_in_backward=True takes no clipping, no GradScaler and no
+    accumulation there: each is refused with the fix. The second backward of an accumulation
+    was refused with "keep the number of backward() calls per step() constant", which the
+    user had done (found 2026-12-07 by fuzzing): it now says why and what to do instead."""
+    _, model = twin("gpt2", n_layer=2, n_embd=16)
+    ws = streamer(model, "cpu", tmp_path)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1\.0 and parameters whose weights stream"):
+        ts.AdamW(model.parameters(), lr=1e-2, step_in_backward=True, max_grad_norm=1.0)
+    opt = ts.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    ids = batches(1)[0]
+    (model(ids, labels=ids).loss / 2).backward()
+    with pytest.raises(RuntimeError) as info:
+        (model(ids, labels=ids).loss / 2).backward()
+    message = str(info.value)
+    assert "offload_weights" in message and "step_in_backward=False" in message, message
+    assert "constant" not in message, message
+    opt.close()
+    ws.close()
+
+
+def test_a_grad_scaler_in_backward_with_streamed_weights_says_what_was_done(tmp_path):
+    """A loss scaler is seen only at ``scaler.step``, after backward applied the scaled gradients
+    to streamed weights, which cannot be rolled back: the refusal says they stand."""
+    _, model = twin("gpt2", n_layer=2, n_embd=16)
+    ws = streamer(model, "cpu", tmp_path)
+    opt = ts.AdamW(model.parameters(), lr=1e-2, step_in_backward=True)
+    scaler = torch.amp.GradScaler("cpu")
+    ids = batches(1)[0]
+    scaler.scale(model(ids, labels=ids).loss).backward()
+    with pytest.raises(ValueError, match="GradScaler.*stand.*step_in_backward=False"):
+        scaler.step(opt)
+    opt.close()
+    ws.close()

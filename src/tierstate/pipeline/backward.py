@@ -287,13 +287,7 @@ class BackwardDriver(Speculation):
         if self.prepared or self.done or self.nonfinite:
             if self.speculative:
                 self.rollback()
-            raise RuntimeError(
-                f"step_in_backward=True: parameter {s.index} received a gradient in backward pass {self.passes + 1} "
-                f"before step(), while the last step took {self.expected_passes}; this mode updates the state "
-                "during the last pass, and the forward just run already used those weights"
-                + (" (the updates were rolled back)" if self.speculative else "")
-                + ". Keep the number of backward() calls per step() constant (the first step learns it), "
-                "or construct the optimizer with step_in_backward=False")
+            raise RuntimeError(self.second_pass_refusal(s.index))
         self._begin()
 
     # -- the worker ----------------------------------------------------------------------------
@@ -448,8 +442,9 @@ class BackwardDriver(Speculation):
         try:
             if scaling.scaled:
                 raise ValueError("step_in_backward=True does not work with a GradScaler when updates cannot be "
-                                 "rolled back (parameters whose weights stream); use bf16 (no scaler) or "
-                                 "step_in_backward=False")
+                                 "rolled back (parameters whose weights stream): the updates made during this "
+                                 "backward used the scaled gradients and stand; load the last checkpoint into an "
+                                 "optimizer with step_in_backward=False, or train in bf16 (no scaler)")
             late = [s.index for s in store.slots if s.trainable is None and s.param.requires_grad
                     and s.param.grad is not None]
             if late:

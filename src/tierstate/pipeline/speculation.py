@@ -63,6 +63,22 @@ class Speculation:
                 buf.copy_(piece)
         self.saved.append(sg.index)
 
+    def second_pass_refusal(self, index: int) -> str:
+        """Why parameter ``index``'s gradient of a backward pass past the one this step's updates
+        ran in is refused (after :meth:`rollback` where those could be undone)."""
+        head = (f"step_in_backward=True: parameter {index} received a gradient in backward pass {self.passes + 1} "
+                "before step()")
+        if not self.can_undo:  # found 2026-12-07: this said to keep the count constant, as the user had
+            return (f"{head}: with weights streamed per block (ts.offload_weights) each gradient is applied during "
+                    "the backward that produces it and then released, so gradients cannot accumulate over several "
+                    "backward() calls, and the updates of the first pass stand (they cannot be rolled back). Call "
+                    "backward() once per step(), or construct the optimizer with step_in_backward=False to accumulate")
+        return (f"{head}, while the last step took {self.expected_passes}; this mode updates the state during the "
+                "last pass, and the forward just run already used those weights"
+                + (" (the updates were rolled back)" if self.speculative else "")
+                + ". Keep the number of backward() calls per step() constant (the first step learns it), "
+                "or construct the optimizer with step_in_backward=False")
+
     def rollback(self) -> None:
         """Put back every speculative update of this cycle: the sub-groups' state and parameter
         values from their copies, each prepared parameter's step count and state life."""
