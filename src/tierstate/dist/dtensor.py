@@ -14,6 +14,9 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def local_tensor(t: Tensor) -> Tensor:
     """The plain real tensor the engine reads and writes for ``t``: ``t`` itself, this rank's
     shard when ``t`` is a DTensor (parameters and gradients under FSDP2's ``fully_shard``), or,
@@ -21,7 +24,8 @@ def local_tensor(t: Tensor) -> Tensor:
     last dimension of 2), which torch's Adam, AdamW and Adagrad update element by element, as
     its SGD's complex arithmetic does. Each shares the tensor's storage, so writing into it
     updates the parameter."""
-    t = t._local_tensor if isinstance(t, DTensor) else t
+    if type(t) not in _PLAIN and isinstance(t, DTensor):  # (the type test first: most calls, cheaper)
+        t = t._local_tensor
     return torch.view_as_real(t.detach()) if t.is_complex() else t
 
 

@@ -31,7 +31,7 @@ from ..weights import streamed_blocks
 from .amp import scaling_of
 from .health import configure_health
 from .params import check_something_to_train, checked_group, params_list
-from .state_view import ParamState, as_stored_state, as_torch_state, publish, publish_step
+from .state_view import ParamState, as_stored_state, as_torch_state, publish, publish_steps
 
 NONFINITE_POLICIES = ("skip", "raise")
 _log = logging.getLogger("tierstate")
@@ -262,11 +262,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
             result = engine.step(scaling_of(self, grad_scaler, host_copies=host_copies))
             if result.rebuilt:
                 self._publish_all()
+            counted = []
             for s in result.stepped:
                 if s.trainable in result.fresh or s.needs_master and "master" not in self.state[s.param]:
                     publish(self, engine.store, s, self.rule.has_step)
                 elif self.rule.has_step:
-                    publish_step(self, s)
+                    counted.append(s)
+            publish_steps(self, counted)
             if result.error is not None:
                 raise result.error
             failed = engine.store.take_write_errors()

@@ -115,7 +115,7 @@ def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
     """Fill ``opt.state[p]`` of a slot whose state starts existing or was loaded.
 
     The views stay valid as long as the tiers do, so a step only refreshes ``step``
-    (:func:`publish_step`)."""
+    (:func:`publish_steps`)."""
     keys = store.keys(s)
     if not has_step and not keys:
         return  # torch keeps no entry for a parameter without state (SGD without momentum)
@@ -132,5 +132,12 @@ def publish(opt, store: StateStore, s: Slot, has_step: bool) -> None:
             st.keep(key, as_torch_state(s.param, view))
 
 
-def publish_step(opt, s: Slot) -> None:
-    opt.state[s.param]["step"].fill_(float(s.step))  # in place, as torch increments it
+def publish_steps(opt, slots: list[Slot]) -> None:
+    """Refresh ``step`` of each slot in ``opt.state``, in place, as torch increments it: one
+    ``_foreach_copy_`` per step value and dtype (a ``fill_`` per tensor cost ~0.6 us each)."""
+    by_value: dict[tuple, list[Tensor]] = {}
+    state = opt.state
+    for s in slots:
+        by_value.setdefault((s.step, s.step_dtype), []).append(state[s.param]["step"])
+    for (step, dtype), tensors in by_value.items():
+        torch._foreach_copy_(tensors, [step_tensor(step, dtype)] * len(tensors))

@@ -13,6 +13,7 @@ change (a group added, parameters replaced, a load needing other state keys).
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -192,7 +193,7 @@ class StepEngine:
         masters follow the values written into their parameters (see [Note: weights changed
         between steps]), write back the state copies written since they were read, and let the
         owner take the state entries torch code dropped or replaced."""
-        changed = self.marks.changed(self.store.slots, self.store.layout.param_numels)
+        changed = self.marks.changed(self.store.slots, self.store.layout.param_numels, self.device)
         if changed:
             follow_values(self.store, changed)
         self.copies.write_back(self.store)
@@ -208,7 +209,7 @@ class StepEngine:
 
     def mark_params(self) -> None:
         """The parameters as tierstate last wrote them (after a placement and after each step)."""
-        self.marks.record(self.store.slots)
+        self.marks.record(self.store.slots, self.parts.weights.streamed)
 
     # -- outside a step ------------------------------------------------------------------------
     @property
@@ -247,7 +248,7 @@ class StepEngine:
                 self.rebuild()
                 return True
             self.parts.weights_generation = weights_generation()
-        if len(params) == len(slots) and all(p is s.param for p, s in zip(params, slots)):
+        if len(params) == len(slots) and all(map(operator.is_, params, self.store.params)):
             return False
         current = set(params)  # tensors hash by identity
         lost = [s.index for s in slots if s.has_state and s.param not in current]
@@ -323,7 +324,8 @@ class StepEngine:
         # The kernels write the parameters through a pointer: bump their version counters as
         # torch's in-place update would, so autograd refuses a graph that saved the old weights
         # (a step between forward and backward) instead of computing wrong gradients from the new.
-        written = [s.local for s in result.stepped if weights_of(s.param) is None]
+        streamed = self.parts.weights.streamed
+        written = [s.local for s in result.stepped if s.trainable not in streamed]
         if written:
             torch.autograd.graph.increment_version(written)
         # the parameters as this step left them (a failed step keeps the earlier marks: the next
@@ -460,18 +462,21 @@ class StepEngine:
 
     def _kernel_traffic(self, s: Slot, grad: Tensor, per_element: dict | None = None) -> tuple[int, int]:
         """Host-memory bytes the update of (the host part of) one parameter reads and writes (one
-        fused pass). ``per_element``: the stored bytes per element already looked up in this
-        step, by (group, needs_master), which is all they depend on while a step runs."""
+        fused pass). ``per_element``: the bytes per element already worked out in this step, by
+        (group, needs_master, gradient dtype, parameter dtype), which is all they depend on while
+        a step runs (looked up once: ~2 us a parameter otherwise)."""
+        key = (s.group, s.needs_master, grad.dtype, s.param.dtype)
+        rates = per_element.get(key) if per_element is not None else None
+        if rates is None:
+            state, master = self.store.bytes_per_element(s)  # a block's scale counts 4 / block
+            # the stored master, or the parameter itself (its own master; a bf16 one keeps its compensation)
+            weight = master if s.needs_master else s.local.element_size() + master
+            out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
+            rates = (grad.element_size() + state + weight, state + weight + out)
+            if per_element is not None:
+                per_element[key] = rates
         n = grad.numel()
-        key = (s.group, s.needs_master)
-        found = per_element.get(key) if per_element is not None else None
-        state, master = found or self.store.bytes_per_element(s)  # a block's scale counts 4 / block
-        if per_element is not None and found is None:
-            per_element[key] = (state, master)
-        # the stored master, or the parameter itself (its own master; a bf16 one keeps its compensation)
-        weight = master if s.needs_master else s.local.element_size() + master
-        out = s.local.element_size() if s.needs_master and s.param.dtype != torch.float32 else 0
-        return round(n * (grad.element_size() + state + weight)), round(n * (state + weight + out))
+        return round(n * rates[0]), round(n * rates[1])
 
 
 class HostTraffic:
@@ -480,7 +485,7 @@ class HostTraffic:
     def __init__(self) -> None:
         self.read = self.written = 0
         self.updates = 0
-        self.per_element: dict = {}  # (group, needs_master) -> the store's bytes per element
+        self.per_element: dict = {}  # see StepEngine._kernel_traffic
 
     def add(self, read_written: tuple[int, int]) -> None:
         self.read += read_written[0]

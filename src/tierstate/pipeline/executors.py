@@ -119,13 +119,14 @@ class HostExecutor:
         params: list[float] = []
         rows: dict[tuple[int, int], int] = {}
         rest = []
-        for seg in segments:
-            s = self.store.by_trainable(seg.param_index)
-            grad = self.grads[seg.param_index]
+        by_trainable, all_grads, resident = self.store.by_trainable, self.grads, self.resident
+        for seg in segments:  # (``is_cpu``: ``device.type`` costs 0.4 us, ~20 % of a segment here)
+            s = by_trainable(seg.param_index)
+            grad = all_grads[seg.param_index]
             grad_code = GRAD_DTYPE_CODES.get(grad.dtype)
             local = s.local
-            if (s.pending_pieces or grad_code is None or grad.device.type != "cpu" or grad.dim() != 1
-                    or not grad.is_contiguous() or not self.resident(s)):
+            if (s.pending_pieces or grad_code is None or not grad.is_cpu or grad.dim() != 1
+                    or not grad.is_contiguous() or not resident(s)):
                 rest.append(seg)
                 continue
             lo, plo, n = seg.subgroup_offset, seg.param_offset, seg.numel
@@ -138,12 +139,12 @@ class HostExecutor:
                 out = self.weight_out(s, plo, plo + n, local.data.view(-1))
                 if out is not None:
                     out_code = OUT_DTYPE_CODES.get(out.dtype)
-                    if out_code is None or out.device.type != "cpu" or not out.is_contiguous():
+                    if out_code is None or not out.is_cpu or not out.is_contiguous():
                         rest.append(seg)
                         continue
                     out_ptr = out.data_ptr()
             else:  # an fp32 parameter in host memory is its own master
-                if local.dtype != torch.float32 or local.device.type != "cpu" or not local.is_contiguous():
+                if local.dtype != torch.float32 or not local.is_cpu or not local.is_contiguous():
                     rest.append(seg)
                     continue
                 weight = local.data_ptr() + plo * 4

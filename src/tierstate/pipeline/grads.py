@@ -26,10 +26,13 @@ from .grad_stream import GradStream
 
 
 def flat_grad(g: Tensor) -> Tensor:
-    """``g``'s elements as one contiguous run, as the kernels read them: a view of a contiguous
+    """``g``'s elements as one contiguous run, as the kernels read them: the gradient itself
+    where it is one already (a bias's; making a view costs ~0.7 us), a view of a contiguous
     gradient, a copy of one laid out otherwise (transposed, sliced with gaps, expanded), which
     torch's optimizers take as they are. ``reshape(-1)`` alone keeps a slice's gaps (a 1-d view
     of stride 2)."""
+    if g.is_contiguous() and not g.requires_grad:
+        return g if g.dim() == 1 else g.view(-1)
     return g.detach().reshape(-1).contiguous()
 
 
@@ -216,7 +219,7 @@ class Gradients:
         if g is None:
             return None
         g = self._densified(s, local_tensor(g))
-        if g.device.type != "cpu":
+        if not g.is_cpu:
             with self.telemetry.phase("grad_transfer"):
                 g = g.detach().to("cpu")
             self.telemetry.add_bytes("device", "d2h", g.numel() * g.element_size())

@@ -97,6 +97,7 @@ class StateStore:
         self._specs_of = specs_of
         self._slot_of = {s.param: s for s in self.slots}  # tensors hash by identity, as in torch.optim
         self._by_trainable = {s.trainable: s for s in self.slots if s.trainable is not None}
+        self.params = [s.param for s in self.slots]  # in param_groups order (slots never change)
 
     # -- lookup ------------------------------------------------------------------------------
     def slot_of(self, param: Tensor) -> Slot | None:
