@@ -420,7 +420,10 @@ class StepEngine:
         traffic = HostTraffic()
         for s, g in active:
             host = host_grads.get(s.trainable)
-            if self.prepare(s, None if host is None else host[0][host[1]:], traffic):
+            # the part the host kernels read (a slice only where the device tier holds the head:
+            # a view costs ~0.7 us a parameter)
+            part = None if host is None else host[0] if host[1] == 0 else host[0][host[1]:]
+            if self.prepare(s, part, traffic):
                 fresh.add(s.trainable)
             if host is not None:
                 grads[s.trainable] = host[0]
