@@ -132,8 +132,6 @@ def checked_group(param_group: dict, param_groups: list[dict], defaults: dict, r
     return param_group
 
 
-
-
 def check_something_to_train(owner: str, params: list) -> None:
     """Parameter groups that hold no parameter at all are refused (a generator passed twice, a
     filter that left nothing); parameters that are all frozen are taken, as torch takes them:

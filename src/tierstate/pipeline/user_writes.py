@@ -14,10 +14,10 @@ every host parameter with what it was after tierstate last wrote it:
 - its memory changed (``param.data = new``, same shape and dtype): the master is filled
   again from the parameter, as at the first step, unless the parameter still holds the
   master rounded everywhere (the same weights in other memory: a copy, another memory
-  format), which leaves the master's fp32 bits as they were. Memory laid out otherwise (not contiguous:
-  ``model.to(memory_format=torch.channels_last)`` after building the optimizer) is first made
-  contiguous, with a warning, as at construction (see [Note: parameters are updated through a
-  flat view of their memory] in :mod:`tierstate.tiers.param_memory`).
+  format), which leaves the master's fp32 bits as they were. Memory laid out otherwise (not
+  contiguous: ``model.to(memory_format=torch.channels_last)`` after building the optimizer)
+  is first made contiguous, with a warning, as at construction (see [Note: parameters are
+  updated through a flat view of their memory] in :mod:`tierstate.tiers.param_memory`).
 - its version changed (torch bumps ``_version`` at every in-place write; the native kernels
   write through a pointer and bump nothing): the master follows the values. An fp32 master
   takes the parameter's value only where the parameter is no longer the master rounded

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..dist import is_dtensor, local_tensor
 from .host import sole_owner
 
+
 def _layout(i: int, p: Tensor) -> str:
     return f"params[{i}] (shape {tuple(p.shape)}, strides {tuple(p.stride())})"
 
