@@ -81,7 +81,8 @@ is active on most steps pays about the plain step, not twice it.
 - an NVMe write that fails is raised at the end of ``step()``, the record kept in RAM
   and written when next evicted (a step cannot refuse to start: its updates ran during
   backward); once a record is found lost (``StateLostError``) every later backward
-  updates nothing and ``step()`` raises it, until a checkpoint is loaded.
+  updates nothing and ``step()`` raises it, until a checkpoint is loaded. Speculative
+  updates made before it in that backward are rolled back (the parameters first).
 """
 from __future__ import annotations
 
@@ -403,7 +404,7 @@ class BackwardDriver(Speculation):
                 self._queue.join()
         if self.error is not None:
             error, self.error = self.error, None
-            self.close_cycle()
+            self.abandon()  # speculative updates rolled back: the failed step changed nothing
             raise error
 
     def finish_step(self, active: list, scaling: Scaling) -> "StepResult":

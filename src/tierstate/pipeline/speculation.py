@@ -9,6 +9,7 @@ undoes what it can as a rollback does.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ import torch
 from ..placement import SubGroup
 from . import grad_mark
 from .decision import Scaling
+
+_log = logging.getLogger("tierstate")
 
 if TYPE_CHECKING:
     from .engine import StepEngine
@@ -79,23 +82,35 @@ class Speculation:
                 + ". Keep the number of backward() calls per step() constant (the first step learns it), "
                 "or construct the optimizer with step_in_backward=False")
 
+    def abandon(self) -> None:
+        """The cycle ends on an error raised by ``step()`` (a record found lost, a refusal):
+        its speculative updates are rolled back, so the step leaves every parameter and state as
+        before it (found 2026-12-07: after a failed read the sub-groups updated before it kept
+        their unclipped speculative updates). A rollback that fails too is logged; the error the
+        step raises is the first one."""
+        try:
+            if self.speculative and (self.saved or self.prepared):
+                self.rollback()
+        except Exception as undo_failed:  # noqa: BLE001 - the caller raises the first error
+            _log.warning("tierstate: rolling back the updates made during backward failed too (%s): load the "
+                         "last checkpoint (tierstate.load_optimizer) before training on", undo_failed)
+        finally:
+            self.close_cycle()
+
     def rollback(self) -> None:
         """Put back every speculative update of this cycle: the sub-groups' state and parameter
         values from their copies, each prepared parameter's step count and state life."""
         engine = self.engine
         store, layout = engine.store, engine.store.layout
         self._update_waiting_drop()
+        failed = None  # the first sub-group whose state could not be put back (its record unreadable)
         with engine.telemetry.phase("backward_rollback"):
             for index in self.saved:
                 sg = layout.subgroups[index]
                 keep = self.undo[index]
-                tier = store.tier_of(sg)
-                views = tier.acquire(sg)
-                try:
-                    for key, view in views.items():
-                        view.copy_(keep["views"][key])
-                finally:
-                    tier.release(sg, dirty=True)
+                # the parameters first: their copies are in RAM, so they come back even where the
+                # tier cannot give the state back (found 2026-12-07: a second failed read left them
+                # holding speculative values)
                 for seg in sg.segments:
                     buf = keep["values"].get(seg.param_index)
                     if buf is None or seg.param_index not in self.grads:
@@ -103,6 +118,17 @@ class Speculation:
                     s = store.by_trainable(seg.param_index)
                     with store.values_of(s, True) as values:
                         values[seg.param_offset: seg.param_offset + seg.numel].copy_(buf)
+                tier = store.tier_of(sg)
+                try:
+                    views = tier.acquire(sg)
+                except Exception as exc:  # noqa: BLE001 - raised once every other sub-group is back
+                    failed = failed or exc
+                    continue
+                try:
+                    for key, view in views.items():
+                        view.copy_(keep["views"][key])
+                finally:
+                    tier.release(sg, dirty=True)
         for t, (life, step, master, pending) in self.lives.items():
             s = store.by_trainable(t)
             s.life, s.step, s.master = life, step, master
@@ -121,6 +147,8 @@ class Speculation:
         self.nonfinite = []
         self.sumsq = 0.0
         self.stopped = False
+        if failed is not None:
+            raise failed
 
     def _update_waiting_drop(self) -> None:
         self.waiting.clear()
