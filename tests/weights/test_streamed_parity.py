@@ -293,3 +293,36 @@ def test_a_grad_scaler_in_backward_with_streamed_weights_says_what_was_done(tmp_
         scaler.step(opt)
     opt.close()
     ws.close()
+
+
+def test_a_failed_weight_write_back_during_the_update_completes_the_step_and_raises_at_its_end(tmp_path):
+    """The optimizer updates streamed weights in their blocks' images, taking a buffer from the
+    window, which may write another changed block back to make room. When that write failed the
+    update stopped where it was (found 2026-12-07 by a sweep of faults): some blocks updated,
+    others not, the optimizer's state ahead of the weights, values of no step. Now the failed
+    block keeps its image (its bytes are not lost, its write is tried again when next evicted),
+    the update goes on in a new buffer, and the error (path, errno) is raised at the end of
+    ``step()``, as for the optimizer's own NVMe records: the step is complete, the next ones work."""
+    import errno
+
+    from tierstate.io.faults import fail_nth
+
+    ref, model = twin("gpt2", n_layer=6, n_embd=16)
+    ws = offload(model, "nvme", nvme_dir=tmp_path / "w", prefetch=0)
+    ref_opt = ts.AdamW(ref.parameters(), lr=1e-2, offload="cpu")
+    opt = ts.AdamW(model.parameters(), lr=1e-2, offload="cpu")
+    data = batches(3)
+    for m, o in ((ref, ref_opt), (model, opt)):
+        for step, ids in enumerate(data):
+            m(ids, labels=ids).loss.backward()
+            if m is model and step == 1:  # the update's first write-back fails
+                with fail_nth("write", 1, errno.EIO, path_contains=str(tmp_path / "w")) as plan:
+                    with pytest.raises(OSError) as info:
+                        o.step()
+                assert plan.fired == 1
+                assert info.value.errno == errno.EIO and str(tmp_path / "w") in str(info.value)
+            else:
+                o.step()
+            o.zero_grad()
+    assert_same(ref, ref_opt, model, opt, ws)
+    ws.close()

@@ -272,8 +272,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if result.error is not None:
                 raise result.error
             failed = engine.store.take_write_errors()
-            if failed is not None:  # the step is complete in memory; the records wait in RAM
-                raise failed
+            weights_failed = engine.parts.weights.take_write_errors()  # a streamed block's, kept in RAM
+            if failed is not None or weights_failed is not None:  # the step is complete in memory
+                raise failed if failed is not None else weights_failed
         finally:
             if workers:
                 for thread, start, end in kernels.drain_worker_spans():

@@ -300,8 +300,10 @@ class StepEngine:
         return fresh
 
     def host_executor(self, grads: dict, fresh: set, grad_scale: float, lane: str | None = None) -> HostExecutor:
-        return HostExecutor(self.store, self.rule, self.groups, grads, fresh, grad_scale,
-                            self.parts.weights.out_view, self.telemetry, lane=lane, resident=self.parts.weights.resident)
+        weights = self.parts.weights
+        return HostExecutor(self.store, self.rule, self.groups, grads, fresh, grad_scale, weights.out_view,
+                            self.telemetry, lane=lane, resident=weights.resident,
+                            deferring=weights.deferring_write_errors if weights.streamed else None)
 
     def work(self, grads_by_place, skip: set[int] = frozenset()) -> list[tuple]:
         """(sub-group, its segments with a gradient) for every sub-group not in ``skip``, in layout

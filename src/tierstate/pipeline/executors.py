@@ -14,6 +14,8 @@ out) fits the same loop as the host kernels, which are done when they return.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -75,14 +77,16 @@ class HostExecutor:
 
     def __init__(self, store: StateStore, rule, groups: Callable[[], list], grads: dict[int, Tensor],
                  fresh: set[int], grad_scale: float, weight_out: Callable, telemetry, lane: str | None = None,
-                 resident: Callable[[Slot], bool] | None = None) -> None:
+                 resident: Callable[[Slot], bool] | None = None, deferring: Callable | None = None) -> None:
         self.store, self.rule, self.groups = store, rule, groups
         self.grads, self.fresh, self.grad_scale = grads, fresh, grad_scale
         self.weight_out, self.telemetry, self.lane = weight_out, telemetry, lane
         self.resident = resident  # Slot -> its values are the parameter itself (None: never assumed)
+        # () -> a context in which a streamed block's failed write-back waits for the end of step()
+        self.deferring = deferring or contextlib.nullcontext
 
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
-        with self.telemetry.phase("cpu_update", lane=self.lane):
+        with self.telemetry.phase("cpu_update", lane=self.lane), self.deferring():
             groups = self.groups()
             rest = self.update_many(segments, views, groups) if len(segments) > 1 else segments
             for seg in rest:

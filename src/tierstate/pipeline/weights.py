@@ -10,7 +10,8 @@ the device tier was updated in place there, so only its tail goes up.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 from weakref import WeakKeyDictionary
 
 import torch
@@ -54,6 +55,30 @@ class WeightsOut:
         if handle is None:
             return resident_values(s, write)
         return handle.for_update() if write else handle.for_reading()
+
+    def _windows(self) -> list:
+        return list({id(h.streamer.window): h.streamer.window for h in self.streamed.values()}.values())
+
+    @contextlib.contextmanager
+    def deferring_write_errors(self) -> Iterator[None]:
+        """While the optimizer updates streamed weights: a write-back of another block that fails
+        does not stop the update half way; it is raised by :meth:`take_write_errors` at the end
+        of ``step()`` (see ``Window._take_buffer``)."""
+        windows = self._windows() if self.streamed else []
+        for w in windows:
+            w.defer_write_errors += 1
+        try:
+            yield
+        finally:
+            for w in windows:
+                w.defer_write_errors -= 1
+
+    def take_write_errors(self) -> BaseException | None:
+        """The first weight write-back failure deferred during the step's updates, or None."""
+        if not self.streamed:
+            return None
+        errors = [e for w in self._windows() if (e := w.take_write_errors()) is not None]
+        return errors[0] if errors else None
 
     def resident(self, s: Slot) -> bool:
         """``values_of(s, ...)`` is the parameter itself (its weights do not stream): nothing to

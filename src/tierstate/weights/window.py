@@ -116,6 +116,10 @@ class Window:
             for _ in range(min(prefetch + 2 + self.alias, len(nvme))):
                 self._free.append(self._new_buffer())
         self._base_buffers = self._buffers  # beyond these, a released clean image is freed
+        # > 0 while the optimizer updates images (tierstate.pipeline.weights): a write-back that
+        # fails then leaves its image kept, dirty, and the update goes on (see _take_buffer)
+        self.defer_write_errors = 0
+        self._deferred: list[BaseException] = []
         self.quiet_growth = 0  # > 0 while the user asked for many blocks at once (gathered())
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         # (phase, seconds, start) -> None: the streamer books waits and reads in the telemetry of
@@ -147,7 +151,18 @@ class Window:
                              self.pool_nbytes // max(self._image_nbytes, 1), self._image_nbytes / 2**20)
             self.counters.pool_grown += 1
             return self._new_buffer()
-        return self._evict(victim)
+        try:
+            return self._evict(victim)
+        except OSError as exc:
+            # While the optimizer updates, stopping here would leave a step half applied (found
+            # 2026-12-07). The victim keeps its image, dirty (nothing is lost; its write is
+            # tried again when it is next evicted), the update goes on in a new buffer, and the
+            # error is raised at the end of step(), as the NVMe state tier does. At most the
+            # pool's own size is kept so: beyond it, the error is raised at once.
+            if not self.defer_write_errors or len(self._deferred) >= self._base_buffers:
+                raise
+            self._deferred.append(exc)
+            return self._new_buffer()
 
     def _victim(self, avoid: set[int], clean_only: bool = False) -> int | None:
         """The image to reuse: one nothing holds or reads into, outside ``avoid``; a clean one
@@ -275,7 +290,12 @@ class Window:
         if st.upload is not None:  # CUDA: the copy up still reads the image
             st.upload.synchronize()
             st.upload = None
-        self._finish_write(b)  # a write-back in flight still reads it too
+        try:
+            self._finish_write(b)  # a write-back in flight still reads it too
+        except OSError as exc:  # the image is still dirty: written again later (see _take_buffer)
+            if not self.defer_write_errors:
+                raise
+            self._deferred.append(exc)
         st.image_holds += 1
         try:
             yield image
@@ -286,6 +306,11 @@ class Window:
                 st.stale = True
                 if refresh:
                     self._refresh(b)
+
+    def take_write_errors(self) -> BaseException | None:
+        """The first write-back failure deferred while the optimizer updated (None if none); forgets them."""
+        errors, self._deferred = self._deferred, []
+        return errors[0] if errors else None
 
     @contextlib.contextmanager
     def image_for_reading(self, b: int) -> Iterator[Tensor]:
