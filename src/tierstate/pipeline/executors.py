@@ -15,7 +15,6 @@ out) fits the same loop as the host kernels, which are done when they return.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
@@ -73,6 +72,8 @@ class HostExecutor:
             segment is updated, so a caller may keep filling it (the in-backward driver does).
         fresh: trainable indices whose state started existing this step.
         weight_out: (slot, first, end, values) -> where the rounded low-precision weight goes, or None.
+        deferring: () -> the context each update runs in, in which a streamed block whose write-back
+            fails is kept and its error raised at the end of ``step()`` (WeightsOut.deferring_write_errors).
     """
 
     def __init__(self, store: StateStore, rule, groups: Callable[[], list], grads: dict[int, Tensor],
