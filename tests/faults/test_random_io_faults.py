@@ -99,7 +99,8 @@ def test_random_io_fault_keeps_the_step_contract(seed: int, tmp_path, caplog) ->
     r = random.Random(seed)
     config = _config(r)
     backward = config[3]
-    op, at, nth, times = r.choice(["write", "write", "read"]), r.randint(1, 4), r.randint(1, 6), r.choice([1, 1, 3, 100])
+    op, at = r.choice(["write", "write", "read"]), r.randint(1, 4)
+    nth, times = r.randint(1, 6), r.choice([1, 1, 3, 100])
     what = f"seed {seed}: {config}, {op} #{nth} of step {at} fails {times} time(s)"
     params, opt = _make(config, tmp_path / "reference")
     reference = []
