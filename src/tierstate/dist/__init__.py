@@ -9,7 +9,8 @@ every rank when one fails (:mod:`.failure`).
 """
 from .failure import PeerFailedError, report_failure
 from .ranks import expand_rank_template, rank_fields
-from .dtensor import DTensor, is_dtensor, local_state, local_tensor, present_state, shard_groups, shard_key
+from .dtensor import (DTensor, is_dtensor, is_own_local, local_state, local_tensor, present_state, shard_groups,
+                      shard_key)
 
-__all__ = ["DTensor", "PeerFailedError", "expand_rank_template", "is_dtensor", "local_state", "local_tensor",
-           "present_state", "rank_fields", "report_failure", "shard_groups", "shard_key"]
+__all__ = ["DTensor", "PeerFailedError", "expand_rank_template", "is_dtensor", "is_own_local", "local_state",
+           "local_tensor", "present_state", "rank_fields", "report_failure", "shard_groups", "shard_key"]

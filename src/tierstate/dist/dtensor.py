@@ -17,6 +17,11 @@ def is_dtensor(t) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def is_own_local(t: Tensor) -> bool:
+    """Whether :func:`local_tensor` gives ``t`` itself: a real tensor of no subclass."""
+    return type(t) in _PLAIN and not t.is_complex()
+
+
 def local_tensor(t: Tensor) -> Tensor:
     """The plain real tensor the engine reads and writes for ``t``: ``t`` itself, this rank's
     shard when ``t`` is a DTensor (parameters and gradients under FSDP2's ``fully_shard``), or,

@@ -31,6 +31,9 @@ class WeightsOut:
         # trainable index -> the handle of a parameter whose weights stream (tierstate.weights):
         # the kernels update its block's host image, and the block refreshes its compute copy
         self.streamed = {i: h for i, p in enumerate(trainable) if (h := weights_of(p)) is not None}
+        # their streamers' windows, each once: entered around every sub-group's update
+        # (deferring_write_errors), so listed here rather than walked over every handle each time
+        self._windows = list({id(h.streamer.window): h.streamer.window for h in self.streamed.values()}.values())
         self._reported: WeakKeyDictionary = WeakKeyDictionary()  # streamer -> its stats() at the last report
         self.staging: dict[int, Tensor] = {}  # CUDA: pinned low-precision weights, written by the kernels
         self.staging_arena: Tensor | None = None
@@ -56,28 +59,22 @@ class WeightsOut:
             return resident_values(s, write)
         return handle.for_update() if write else handle.for_reading()
 
-    def _windows(self) -> list:
-        return list({id(h.streamer.window): h.streamer.window for h in self.streamed.values()}.values())
-
     @contextlib.contextmanager
     def deferring_write_errors(self) -> Iterator[None]:
         """While the optimizer updates streamed weights: a write-back of another block that fails
         does not stop the update half way; it is raised by :meth:`take_write_errors` at the end
         of ``step()`` (see ``Window._take_buffer``)."""
-        windows = self._windows() if self.streamed else []
-        for w in windows:
+        for w in self._windows:
             w.defer_write_errors += 1
         try:
             yield
         finally:
-            for w in windows:
+            for w in self._windows:
                 w.defer_write_errors -= 1
 
     def take_write_errors(self) -> BaseException | None:
         """The first weight write-back failure deferred during the step's updates, or None."""
-        if not self.streamed:
-            return None
-        errors = [e for w in self._windows() if (e := w.take_write_errors()) is not None]
+        errors = [e for w in self._windows if (e := w.take_write_errors()) is not None]
         return errors[0] if errors else None
 
     def resident(self, s: Slot) -> bool:

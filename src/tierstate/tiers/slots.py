@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..dist import local_tensor
+from ..dist import is_own_local, local_tensor
 
 
 class StateLife(enum.Enum):
@@ -91,7 +91,7 @@ class Slot:
         # a plain real tensor is its own local tensor: ``local`` is read several times per
         # parameter and step, and local_tensor's checks cost ~0.3 us each (a parameter's class
         # is fixed, and a change of dtype, to complex or not, is refused by the step)
-        self._plain = type(self.param) in (Tensor, torch.nn.Parameter) and not self.param.is_complex()
+        self._plain = is_own_local(self.param)
 
     @property
     def local(self) -> Tensor:
