@@ -125,3 +125,10 @@ def test_cli_reports_a_bad_argument_in_one_line():
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "seq_len=999" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("option", ["--steps", "--batch-size", "--seq-len"])
+def test_cli_refuses_a_count_below_one_before_printing_anything(option):
+    result = _cli("--model", "tiny", option, "0", "--device", "cpu")
+    assert result.returncode == 2
+    assert result.stdout == "" and f"argument {option}: '0': expected a positive integer" in result.stderr

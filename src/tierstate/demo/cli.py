@@ -8,6 +8,17 @@ from .model import MODEL_PRESETS
 from .train import DTYPES, OFFLOAD_CHOICES, RUN_DEFAULTS
 
 
+def _positive_int(text: str) -> int:
+    """An integer >= 1 (an argparse type), so a bad count is refused before the demo prints anything."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's options to ``parser``."""
     parser.description = (
@@ -23,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", choices=list(MODEL_PRESETS), default=None,
         help=f"model size; default small on cuda, tiny on cpu. Presets: {presets}",
     )
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default per model)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default per model)")
+    parser.add_argument("--steps", type=_positive_int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step (default per model)")
+    parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default per model)")
     parser.add_argument(
         "--offload", choices=list(OFFLOAD_CHOICES), default="cpu",
         help="where the optimizer state lives: host RAM, NVMe files, or chosen by the planner (default cpu)",
