@@ -30,8 +30,13 @@ every host parameter with what it was after tierstate last wrote it:
 A parameter that is its own master (fp32 state, or a bf16 parameter under ``bf16_kahan``,
 whose int16 compensation is then at most half an ulp stale) needs nothing. Parameters on an
 accelerator (written by their upload, on a stream) are checked for shape, dtype and device
-only; parameters whose weights stream (:mod:`tierstate.weights`, whose storage is swapped
-around every block) are not checked.
+only. A parameter whose weights stream (:mod:`tierstate.weights`) has no memory of its own
+between uses, so only its version is compared: ``ws.write_param`` (and ``model.load_state_dict``,
+which goes through it) bumps it, as does an in-place write inside ``ws.gathered()``, while
+the block's materializations and the optimizer's updates of its host image do not; its master
+then follows the values in the block's host image. (Until 2026-12-07 streamed parameters were
+not checked: a bf16 weight set with ``write_param`` was overwritten at the next step from
+the master of the old one.)
 """
 from __future__ import annotations
 
@@ -55,8 +60,14 @@ def _mark(t: Tensor) -> Mark:
     return (t.data_ptr(), t._version, t.shape, t.stride(), t.dtype)
 
 
-def _values_watched(s: Slot) -> bool:
-    return s.needs_master and s.local.device.type == "cpu" and weights_of(s.param) is None
+def _streamed_mark(t: Tensor) -> Mark:
+    # a streamed parameter's storage comes and goes with its block: its version counts the writes
+    return (None, t._version, t.shape, None, t.dtype)
+
+
+def _values_watched(s: Slot, streamed: bool) -> bool:
+    # a streamed parameter's values live in its block's host image, also when it computes on a device
+    return s.needs_master and (streamed or s.local.device.type == "cpu")
 
 
 class ParamMarks:
@@ -64,12 +75,14 @@ class ParamMarks:
 
     def __init__(self) -> None:
         self._marks: dict[int, Mark] = {}
+        self._streamed: frozenset[int] = frozenset()
 
     def record(self, slots, streamed) -> None:
         """After a placement and after each step; ``streamed``: the trainable indices whose
-        weights stream (not checked)."""
-        self._marks = {s.index: _mark(s.local) for s in slots
-                       if s.trainable is not None and s.trainable not in streamed}
+        weights stream (only their versions are compared)."""
+        self._streamed = frozenset(s.index for s in slots if s.trainable in streamed)
+        self._marks = {s.index: (_streamed_mark if s.index in self._streamed else _mark)(s.local)
+                       for s in slots if s.trainable is not None}
 
     def changed(self, slots, numels, device: torch.device) -> list[tuple[Slot, bool]]:
         """``(slot, replaced)`` for each slot whose values the user wrote since :meth:`record`
@@ -83,6 +96,10 @@ class ParamMarks:
             if s.trainable is None or old is None:
                 continue
             local = s.local
+            if s.index in self._streamed:
+                if _streamed_mark(local) != old and _values_watched(s, True):
+                    out.append((s, False))
+                continue
             now = _mark(local)
             if now == old:
                 continue
@@ -98,8 +115,8 @@ class ParamMarks:
             replaced = now[0] != old[0] or now[3] != old[3]  # other memory, or laid out otherwise
             if replaced and needs_own_memory(s.index, s.param, RuntimeError):
                 moves[s.index] = s.param
-            if _values_watched(s):
-                out.append((s, replaced))
+            if _values_watched(s, False) and weights_of(s.param) is None:  # (one that started
+                out.append((s, replaced))  # streaming since: the engine re-assembles over it)
         give_contiguous_memory(moves, since_built=True)
         return out
 
@@ -118,11 +135,12 @@ def follow_values(store: StateStore, changed: list[tuple[Slot, bool]]) -> None:
     for s, replaced in changed:
         if not s.master.filled:
             continue  # filled from the parameter at its next update
-        param = s.local.detach()
         if store.dtype(s, "master") != torch.float32:
             _fill_again(store, s)
             continue
         master = store.read(s, "master")
+        with store.values_of(s, False) as flat:  # a streamed weight: its block's host image
+            param = flat.view(master.shape).clone()
         rounded = master.to(param.dtype)
         kept = (rounded == param) | (rounded.isnan() & param.isnan())
         if bool(kept.all()):

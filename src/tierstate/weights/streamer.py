@@ -32,6 +32,7 @@ from ..placement.defaults import default_nvme_root
 from . import fsdp
 from .blocks import Block, assign, byte_view, resolve_blocks, typed_view
 from .homes import make_home, split_by_fraction
+from .module_state import ModuleStateHooks
 from .hooks import BlockHooks
 from .order import UseOrder
 from .window import Window
@@ -168,6 +169,8 @@ class WeightStreamer:
         self.window.report = self._report
         self.window.pending = self._update_pending
         self.hooks = fsdp.ShardHooks(self) if self.sharded else BlockHooks(self)
+        # [Note: a streamed model's own state dict]
+        self.state_hooks = None if self.sharded else ModuleStateHooks(self, model)
         self._finalizer = weakref.finalize(self, _close_homes, self._homes)
 
     # -- construction --------------------------------------------------------------------------
@@ -348,6 +351,9 @@ class WeightStreamer:
                              f"has {shape}" + (" (this rank's shard of an FSDP2 parameter)" if self.sharded else ""))
         with h.for_update(refresh=True) as flat:  # inside gathered() the parameter shows it at once
             flat.copy_(value.detach().reshape(-1).to(device="cpu", dtype=param.dtype))
+        # the host image's views have version counters of their own: count the write on the
+        # parameter, so an optimizer keeping its master follows it (pipeline/user_writes.py)
+        torch.autograd.graph.increment_version(local_tensor(param))
 
     def named_streamed(self) -> list[tuple[str, Tensor]]:
         """(name, parameter) of every streamed parameter, in model order."""
@@ -399,6 +405,8 @@ class WeightStreamer:
             return
         with self._lock:
             self.hooks.remove()
+            if self.state_hooks is not None:
+                self.state_hooks.remove()
             try:
                 self.window.close()
             finally:

@@ -1,0 +1,96 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` through a streamer's homes.
+
+[Note: a streamed model's own state dict]
+Between uses a streamed parameter has no storage (its block's storage is resized to 0), so
+torch's ``Module.state_dict()`` would hand out empty-storage views as weights: reading one
+dereferences a null pointer (the process dies with SIGSEGV), ``torch.save`` writes no bytes
+for it, and ``load_state_dict`` would copy into it. torch, Trainer's model save,
+``save_pretrained``, Accelerate and Lightning all go through those two methods, so the
+streamer hooks them on every module that owns a streamed parameter:
+
+- state dict (post-hook): each streamed entry becomes a copy read from the block's home
+  (``read_param``; one read of a block serves all its parameters while the block stays in
+  the window's pool). The copy is the weight at that moment: unlike a resident model's
+  entries it does not change with later steps. ``state_dict(keep_vars=True)`` still gives
+  the Parameter objects, as torch does (their values: ``read_param``). A model larger than RAM does not fit in its
+  own state dict: export it with :func:`tierstate.save_weights`, a tensor at a time.
+- load (pre-hook): an entry of the right shape is written to the home (``write_param``:
+  cast, the optimizer's master refreshed at its next step as after any write of a weight)
+  and taken out of the dict torch loads from; the post-hook then takes its key out of
+  ``missing_keys``. An entry of another shape or type is left to torch, which reports it in
+  its own words and copies nothing.
+
+Under FSDP2 a streamed shard's state dict belongs to FSDP2's own hooks (DTensors of the
+shards): there, use ``with ws.gathered():`` around ``torch.distributed.checkpoint``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .streamer import WeightStreamer
+
+
+class ModuleStateHooks:
+    """The state-dict hooks of one streamer's modules; :meth:`remove` takes them off."""
+
+    def __init__(self, streamer: "WeightStreamer", model: nn.Module) -> None:
+        self.streamer = streamer
+        self._handles = []
+        own = {pl.param for b in streamer.blocks for pl in b.places}
+        for module in model.modules():
+            names = tuple(n for n, p in module._parameters.items() if p is not None and p in own)
+            if names:
+                written: list[str] = []  # keys this module's pre-hook loaded, for its post-hook
+                asked = {"keep_vars": False}  # what this module's state_dict() was last asked for
+                self._handles += [
+                    module.register_state_dict_pre_hook(self._note_keep_vars(asked)),
+                    module.register_state_dict_post_hook(self._read(names, asked)),
+                    module.register_load_state_dict_pre_hook(self._write(names, written)),
+                    module.register_load_state_dict_post_hook(self._not_missing(written)),
+                ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @staticmethod
+    def _note_keep_vars(asked: dict):
+        def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            asked["keep_vars"] = keep_vars
+        return hook
+
+    def _read(self, names: tuple[str, ...], asked: dict):
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+            if asked["keep_vars"]:
+                return  # the Parameter objects themselves, as torch gives them
+            for name in names:
+                key = prefix + name
+                if key in state_dict:
+                    state_dict[key] = self.streamer.read_param(module._parameters[name])
+        return hook
+
+    def _write(self, names: tuple[str, ...], written: list[str]):
+        def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
+                 unexpected_keys, error_msgs) -> None:
+            for name in names:
+                key = prefix + name
+                value = state_dict.get(key)
+                param = module._parameters[name]
+                if isinstance(value, Tensor) and value.shape == param.shape:
+                    self.streamer.write_param(param, value)
+                    del state_dict[key]  # torch's copy of the dict: the caller's stays whole
+                    written.append(key)
+        return hook
+
+    @staticmethod
+    def _not_missing(written: list[str]):
+        def hook(module: nn.Module, incompatible_keys) -> None:
+            for key in written:
+                if key in incompatible_keys.missing_keys:
+                    incompatible_keys.missing_keys.remove(key)
+            written.clear()
+        return hook

@@ -1,0 +1,143 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` on a model whose weights stream.
+
+Between uses a streamed parameter has no storage. Until 2026-12-07 ``model.state_dict()``
+returned those empty-storage views as the weights (reading one, e.g. to compare or to save,
+crashed the process with a segmentation fault; ``torch.save`` wrote no bytes for them), and
+``load_state_dict`` copied into them. Now the model's state dict holds a copy of each
+streamed weight read from its home, and loading writes through to the home, so torch's
+checkpointing, ``save_pretrained`` and Trainer's model save work as on a resident model.
+Every case compares with the resident twin bit for bit.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import tierstate as ts
+from tierstate.weights import streamed
+
+from _models import batches, offload, twin
+
+PLACEMENTS = {"cpu": dict(offload="cpu"), "nvme": dict(offload="nvme"),
+              "split": dict(offload=ts.Offload(cpu=0.5, nvme=0.5))}
+
+
+def _stream(model, tmp_path, placement):
+    kw = dict(PLACEMENTS[placement])
+    if placement != "cpu":
+        kw["nvme_dir"] = tmp_path / "weights"
+    return offload(model, **kw)
+
+
+def _train(model, opt, data):
+    for ids in data:
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _assert_same_dicts(want: dict, got: dict) -> None:
+    assert list(got) == list(want)
+    differing = [k for k in want if want[k].dtype != got[k].dtype or not torch.equal(want[k], got[k])]
+    assert not differing, f"entries differ: {differing[:6]}"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_dict_holds_the_streamed_weights(kind, placement, dtype, tmp_path):
+    ref, model = twin(kind, dtype)
+    ws = _stream(model, tmp_path, placement)
+    data = batches(3)
+    _train(ref, ts.AdamW(ref.parameters(), lr=1e-2, offload="cpu"), data)
+    _train(model, ts.AdamW(model.parameters(), lr=1e-2, offload="cpu"), data)
+
+    got = model.state_dict()
+    _assert_same_dicts(ref.state_dict(), got)
+    for name, p in model.named_parameters():
+        if streamed(p) is not None:  # a copy of its own, whole: safe to keep, save or compare
+            t = got[name]
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size() and not t.requires_grad
+
+    buffer = io.BytesIO()  # torch's own checkpoint of the model, loaded into a resident model
+    torch.save(got, buffer)
+    buffer.seek(0)
+    fresh, _ = twin(kind, dtype, seed=5)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    ids = data[0]
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, ref(ids).logits)
+    ws.close()
+
+
+def test_keep_vars_and_a_submodule_state_dict(tmp_path):
+    ref, model = twin("llama")
+    ws = _stream(model, tmp_path, "nvme")
+    kept = model.state_dict(keep_vars=True)  # the Parameter objects, as torch gives them
+    assert list(kept) == list(ref.state_dict()) and all(kept[n] is p for n, p in model.named_parameters())
+    _assert_same_dicts(ref.state_dict(), model.state_dict())
+    _assert_same_dicts(ref.model.layers[1].mlp.state_dict(), model.model.layers[1].mlp.state_dict())
+    ws.close()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_load_state_dict_writes_the_streamed_weights_and_training_goes_on_from_them(kind, placement, dtype,
+                                                                                     tmp_path):
+    ref, model = twin(kind, dtype)
+    ws = _stream(model, tmp_path, placement)
+    ref_opt = ts.AdamW(ref.parameters(), lr=1e-2, offload="cpu")
+    opt = ts.AdamW(model.parameters(), lr=1e-2, offload="cpu")
+    data = batches(6)
+    _train(ref, ref_opt, data[:2])
+    _train(model, opt, data[:2])
+
+    other, _ = twin(kind, dtype, seed=7)  # other weights, loaded into both mid-run
+    assert ref.load_state_dict(other.state_dict()) == model.load_state_dict(other.state_dict())
+    _assert_same_dicts(other.state_dict(), model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(model(data[2]).logits, other(data[2]).logits)
+
+    _train(ref, ref_opt, data[2:])  # the optimizer's next steps start from the loaded weights
+    _train(model, opt, data[2:])
+    _assert_same_dicts(ref.state_dict(), model.state_dict())
+    ws.close()
+
+
+def test_load_state_dict_reports_keys_and_shapes_as_torch_does(tmp_path):
+    ref, model = twin("llama")
+    ws = _stream(model, tmp_path, "nvme")
+    before = model.state_dict()
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert streamed(model.get_parameter(name)) is not None
+
+    partial = {k: v for k, v in ref.state_dict().items() if k != name}
+    partial["extra.weight"] = torch.zeros(3)
+    want = ref.load_state_dict(partial, strict=False)
+    got = model.load_state_dict(partial, strict=False)
+    assert got.missing_keys == want.missing_keys == [name]
+    assert got.unexpected_keys == want.unexpected_keys == ["extra.weight"]
+    with pytest.raises(RuntimeError, match=rf'Missing key\(s\) in state_dict: "{name}"'):
+        model.load_state_dict(partial)
+
+    wrong = dict(ref.state_dict())
+    wrong[name] = torch.ones(5, 32)
+    with pytest.raises(RuntimeError, match=rf"size mismatch for {name}: copying a param with shape "
+                                           r"torch.Size\(\[5, 32\]\) from checkpoint, the shape in current "
+                                           r"model is torch.Size\(\[32, 32\]\)"):
+        model.load_state_dict(wrong)
+    assert torch.equal(ws.read_param(model.get_parameter(name)), before[name])  # left as it was
+    ws.close()
+
+
+def test_submodule_load_state_dict(tmp_path):
+    ref, model = twin("gpt2")
+    ws = _stream(model, tmp_path, "cpu")
+    other, _ = twin("gpt2", seed=3)
+    sub = other.transformer.h[2].state_dict()
+    model.transformer.h[2].load_state_dict(sub)
+    _assert_same_dicts(sub, model.transformer.h[2].state_dict())
+    ws.close()
