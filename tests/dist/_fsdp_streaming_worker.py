@@ -12,7 +12,8 @@ compute, fp32 reduction; its reference is ``resident-mp``). ``errors`` records w
 streaming cannot work (``save_weights`` of shards, blocks FSDP2 did not shard on their own).
 ``nvme-resume`` trains SAVE_AT steps, saves a
 ``torch.distributed.checkpoint`` (``get_state_dict`` + ``dcp.save`` inside ``ws.gathered()``),
-and continues in a fresh model, streamer and optimizer loaded from it.
+and continues in a fresh model, streamer and optimizer loaded from it; ``nvme-resume-plain``
+does the same without ``gathered()``.
 
     torchrun --standalone --nproc-per-node N _fsdp_streaming_worker.py OUT --job gpt2=resident,nvme \
         --job llama=resident,split
@@ -35,7 +36,8 @@ from torch.distributed.fsdp import fully_shard
 import tierstate as ts
 
 STEPS, SAVE_AT, MICRO, ROWS, SEQ, VOCAB = 10, 5, 2, 8, 16, 97
-VARIANTS = ("resident", "cpu", "nvme", "split", "nvme-noac", "nvme-resume", "resident-mp", "nvme-mp")
+VARIANTS = ("resident", "cpu", "nvme", "split", "nvme-noac", "nvme-resume", "nvme-resume-plain", "resident-mp",
+            "nvme-mp")
 
 
 def build(name: str, checkpointing: bool, mixed: bool = False):
@@ -131,10 +133,12 @@ def run(name: str, variant: str, out: str) -> dict:
     model = build(name, checkpointing="noac" not in variant, mixed=mixed)
     ws = stream(variant, model, out, tag)
     opt = optimizer(model)
-    if variant.endswith("resume"):
+    if "resume" in variant:
+        # nvme-resume-plain: no gathered() (the model's state dict reads and writes the homes)
+        around = gathered if not variant.endswith("plain") else (lambda ws: contextlib.nullcontext())
         losses, held = train(model, opt, ws, 1, SAVE_AT)
         ckpt = os.path.join(out, f"ckpt-{tag}")
-        with gathered(ws):  # the model's state dict reads the shards
+        with around(ws):  # the model's state dict reads the shards
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
         if ws is not None:
@@ -143,7 +147,7 @@ def run(name: str, variant: str, out: str) -> dict:
         model = build(name, checkpointing=True)
         ws = stream(variant, model, out, tag + "-resumed")
         opt = optimizer(model)
-        with gathered(ws):  # loading writes the shards in place: kept in their images
+        with around(ws):  # loading writes the shards in place: kept in their images
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, checkpoint_id=ckpt)

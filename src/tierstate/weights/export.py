@@ -96,7 +96,7 @@ def _check_model(model, streamer) -> None:
         # would be corrupt, and gathering whole tensors is what DCP is for
         raise ValueError("save_weights/load_weights: the model's parameters are sharded (DTensor, FSDP2); save and "
                          "load them with torch.distributed.checkpoint (get_state_dict + dcp.save / dcp.load + "
-                         "set_state_dict), inside `with ws.gathered():` when the shards are streamed")
+                         "set_state_dict); streamed shards are read from and written to their homes")
     if streamer is not None:
         if not isinstance(streamer, WeightStreamer):
             raise TypeError(f"streamer={streamer!r}: expected a tierstate.WeightStreamer or None")

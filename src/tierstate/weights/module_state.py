@@ -20,14 +20,23 @@ streamer hooks them on every module that owns a streamed parameter:
   ``missing_keys``. An entry of another shape or type is left to torch, which reports it in
   its own words and copies nothing.
 
-Under FSDP2 a streamed shard's state dict belongs to FSDP2's own hooks (DTensors of the
-shards): there, use ``with ws.gathered():`` around ``torch.distributed.checkpoint``.
+Under FSDP2 the parameters are DTensors of this rank's shards: the state dict's entry is a
+DTensor over a copy of the shard, with the parameter's mesh and placements, and loading takes
+a DTensor sharded as the parameter is (what ``torch.distributed.checkpoint`` hands back) and
+writes its local shard; another layout is left to torch and FSDP2.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
+
+from ..dist import local_tensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without torch.distributed
+    DTensor = ()
 
 if TYPE_CHECKING:
     from .streamer import WeightStreamer
@@ -39,9 +48,10 @@ class ModuleStateHooks:
     def __init__(self, streamer: "WeightStreamer", model: nn.Module) -> None:
         self.streamer = streamer
         self._handles = []
-        own = {pl.param for b in streamer.blocks for pl in b.places}
+        # by identity (a set of tensors would compare them with ==); the blocks keep them alive
+        self._ids = {id(pl.param) for b in streamer.blocks for pl in b.places}
         for module in model.modules():
-            names = tuple(n for n, p in module._parameters.items() if p is not None and p in own)
+            names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in self._ids)
             if names:
                 written: list[str] = []  # keys this module's pre-hook loaded, for its post-hook
                 asked = {"keep_vars": False}  # what this module's state_dict() was last asked for
@@ -69,9 +79,21 @@ class ModuleStateHooks:
                 return  # the Parameter objects themselves, as torch gives them
             for name in names:
                 key = prefix + name
-                if key in state_dict:
-                    state_dict[key] = self.streamer.read_param(module._parameters[name])
+                param = module._parameters[name]
+                if key in state_dict and self._streams(param):
+                    state_dict[key] = self._copy_of(param)
         return hook
+
+    def _streams(self, param) -> bool:
+        # FSDP2 swaps the gathered parameters in while a block runs: those are not the shards
+        return id(param) in self._ids
+
+    def _copy_of(self, param: Tensor) -> Tensor:
+        values = self.streamer.read_param(param)
+        if not isinstance(param, DTensor):
+            return values
+        return DTensor.from_local(values.to(local_tensor(param).device), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
 
     def _write(self, names: tuple[str, ...], written: list[str]):
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict, missing_keys,
@@ -80,10 +102,16 @@ class ModuleStateHooks:
                 key = prefix + name
                 value = state_dict.get(key)
                 param = module._parameters[name]
-                if isinstance(value, Tensor) and value.shape == param.shape:
-                    self.streamer.write_param(param, value)
-                    del state_dict[key]  # torch's copy of the dict: the caller's stays whole
-                    written.append(key)
+                if not (isinstance(value, Tensor) and value.shape == param.shape and self._streams(param)):
+                    continue
+                if isinstance(param, DTensor):
+                    if not (isinstance(value, DTensor) and value.placements == param.placements
+                            and value.device_mesh == param.device_mesh):
+                        continue  # not sharded as the parameter is: torch's and FSDP2's to handle
+                    value = value.to_local()
+                self.streamer.write_param(param, value)
+                del state_dict[key]  # torch's copy of the dict: the caller's stays whole
+                written.append(key)
         return hook
 
     @staticmethod

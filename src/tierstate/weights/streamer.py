@@ -169,8 +169,7 @@ class WeightStreamer:
         self.window.report = self._report
         self.window.pending = self._update_pending
         self.hooks = fsdp.ShardHooks(self) if self.sharded else BlockHooks(self)
-        # [Note: a streamed model's own state dict]
-        self.state_hooks = None if self.sharded else ModuleStateHooks(self, model)
+        self.state_hooks = ModuleStateHooks(self, model)  # [Note: a streamed model's own state dict]
         self._finalizer = weakref.finalize(self, _close_homes, self._homes)
 
     # -- construction --------------------------------------------------------------------------
@@ -405,8 +404,7 @@ class WeightStreamer:
             return
         with self._lock:
             self.hooks.remove()
-            if self.state_hooks is not None:
-                self.state_hooks.remove()
+            self.state_hooks.remove()
             try:
                 self.window.close()
             finally:
