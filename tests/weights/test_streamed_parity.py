@@ -328,16 +328,18 @@ def test_a_failed_weight_write_back_during_the_update_completes_the_step_and_rai
     ws.close()
 
 
-@pytest.mark.parametrize("how", ["write_param", "gathered"])
+@pytest.mark.parametrize("how", ["write_param", "gathered", "write_param-in-backward"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
 def test_weights_written_between_steps_are_what_the_next_step_updates(tmp_path, how, dtype, tier):
     """A weight set between steps (``ws.write_param``, or in place inside ``ws.gathered()`` on
     the CPU) is what the next step trains from, as a write to a resident parameter is: a bf16
-    weight's fp32 master follows it. Until 2026-12-07 the master of the old weight wrote it back."""
+    weight's fp32 master follows it, also where the update runs in backward. Until 2026-12-07
+    the master of the old weight wrote it back."""
     ref, model = twin("llama", dtype)
     ws = streamer(model, tier, tmp_path)
-    ref_opt, opt = make_opt(ref, tmp_path, "a"), make_opt(model, tmp_path, "b")
+    kw = dict(step_in_backward=True) if how.endswith("in-backward") else {}
+    ref_opt, opt = make_opt(ref, tmp_path, "a", **kw), make_opt(model, tmp_path, "b", **kw)
     data = batches(5)
     train_steps = [data[:2], data[2:]]
     for chunk in train_steps[:1]:
@@ -350,7 +352,7 @@ def test_weights_written_between_steps_are_what_the_next_step_updates(tmp_path, 
     new = torch.randn(ref.get_parameter(name).shape, generator=torch.Generator().manual_seed(9)).to(dtype)
     with torch.no_grad():
         ref.get_parameter(name).copy_(new)
-        if how == "write_param":
+        if how.startswith("write_param"):
             ws.write_param(model.get_parameter(name), new)
         else:
             with ws.gathered():

@@ -12,8 +12,9 @@ streamer hooks them on every module that owns a streamed parameter:
   (``read_param``; one read of a block serves all its parameters while the block stays in
   the window's pool). The copy is the weight at that moment: unlike a resident model's
   entries it does not change with later steps. ``state_dict(keep_vars=True)`` still gives
-  the Parameter objects, as torch does (their values: ``read_param``). A model larger than RAM does not fit in its
-  own state dict: export it with :func:`tierstate.save_weights`, a tensor at a time.
+  the Parameter objects, as torch does (their values: ``read_param``). A model larger than
+  RAM does not fit in its own state dict: export it with :func:`tierstate.save_weights`, a
+  tensor at a time.
 - load (pre-hook): an entry of the right shape is written to the home (``write_param``:
   cast, the optimizer's master refreshed at its next step as after any write of a weight)
   and taken out of the dict torch loads from; the post-hook then takes its key out of

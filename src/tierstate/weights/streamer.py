@@ -32,8 +32,8 @@ from ..placement.defaults import default_nvme_root
 from . import fsdp
 from .blocks import Block, assign, byte_view, resolve_blocks, typed_view
 from .homes import make_home, split_by_fraction
-from .module_state import ModuleStateHooks
 from .hooks import BlockHooks
+from .module_state import ModuleStateHooks
 from .order import UseOrder
 from .window import Window
 
