@@ -141,3 +141,51 @@ def test_submodule_load_state_dict(tmp_path):
     model.transformer.h[2].load_state_dict(sub)
     _assert_same_dicts(sub, model.transformer.h[2].state_dict())
     ws.close()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        x = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": x, "labels": x}
+
+
+def _trainer(model, out, opt):
+    import transformers
+
+    args = transformers.TrainingArguments(str(out), per_device_train_batch_size=2, max_steps=4, save_steps=2,
+                                          report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0,
+                                          data_seed=0, disable_tqdm=True)
+    return transformers.Trainer(model=model, args=args, train_dataset=_Tokens(), optimizers=(opt, None))
+
+
+def _weights(model, ws) -> dict:
+    return {n: ws.read_param(p) if streamed(p) is not None else p.detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def test_hf_trainer_saves_and_resumes_a_streamed_model(tmp_path):
+    """Trainer's checkpoints and ``save_model`` go through the model's state dict, its resume
+    through ``load_state_dict``: a model saved from streamed weights is the streamed weights,
+    and a run resumed from a checkpoint into a fresh streamed model ends where the whole run did."""
+    import transformers
+
+    from _models import gpt2
+
+    model = gpt2()
+    ws = offload(model, "nvme", nvme_dir=tmp_path / "w")
+    _trainer(model, tmp_path / "out", ts.AdamW(model.parameters(), lr=1e-2)).train()
+    _trainer(model, tmp_path / "out", None).save_model(str(tmp_path / "final"))
+    want = _weights(model, ws)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    _assert_same_dicts(want, {n: p.detach() for n, p in saved.named_parameters()})
+
+    fresh = gpt2(seed=5)
+    ws2 = offload(fresh, "nvme", nvme_dir=tmp_path / "w2")
+    _trainer(fresh, tmp_path / "out", ts.AdamW(fresh.parameters(), lr=1e-2)).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    _assert_same_dicts(want, _weights(fresh, ws2))
+    ws.close()
+    ws2.close()
