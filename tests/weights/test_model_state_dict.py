@@ -189,3 +189,27 @@ def test_hf_trainer_saves_and_resumes_a_streamed_model(tmp_path):
     _assert_same_dicts(want, _weights(fresh, ws2))
     ws.close()
     ws2.close()
+
+
+def test_a_state_dict_that_would_not_fit_in_ram_keeps_the_placeholders_and_says_so(tmp_path, monkeypatch):
+    """Where the streamed weights do not fit in the available RAM, the model's state dict does
+    not read them all in (the OOM killer would end the run): it keeps the empty parameters, as
+    before 2026-12-07, so code that takes a few entries (PEFT's adapters) still works, and warns
+    naming the way to save them. (The available RAM is what the test sets: no machine here has
+    a model larger than its RAM to spare for a unit test.)"""
+    from tierstate.weights import module_state
+
+    ref, model = twin("llama")
+    ws = _stream(model, tmp_path, "nvme")
+    streamed_bytes = sum(ws.block_bytes())
+    monkeypatch.setattr(module_state, "available_ram", lambda: module_state.RAM_LEFT_FREE + streamed_bytes - 1)
+    with pytest.warns(RuntimeWarning, match=r"do not fit in the available RAM .*tierstate.save_weights"):
+        sd = model.state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert sd[name].shape == ref.get_parameter(name).shape and sd[name].untyped_storage().nbytes() == 0
+    assert torch.equal(sd["model.norm.weight"], ref.state_dict()["model.norm.weight"])  # resident: as ever
+    _assert_same_dicts(ref.model.layers[0].state_dict(), model.model.layers[0].state_dict())  # a part: copied
+
+    monkeypatch.setattr(module_state, "available_ram", lambda: module_state.RAM_LEFT_FREE + streamed_bytes)
+    _assert_same_dicts(ref.state_dict(), model.state_dict())  # just fits: copies
+    ws.close()

@@ -12,9 +12,15 @@ streamer hooks them on every module that owns a streamed parameter:
   (``read_param``; one read of a block serves all its parameters while the block stays in
   the window's pool). The copy is the weight at that moment: unlike a resident model's
   entries it does not change with later steps. ``state_dict(keep_vars=True)`` still gives
-  the Parameter objects, as torch does (their values: ``read_param``). A model larger than
-  RAM does not fit in its own state dict: export it with :func:`tierstate.save_weights`, a
-  tensor at a time.
+  the Parameter objects, as torch does (their values: ``read_param``).
+- a model whose streamed weights do not fit in the available RAM does not fit in its own
+  state dict: there the model's ``state_dict()`` keeps the empty parameters as its streamed
+  entries (reading one ends the process, as before 2026-12-07) and warns once per call,
+  naming :func:`tierstate.save_weights`. Reading them all would end in the OOM killer, and
+  code that takes only a few entries (PEFT saves its adapters from the whole state dict)
+  keeps working for a base model larger than RAM. The check is made once, on the model the
+  streamer was built on; a submodule's state dict is always copied.
+
 - load (pre-hook): an entry of the right shape is written to the home (``write_param``:
   cast, the optimizer's master refreshed at its next step as after any write of a weight)
   and taken out of the dict torch loads from; the post-hook then takes its key out of
@@ -28,8 +34,10 @@ writes its local shard; another layout is left to torch and FSDP2.
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
+import psutil
 from torch import Tensor, nn
 
 from ..dist import local_tensor
@@ -42,6 +50,13 @@ except ImportError:  # a torch build without torch.distributed
 if TYPE_CHECKING:
     from .streamer import WeightStreamer
 
+RAM_LEFT_FREE = 1 << 30  # what a model's state dict of copies must leave of the available RAM
+
+
+def available_ram() -> int:
+    """Bytes of RAM the kernel can give without swapping (psutil's ``available``)."""
+    return psutil.virtual_memory().available
+
 
 class ModuleStateHooks:
     """The state-dict hooks of one streamer's modules; :meth:`remove` takes them off."""
@@ -49,8 +64,10 @@ class ModuleStateHooks:
     def __init__(self, streamer: "WeightStreamer", model: nn.Module) -> None:
         self.streamer = streamer
         self._handles = []
+        self._copying = True  # False within a model state_dict() call whose copies would not fit in RAM
         # by identity (a set of tensors would compare them with ==); the blocks keep them alive
         self._ids = {id(pl.param) for b in streamer.blocks for pl in b.places}
+        self._handles.append(model.register_state_dict_pre_hook(self._decide))
         for module in model.modules():
             names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in self._ids)
             if names:
@@ -62,6 +79,9 @@ class ModuleStateHooks:
                     module.register_load_state_dict_pre_hook(self._write(names, written)),
                     module.register_load_state_dict_post_hook(self._not_missing(written)),
                 ]
+        # after the model's own entries were read, if it owns a streamed parameter itself
+        # (a function of its own: torch marks a post-hook with an attribute, which a bound method refuses)
+        self._handles.append(model.register_state_dict_post_hook(lambda *args: self._done()))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -76,7 +96,7 @@ class ModuleStateHooks:
 
     def _read(self, names: tuple[str, ...], asked: dict):
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-            if asked["keep_vars"]:
+            if asked["keep_vars"] or not self._copying:
                 return  # the Parameter objects themselves, as torch gives them
             for name in names:
                 key = prefix + name
@@ -84,6 +104,22 @@ class ModuleStateHooks:
                 if key in state_dict and self._streams(param):
                     state_dict[key] = self._copy_of(param)
         return hook
+
+    def _decide(self, model: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        need = sum(b.nbytes for b in self.streamer.blocks)
+        free = available_ram()
+        self._copying = need <= free - RAM_LEFT_FREE
+        if not self._copying:
+            warnings.warn(
+                f"state_dict(): the streamed weights ({need / 2**30:.2f} GiB) do not fit in the available RAM "
+                f"({free / 2**30:.2f} GiB): their entries are the parameters, which hold no memory between uses "
+                "(reading one ends the process). Save the weights with tierstate.save_weights(model, path), a "
+                "tensor at a time, or read one with ws.read_param(param)", RuntimeWarning, stacklevel=4)
+
+    def _done(self) -> None:
+        self._copying = True
 
     def _streams(self, param) -> bool:
         # FSDP2 swaps the gathered parameters in while a block runs: those are not the shards
