@@ -4,19 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..bench._timing import positive_int
 from .model import MODEL_PRESETS
 from .train import DTYPES, OFFLOAD_CHOICES, RUN_DEFAULTS
-
-
-def _positive_int(text: str) -> int:
-    """An integer >= 1 (an argparse type), so a bad count is refused before the demo prints anything."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", choices=list(MODEL_PRESETS), default=None,
         help=f"model size; default small on cuda, tiny on cpu. Presets: {presets}",
     )
-    parser.add_argument("--steps", type=_positive_int, default=100, help="optimizer steps (default 100)")
-    parser.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per step (default per model)")
-    parser.add_argument("--seq-len", type=_positive_int, default=None, help="tokens per sequence (default per model)")
+    parser.add_argument("--steps", type=positive_int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (default per model)")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default per model)")
     parser.add_argument(
         "--offload", choices=list(OFFLOAD_CHOICES), default="cpu",
         help="where the optimizer state lives: host RAM, NVMe files, or chosen by the planner (default cpu)",
