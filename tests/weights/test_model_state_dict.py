@@ -213,3 +213,15 @@ def test_a_state_dict_that_would_not_fit_in_ram_keeps_the_placeholders_and_says_
     monkeypatch.setattr(module_state, "available_ram", lambda: module_state.RAM_LEFT_FREE + streamed_bytes)
     _assert_same_dicts(ref.state_dict(), model.state_dict())  # just fits: copies
     ws.close()
+
+
+def test_deepcopy_of_a_streamed_model_is_refused_with_the_way_out(tmp_path):
+    """An EMA's ``copy.deepcopy(model)`` cloned the empty parameters, which ended the process."""
+    import copy
+
+    _, model = twin("llama")
+    ws = _stream(model, tmp_path, "cpu")
+    for what in (model, model.model.layers[1]):
+        with pytest.raises(TypeError, match=r"copy.deepcopy of a model whose weights stream.*state_dict\(\)"):
+            copy.deepcopy(what)
+    ws.close()

@@ -27,6 +27,12 @@ streamer hooks them on every module that owns a streamed parameter:
   ``missing_keys``. An entry of another shape or type is left to torch, which reports it in
   its own words and copies nothing.
 
+``copy.deepcopy`` of the model (or of a block) is refused with a TypeError that says what to
+do: a copy's parameters would be empty too, and torch's ``Parameter.__deepcopy__`` clones
+them, which read the missing memory and ended the process (an EMA's ``deepcopy(model)``).
+The refusal is a state-dict pre-hook whose ``__deepcopy__`` raises: ``deepcopy`` copies a
+module's hooks before its submodules, so it fires before any streamed parameter is cloned.
+
 Under FSDP2 the parameters are DTensors of this rank's shards: the state dict's entry is a
 DTensor over a copy of the shard, with the parameter's mesh and placements, and loading takes
 a DTensor sharded as the parameter is (what ``torch.distributed.checkpoint`` hands back) and
@@ -58,6 +64,20 @@ def available_ram() -> int:
     return psutil.virtual_memory().available
 
 
+class _RefuseDeepcopy:
+    """A no-op state-dict pre-hook whose deep copy raises (see the note)."""
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        return None
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "copy.deepcopy of a model whose weights stream (tierstate.offload_weights): its streamed parameters "
+            "hold no memory between uses, and neither would a copy's. For a copy of the weights (an EMA), build "
+            "the model again and load model.state_dict() into it (or stream it with its own offload_weights); "
+            "to read a weight, use ws.read_param(param)")
+
+
 class ModuleStateHooks:
     """The state-dict hooks of one streamer's modules; :meth:`remove` takes them off."""
 
@@ -67,7 +87,9 @@ class ModuleStateHooks:
         self._copying = True  # False within a model state_dict() call whose copies would not fit in RAM
         # by identity (a set of tensors would compare them with ==); the blocks keep them alive
         self._ids = {id(pl.param) for b in streamer.blocks for pl in b.places}
-        self._handles.append(model.register_state_dict_pre_hook(self._decide))
+        self._handles.append(model.register_state_dict_pre_hook(lambda *args: self._decide(*args)))
+        for module in {id(m): m for m in [model, *(b.module for b in streamer.blocks)]}.values():
+            self._handles.append(module.register_state_dict_pre_hook(_RefuseDeepcopy()))
         for module in model.modules():
             names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in self._ids)
             if names:
