@@ -225,3 +225,20 @@ def test_deepcopy_of_a_streamed_model_is_refused_with_the_way_out(tmp_path):
         with pytest.raises(TypeError, match=r"copy.deepcopy of a model whose weights stream.*state_dict\(\)"):
             copy.deepcopy(what)
     ws.close()
+
+
+def test_a_failed_read_during_state_dict_names_the_file_and_the_next_call_works(tmp_path):
+    """The state dict reads the blocks from their homes: a read that fails raises the OSError
+    naming the file (EIO), and the next call, the disk well again, gives the weights."""
+    import errno
+
+    from tierstate.io.faults import fail_nth
+
+    ref, model = twin("gpt2", n_layer=6, n_embd=16)
+    ws = offload(model, "nvme", nvme_dir=tmp_path / "w", prefetch=0)
+    with fail_nth("read", 1, errno.EIO, path_contains=str(tmp_path / "w")) as plan:
+        with pytest.raises(OSError) as failed:
+            model.state_dict()
+    assert plan.fired == 1 and failed.value.errno == errno.EIO and str(tmp_path / "w") in str(failed.value)
+    _assert_same_dicts(ref.state_dict(), model.state_dict())
+    ws.close()
