@@ -139,16 +139,19 @@ def follow_values(store: StateStore, changed: list[tuple[Slot, bool]]) -> None:
             _fill_again(store, s)
             continue
         master = store.read(s, "master")
-        with store.values_of(s, False) as flat:  # a streamed weight: its block's host image
-            param = flat.view(master.shape).clone()
-        rounded = master.to(param.dtype)
-        kept = (rounded == param) | (rounded.isnan() & param.isnan())
-        if bool(kept.all()):
-            continue  # the same weights (in other memory: a copy, another memory format)
-        if replaced:  # new weights: taken whole, as at the first step
+        # compared where the values are (a streamed weight: its block's host image, lent only
+        # for the context), so no copy of the parameter is made; the master is written after
+        with store.values_of(s, False) as flat:
+            param = flat.view(master.shape)
+            rounded = master.to(param.dtype)
+            kept = (rounded == param) | (rounded.isnan() & param.isnan())
+            if bool(kept.all()):
+                continue  # the same weights (in other memory: a copy, another memory format)
+            followed = None if replaced else torch.where(kept, master, param.to(master.dtype))
+        if followed is None:  # new weights: taken whole, as at the first step
             _fill_again(store, s)
         else:
-            store.write(s, "master", torch.where(kept, master, param.to(master.dtype)))
+            store.write(s, "master", followed)
 
 
 def _fill_again(store: StateStore, s: Slot) -> None:

@@ -20,7 +20,6 @@ streamer hooks them on every module that owns a streamed parameter:
   code that takes only a few entries (PEFT saves its adapters from the whole state dict)
   keeps working for a base model larger than RAM. The check is made once, on the model the
   streamer was built on; a submodule's state dict is always copied.
-
 - load (pre-hook): an entry of the right shape is written to the home (``write_param``:
   cast, the optimizer's master refreshed at its next step as after any write of a weight)
   and taken out of the dict torch loads from; the post-hook then takes its key out of
@@ -130,7 +129,7 @@ class ModuleStateHooks:
     def _decide(self, model: nn.Module, prefix: str, keep_vars: bool) -> None:
         if keep_vars:
             return
-        need = sum(b.nbytes for b in self.streamer.blocks)
+        need = sum(self.streamer.block_bytes())
         free = available_ram()
         self._copying = need <= free - RAM_LEFT_FREE
         if not self._copying:
