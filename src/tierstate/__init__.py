@@ -24,7 +24,7 @@ _EXPORTS = {
     "OffloadOptimizer": ".optim",
     "Offload": ".placement",
     "offload_weights": ".weights", "WeightStreamer": ".weights", "WeightsLostError": ".weights",
-    "save_weights": ".weights", "load_weights": ".weights",
+    "save_weights": ".weights", "load_weights": ".weights", "StreamedParameter": ".weights",
     "OffloadedLM": ".generate", "KVLostError": ".generate",
     "save_optimizer": ".checkpoint", "load_optimizer": ".checkpoint",
     # the errors a training loop may want to catch by name

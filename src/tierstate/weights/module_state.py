@@ -3,10 +3,11 @@
 [Note: a streamed model's own state dict]
 Between uses a streamed parameter has no storage (its block's storage is resized to 0), so
 torch's ``Module.state_dict()`` would hand out empty-storage views as weights: reading one
-dereferences a null pointer (the process dies with SIGSEGV), ``torch.save`` writes no bytes
-for it, and ``load_state_dict`` would copy into it. torch, Trainer's model save,
-``save_pretrained``, Accelerate and Lightning all go through those two methods, so the
-streamer hooks them on every module that owns a streamed parameter:
+dereferenced a null pointer (the process died with SIGSEGV; now it raises, see [Note:
+touching a streamed parameter directly]), and ``load_state_dict`` would copy into it.
+torch, Trainer's model save, ``save_pretrained``, Accelerate and Lightning all go through
+those two methods, so the streamer hooks them on every module that owns a streamed
+parameter:
 
 - state dict (post-hook): each streamed entry becomes a copy read from the block's home
   (``read_param``; one read of a block serves all its parameters while the block stays in
@@ -14,8 +15,8 @@ streamer hooks them on every module that owns a streamed parameter:
   entries it does not change with later steps. ``state_dict(keep_vars=True)`` still gives
   the Parameter objects, as torch does (their values: ``read_param``).
 - a model whose streamed weights do not fit in the available RAM does not fit in its own
-  state dict: there the model's ``state_dict()`` keeps the empty parameters as its streamed
-  entries (reading one ends the process, as before 2026-12-07) and warns once per call,
+  state dict: there the model's ``state_dict()`` keeps the parameters as its streamed
+  entries (reading one raises, naming ``read_param``) and warns once per call,
   naming :func:`tierstate.save_weights`. Reading them all would end in the OOM killer, and
   code that takes only a few entries (PEFT saves its adapters from the whole state dict)
   keeps working for a base model larger than RAM. The check is made once, on the model the
@@ -136,7 +137,7 @@ class ModuleStateHooks:
             warnings.warn(
                 f"state_dict(): the streamed weights ({need / 2**30:.2f} GiB) do not fit in the available RAM "
                 f"({free / 2**30:.2f} GiB): their entries are the parameters, which hold no memory between uses "
-                "(reading one ends the process). Save the weights with tierstate.save_weights(model, path), a "
+                "(reading one raises). Save the weights with tierstate.save_weights(model, path), a "
                 "tensor at a time, or read one with ws.read_param(param)", RuntimeWarning, stacklevel=4)
 
     def _done(self) -> None:

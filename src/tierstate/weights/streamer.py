@@ -35,6 +35,7 @@ from .homes import make_home, split_by_fraction
 from .hooks import BlockHooks
 from .module_state import ModuleStateHooks
 from .order import UseOrder
+from .streamed_param import guard_conversions, mark, unmark
 from .window import Window
 
 TIERS = ("resident", "cpu", "nvme")
@@ -164,6 +165,10 @@ class WeightStreamer:
         for b in self.blocks:
             for pl in b.places:
                 _registry[pl.param] = StreamedParam(self, b.index, pl)
+                if not self.sharded:  # [Note: touching a streamed parameter directly]
+                    mark(pl.param, pl.name)
+        self._unguard = (lambda: None) if self.sharded else \
+            guard_conversions([model, *(b.module for b in self.blocks)])
         _generation[0] += 1
         self._telemetries: "weakref.WeakSet" = weakref.WeakSet()
         self.window.report = self._report
@@ -405,6 +410,7 @@ class WeightStreamer:
         with self._lock:
             self.hooks.remove()
             self.state_hooks.remove()
+            self._unguard()
             try:
                 self.window.close()
             finally:
@@ -412,6 +418,7 @@ class WeightStreamer:
                     for pl in b.places:
                         _registry.pop(pl.param, None)
                         _closed[pl.param] = pl.name
+                        unmark(pl.param)
                         if self.sharded:
                             fsdp.empty_shard(pl)
                         else:

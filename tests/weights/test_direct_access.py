@@ -1,0 +1,99 @@
+"""A streamed parameter touched directly, outside its block's forward and backward.
+
+Between uses a streamed parameter has no memory (its block's storage is resized to 0). Until
+2026-12-07 reading one directly (``p.sum()``, ``p.norm()`` for logging, ``p.clone()``,
+``torch.nn.utils.parameters_to_vector``, W&B's histograms, ``model.half()``, ``copy.deepcopy``
+of a layer) read through a null pointer and the process died with SIGSEGV, taking the run
+with it. Now each of those raises an error naming the parameter and the way to its values
+(``ws.read_param``, ``ws.write_param``, ``ws.gathered()``), and nothing is changed by the
+refused call; metadata (shape, dtype, device, grad, ...), a ``model.to()`` that changes
+nothing, ``repr`` and reads inside ``ws.gathered()`` work.
+
+Each case runs in a subprocess (``_direct_access_worker.py``): a crash there fails the case.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_direct_access_worker.py")
+NAME = "blocks.1.up.weight"  # p
+FIRST = "blocks.0.norm.weight"  # the model's first streamed parameter, where a whole-model call stops
+
+# code -> the words the error must contain besides the parameter's name
+REFUSED_READS = {
+    "p.sum()": "read_param",
+    "p.norm()": "read_param",
+    "p.clone()": "read_param",
+    "p + 1": "read_param",
+    "p.numpy()": "read_param",
+    "p[0]": "read_param",
+    "p.detach().sum()": "read_param",
+    "p.data.abs()": "read_param",
+    "torch.nn.utils.parameters_to_vector(model.blocks[1].up.parameters())": "read_param",
+    "torch.save(p, io.BytesIO())": "read_param",
+    "pickle.dumps(p)": "read_param",
+    "copy.deepcopy(p)": "read_param",
+    "copy.deepcopy(model.blocks[1].up)": "read_param",
+}
+REFUSED_WRITES = {
+    "with torch.no_grad(): p.zero_()": "write_param",
+    "p.data.copy_(torch.zeros(p.shape))": "write_param",
+    "with torch.no_grad(): p += 1": "write_param",
+}
+REFUSED_CONVERSIONS = {
+    "model.half()": "offload_weights",
+    "model.to(torch.float64)": "offload_weights",
+    "p.double()": "offload_weights",
+}
+
+
+def _run(code: str) -> tuple[dict, dict]:
+    r = subprocess.run([sys.executable, str(WORKER), code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{code!r} ended the process (returncode {r.returncode}):\n{r.stderr[-2000:]}"
+    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 2, r.stdout + r.stderr[-2000:]
+    return lines[0], lines[1]
+
+
+@pytest.mark.parametrize("code,hint", list({**REFUSED_READS, **REFUSED_WRITES, **REFUSED_CONVERSIONS}.items()))
+def test_a_direct_touch_is_refused_with_the_way_to_the_values(code, hint):
+    out, after = _run(code)
+    assert out.get("error") in ("RuntimeError", "TypeError"), out
+    name = FIRST if code.startswith("model.") else NAME
+    assert name in out["message"] and hint in out["message"], out["message"]
+    assert after == {"after": True}, "the refused call changed the model"
+
+
+@pytest.mark.parametrize("code,want", [
+    ("result = (tuple(p.shape), str(p.dtype), str(p.device), p.numel(), p.requires_grad, p.is_leaf, p.dim())",
+     repr(((32, 16), "torch.float32", "cpu", 512, True, True, 2))),
+    ("result = (p.grad is None, p.element_size(), p.is_floating_point(), p.stride())",
+     repr((True, 4, True, (16, 1)))),
+    ("result = tuple(torch.zeros_like(p).shape)", repr((32, 16))),
+    ("model.to('cpu'); model.float(); model.to(torch.float32); result = next(model.parameters()).dtype",
+     repr("torch.float32").strip("'")),
+    ("result = 'streamed' in repr(p) and 'blocks.1.up.weight' in str(p) and 'blocks.1.up.weight' in f'{p}'",
+     "True"),
+    ("with ws.gathered(): result = torch.equal(p.clone(), ws.read_param(p))", "True"),
+    ("with ws.gathered(): result = torch.equal(p.detach() + 0, ws.read_param(p))", "True"),
+    ("result = torch.equal(model(ids), twin(ids))", "True"),
+    ("print(model); result = sum(q.numel() for q in model.parameters())", "4962"),
+])
+def test_metadata_no_op_conversions_and_gathered_reads_work(code, want):
+    out, after = _run(code)
+    assert out == {"value": want}, out
+    assert after == {"after": True}
+
+
+def test_a_refused_conversion_changes_nothing_and_training_goes_on():
+    code = ("try:\n    model.half()\nexcept RuntimeError:\n    pass\n"
+            "result = sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]})\n"
+            "train_step(model, opt, ids); train_step(twin, twin_opt, ids)")
+    out, after = _run(code)
+    assert out == {"value": repr(["torch.float32"])}, out
+    assert after == {"after": True}
