@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 WORKER = Path(__file__).with_name("_direct_access_worker.py")
 NAME = "blocks.1.up.weight"  # p
@@ -97,3 +98,34 @@ def test_a_refused_conversion_changes_nothing_and_training_goes_on():
     out, after = _run(code)
     assert out == {"value": repr(["torch.float32"])}, out
     assert after == {"after": True}
+
+
+def test_what_transformers_reads_of_a_model_works_on_streamed_weights(tmp_path):
+    """transformers' helpers read only metadata: they give what the resident twin gives, and
+    the model trains and generates alike (in this process: nothing here touches values)."""
+    import tierstate as ts
+    from tierstate.weights import StreamedParameter, streamed
+
+    from _models import batches, offload, twin
+
+    ref, model = twin("gpt2")
+    ws = offload(model, "nvme", nvme_dir=tmp_path / "w")
+    streamed_params = [p for p in model.parameters() if streamed(p) is not None]
+    assert streamed_params and all(type(p) is StreamedParameter for p in streamed_params)
+    for probe in (lambda m: m.device, lambda m: m.dtype, lambda m: m.num_parameters(),
+                  lambda m: m.num_parameters(only_trainable=True), lambda m: m.get_memory_footprint()):
+        assert probe(model) == probe(ref)
+    assert model.to("cpu") is model and model.float() is model
+    model.requires_grad_(True)
+    data = batches(2)
+    for m in (ref, model):
+        opt = ts.AdamW(m.parameters(), lr=1e-2, offload="cpu")
+        for ids in data:
+            m(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    ids = data[0][:1, :4]
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    ws.close()
+    assert not any(type(p) is StreamedParameter for p in model.parameters())  # plain Parameters again

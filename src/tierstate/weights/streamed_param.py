@@ -31,8 +31,10 @@ refused, except for the parameter itself (what ``Module._apply`` assigns after a
 The cost is a Python call per torch function on a streamed parameter: a tiny Linear's
 forward took 7.1 us against 4.6 (2-vCPU Zen 5 VM, 2026-12-07); a 124M GPT-2's forward makes
 360 such calls, ~0.9 ms against 254 ms for its 128-token forward on that VM.
-Parameters of another ``nn.Parameter`` subclass, and FSDP2's DTensor shards, keep their own
-class and are not checked.
+Parameters of another ``nn.Parameter`` subclass keep their own class and are not checked.
+Neither are FSDP2's DTensor parameters: DTensor runs some ops on its local tensor past any
+Python check (with the checked class on the shard, ``p.sum()`` raised but ``p.clone()``
+still crashed, torch 2.13, 2026-12-07), so a partial check would only mislead.
 """
 from __future__ import annotations
 
@@ -117,7 +119,8 @@ def _first_released(args, kwargs) -> Tensor | None:
 
 
 def _describe(t: Tensor) -> str:
-    return (f"StreamedParameter({_name(t)!r}, shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}: "
+    kind = "StreamedParameter" if isinstance(t, nn.Parameter) else "alias of StreamedParameter"
+    return (f"{kind}({_name(t)!r}, shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}: "
             "streamed by tierstate.offload_weights, no memory between its block's uses; values: ws.read_param(p))")
 
 
