@@ -46,6 +46,12 @@ REFUSED_WRITES = {
     "p.data.copy_(torch.zeros(p.shape))": "write_param",
     "with torch.no_grad(): p += 1": "write_param",
 }
+DDP = ("import torch.distributed as dist\n"
+       "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+       "try:\n    {}\nfinally:\n    dist.destroy_process_group()")
+REFUSED_LIBRARIES = {  # DistributedDataParallel broadcasts param.detach() of every parameter in C++
+    DDP.format("torch.nn.parallel.DistributedDataParallel(model)"): "fully_shard",
+}
 REFUSED_CONVERSIONS = {
     "model.half()": "offload_weights",
     "model.to(torch.float64)": "offload_weights",
@@ -61,11 +67,11 @@ def _run(code: str) -> tuple[dict, dict]:
     return lines[0], lines[1]
 
 
-@pytest.mark.parametrize("code,hint", list({**REFUSED_READS, **REFUSED_WRITES, **REFUSED_CONVERSIONS}.items()))
+@pytest.mark.parametrize("code,hint", list({**REFUSED_READS, **REFUSED_WRITES, **REFUSED_LIBRARIES, **REFUSED_CONVERSIONS}.items()))
 def test_a_direct_touch_is_refused_with_the_way_to_the_values(code, hint):
     out, after = _run(code)
     assert out.get("error") in ("RuntimeError", "TypeError"), out
-    name = FIRST if code.startswith("model.") else NAME
+    name = FIRST if code.startswith("model.") or code in REFUSED_LIBRARIES else NAME
     assert name in out["message"] and hint in out["message"], out["message"]
     assert after == {"after": True}, "the refused call changed the model"
 
@@ -129,3 +135,12 @@ def test_what_transformers_reads_of_a_model_works_on_streamed_weights(tmp_path):
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     ws.close()
     assert not any(type(p) is StreamedParameter for p in model.parameters())  # plain Parameters again
+
+
+def test_a_ddp_model_is_refused_by_offload_weights():
+    """The other order: DistributedDataParallel first, then streaming (its reducer's buckets
+    would alias gradients the streamer drops, its broadcasts read every weight)."""
+    out, after = _run(DDP.format("ts.offload_weights(torch.nn.parallel.DistributedDataParallel(twin), 'cpu', "
+                                 "device='cpu')"))
+    assert out.get("error") == "TypeError" and "fully_shard" in out["message"], out
+    assert after == {"after": True}

@@ -16,8 +16,11 @@ stay valid). Its ``__torch_function__`` lets every call through while the block 
 - passes metadata (shape, dtype, device, grad, ``numel``, ``zeros_like``, hooks, ...);
 - refuses a read or a write with a RuntimeError naming the parameter and the way to its
   values (``ws.read_param`` / ``ws.write_param`` / ``ws.gathered()``); nothing is changed;
-- lets ``.data`` and ``detach()`` through as aliases that keep these checks (a plain alias
-  would crash later, when read);
+- refuses ``.data`` and ``detach()`` too: an alias would reach code that no check sees
+  (DistributedDataParallel's broadcast of every ``param.detach()`` ended the process).
+  torch's own ``Module._save_to_state_dict`` gets an alias that keeps these checks (the
+  entry the state-dict hooks replace with a copy: [Note: a streamed model's own state
+  dict]);
 - lets a conversion that changes nothing (``model.to("cpu")`` on the CPU) return the
   parameter itself, and refuses one that would (``model.half()``): the block's layout is
   fixed when ``offload_weights`` is called. The model and each block also check every
@@ -38,6 +41,7 @@ still crashed, torch 2.13, 2026-12-07), so a partial check would only mislead.
 """
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any, Callable
 
@@ -84,8 +88,13 @@ _METADATA = frozenset(
                          "randint_like", "numel", "is_floating_point", "is_complex",
                          "_has_compatible_shallow_copy_type"))
 )
-# Calls whose result shares the parameter's storage: the alias keeps the checks.
+# Calls whose result shares the parameter's storage: refused, but for torch's own
+# Module._save_to_state_dict (the entry a state dict replaces, or keeps as a placeholder
+# when the copies would not fit in RAM), where the alias keeps the checks. An alias given
+# to any caller would reach C++ that no check sees: DistributedDataParallel broadcasts
+# param.detach() of every parameter when it is built (it ended the process).
 _ALIASING = frozenset({Tensor.detach, Tensor.data.__get__})
+_SAVE_TO_STATE_DICT = nn.Module._save_to_state_dict.__code__
 # Conversions: the parameter itself where they change nothing, refused where they would.
 _CONVERSIONS = frozenset(_functions(Tensor, ("to", "cuda", "cpu", "float", "half", "bfloat16", "double", "type",
                                              "contiguous", "type_as")))
@@ -140,6 +149,15 @@ def read_refusal(what: str, t: Tensor) -> RuntimeError:
         "model.state_dict() or tierstate.save_weights")
 
 
+def alias_refusal(what: str, t: Tensor) -> RuntimeError:
+    return RuntimeError(
+        f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights) and holds no memory outside its "
+        "block's forward and backward, so it has no alias to give. Read its values with ws.read_param(param) (a "
+        "copy), or inside `with ws.gathered():`; set them with ws.write_param(param, value). torch's DistributedDataParallel reads every weight when it is "
+        "built and keeps buckets of every gradient: across ranks, shard the blocks with FSDP2's fully_shard and "
+        "stream the shards (docs/weights.md)")
+
+
 def write_refusal(what: str, t: Tensor) -> RuntimeError:
     return RuntimeError(
         f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights) and holds no memory outside its "
@@ -178,7 +196,9 @@ class _Checked:
             if held is None:
                 return func(*args, **kwargs)
             if func in _ALIASING:
-                return _alias(func(*args, **kwargs), _name(held))
+                if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
+                    return _alias(func(*args, **kwargs), _name(held))
+                raise alias_refusal(_call_name(func), held)
             if func in _CONVERSIONS:
                 probe = torch.empty(0, dtype=held.dtype, device=held.device)
                 out = func(*(probe if a is held else a for a in args), **kwargs)

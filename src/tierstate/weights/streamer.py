@@ -537,6 +537,12 @@ def offload_weights(model: nn.Module, offload="nvme", *, nvme_dir=None, blocks="
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    ddp = next((name or "the model" for name, m in model.named_modules()
+                if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+    if ddp is not None:  # its buckets alias every gradient, its broadcasts read every weight
+        raise TypeError(f"offload_weights: {ddp} is wrapped in DistributedDataParallel, which keeps every weight "
+                        "and gradient of its own: across ranks, shard the blocks with FSDP2's fully_shard and stream "
+                        "the shards (docs/weights.md)")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch={prefetch!r}: expected an int >= 0 (blocks read ahead)")
     if init is not None and not callable(init):
