@@ -52,6 +52,11 @@ DDP = ("import torch.distributed as dist\n"
 REFUSED_LIBRARIES = {  # DistributedDataParallel broadcasts param.detach() of every parameter in C++
     DDP.format("torch.nn.parallel.DistributedDataParallel(model)"): "fully_shard",
 }
+TORCH_STEP = "o = torch.optim.{}(model.parameters(), lr=1e-3); model(ids).sum().backward(); o.step()"
+REFUSED_OPTIMIZERS = {  # torch's SGD updated the resident parameters, then ended the process
+    TORCH_STEP.format("SGD"): "ts.AdamW",
+    TORCH_STEP.format("AdamW"): "ts.AdamW",
+}
 REFUSED_CONVERSIONS = {
     "model.half()": "offload_weights",
     "model.to(torch.float64)": "offload_weights",
@@ -67,11 +72,12 @@ def _run(code: str) -> tuple[dict, dict]:
     return lines[0], lines[1]
 
 
-@pytest.mark.parametrize("code,hint", list({**REFUSED_READS, **REFUSED_WRITES, **REFUSED_LIBRARIES, **REFUSED_CONVERSIONS}.items()))
+@pytest.mark.parametrize("code,hint", list({**REFUSED_READS, **REFUSED_WRITES, **REFUSED_LIBRARIES, **REFUSED_OPTIMIZERS,
+                                                **REFUSED_CONVERSIONS}.items()))
 def test_a_direct_touch_is_refused_with_the_way_to_the_values(code, hint):
     out, after = _run(code)
     assert out.get("error") in ("RuntimeError", "TypeError"), out
-    name = FIRST if code.startswith("model.") or code in REFUSED_LIBRARIES else NAME
+    name = FIRST if code.startswith("model.") or code in {**REFUSED_LIBRARIES, **REFUSED_OPTIMIZERS} else NAME
     assert name in out["message"] and hint in out["message"], out["message"]
     assert after == {"after": True}, "the refused call changed the model"
 

@@ -41,6 +41,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
     """Base class of tierstate's optimizers; see :class:`tierstate.AdamW` for the arguments."""
 
     _step_supports_amp_scaling = True
+    # a streamed weight is updated in its block's host image (weights/streamed_param.py
+    # refuses other optimizers over one)
+    updates_streamed_weights = True
     rule: Any  # a tierstate.rules.UpdateRule, set by each optimizer class
     # state_dict() of state in I/O tiers: None = file-backed tensors when that state exceeds half
     # the available RAM, True = always, False = never (plain CPU tensors).

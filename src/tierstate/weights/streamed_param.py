@@ -27,6 +27,10 @@ stay valid). Its ``__torch_function__`` lets every call through while the block 
   streamed parameter before ``Module._apply`` starts, so a refused ``model.half()`` leaves
   the resident parameters as they were, too (see :func:`guard_conversions`).
 
+A torch optimizer (any optimizer without ``updates_streamed_weights = True``, which
+tierstate's set) is refused before its step changes anything when it holds a streamed
+parameter: a global step pre-hook, which returns at once while nothing streams.
+
 Assigning ``param.data = other`` to a streamed parameter would detach it from its block
 (the forward would use the new tensor, the optimizer would keep updating the block): it is
 refused, except for the parameter itself (what ``Module._apply`` assigns after a no-op).
@@ -48,6 +52,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 from torch._C import DisableTorchFunctionSubclass
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 _names: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # StreamedParameter -> its name in the model
@@ -257,9 +262,31 @@ def _alias(t: Tensor, name: str) -> Tensor:
     return out
 
 
+def _refuse_other_optimizers(optimizer, args, kwargs) -> None:
+    """A global step pre-hook: torch's own optimizers (and others that write parameters) are
+    refused over streamed weights before they change anything. (Without it torch's SGD
+    updated the resident parameters, then stopped at the first streamed one.)"""
+    if not _names or getattr(type(optimizer), "updates_streamed_weights", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if type(p) is StreamedParameter:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): parameter {_name(p)!r} is streamed "
+                    "(tierstate.offload_weights), and this optimizer writes a parameter's memory, which a streamed "
+                    "one has only while its block runs. Build a tierstate optimizer over the model (ts.AdamW, "
+                    "ts.Adam, ts.SGD, ts.Lion, ts.Adagrad): it updates a streamed weight where it lives. Nothing "
+                    "was changed")
+
+
+_optimizer_hook: list = []
+
+
 def mark(param: nn.Parameter, name: str) -> nn.Parameter:
     """Make ``param`` (a plain ``nn.Parameter``, in place) a StreamedParameter; another
     subclass is left as it is."""
+    if not _optimizer_hook:
+        _optimizer_hook.append(register_optimizer_step_pre_hook(_refuse_other_optimizers))
     if type(param) is nn.Parameter:
         param.__class__ = StreamedParameter
     if type(param) is StreamedParameter:
