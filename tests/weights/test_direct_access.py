@@ -150,3 +150,39 @@ def test_a_ddp_model_is_refused_by_offload_weights():
                                  "device='cpu')"))
     assert out.get("error") == "TypeError" and "fully_shard" in out["message"], out
     assert after == {"after": True}
+
+
+def test_a_layout_conversion_of_streamed_conv_weights_is_refused_and_a_no_op_passes():
+    """``model.to(memory_format=torch.channels_last)`` changes a 4-D weight's layout, which
+    the block's storage fixes: refused with the conversion's message, before anything
+    changed; on an already channels-last model's 1-D biases and a same-device ``.to()``
+    nothing changes and the call passes. (In process: nothing here reads a weight.)"""
+    import tierstate as ts
+
+    class ConvNet(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, 4, 1)
+            self.blocks = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.ReLU()) for _ in range(2))
+
+        def forward(self, x):
+            x = self.stem(x)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    ws = ts.offload_weights(model, "cpu", device="cpu")
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        before = model(x)
+    with pytest.raises(RuntimeError, match="fixed when offload_weights is called") as info:
+        model.to(memory_format=torch.channels_last)
+    assert "blocks.0.0.weight" in str(info.value)
+    assert model.stem.weight.is_contiguous()  # the resident stem was not converted either
+    assert model.to("cpu") is model
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    ws.close()

@@ -177,6 +177,12 @@ def conversion_refusal(what: str, t: Tensor) -> RuntimeError:
         "ts.offload_weights(model, ...)); the compute device is offload_weights' device argument")
 
 
+def _probe(t: Tensor) -> Tensor:
+    """A stand-in for ``t`` in a conversion: its dtype, device and rank (a layout change such
+    as ``channels_last`` needs the rank), no elements (a 0-dim one: one)."""
+    return torch.empty((0, *t.shape[1:]) if t.dim() else (), dtype=t.dtype, device=t.device)
+
+
 def _is_write(func: Callable, kwargs) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or func in _IN_PLACE_DUNDERS or \
@@ -205,7 +211,7 @@ class _Checked:
                     return _alias(func(*args, **kwargs), _name(held))
                 raise alias_refusal(_call_name(func), held)
             if func in _CONVERSIONS:
-                probe = torch.empty(0, dtype=held.dtype, device=held.device)
+                probe = _probe(held)
                 out = func(*(probe if a is held else a for a in args), **kwargs)
                 if out is probe:
                     return held
@@ -328,7 +334,7 @@ def _check_conversion(module: nn.Module, fn: Callable[[Tensor], Any]) -> None:
         if type(p) is not StreamedParameter:
             continue
         with torch.no_grad(), DisableTorchFunctionSubclass():
-            probe = torch.empty(0, dtype=p.dtype, device=p.device)
+            probe = _probe(p)
             changed = fn(probe) is not probe
         if changed:
             raise conversion_refusal(f"{type(module).__name__}._apply (model.half(), .to(), .cuda(), ...)", p)
