@@ -7,5 +7,5 @@ from .homes import WeightsLostError
 from .streamed_param import StreamedParameter
 from .streamer import StreamedParam, WeightStreamer, generation, offload_weights, streamed, streamed_blocks
 
-__all__ = ["LoadResult", "StreamedParam", "StreamedParameter", "WeightStreamer", "WeightsLostError", "generation", "load_weights",
-           "offload_weights", "save_weights", "streamed", "streamed_blocks"]
+__all__ = ["LoadResult", "StreamedParam", "StreamedParameter", "WeightStreamer", "WeightsLostError", "generation",
+           "load_weights", "offload_weights", "save_weights", "streamed", "streamed_blocks"]

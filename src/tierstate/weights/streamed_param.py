@@ -158,9 +158,9 @@ def alias_refusal(what: str, t: Tensor) -> RuntimeError:
     return RuntimeError(
         f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights) and holds no memory outside its "
         "block's forward and backward, so it has no alias to give. Read its values with ws.read_param(param) (a "
-        "copy), or inside `with ws.gathered():`; set them with ws.write_param(param, value). torch's DistributedDataParallel reads every weight when it is "
-        "built and keeps buckets of every gradient: across ranks, shard the blocks with FSDP2's fully_shard and "
-        "stream the shards (docs/weights.md)")
+        "copy), or inside `with ws.gathered():`; set them with ws.write_param(param, value). torch's "
+        "DistributedDataParallel reads every weight when it is built and keeps buckets of every gradient: across "
+        "ranks, shard the blocks with FSDP2's fully_shard and stream the shards (docs/weights.md)")
 
 
 def write_refusal(what: str, t: Tensor) -> RuntimeError:
