@@ -207,11 +207,35 @@ def test_a_state_dict_that_would_not_fit_in_ram_keeps_the_placeholders_and_says_
         sd = model.state_dict()
     name = "model.layers.0.self_attn.q_proj.weight"
     assert sd[name].shape == ref.get_parameter(name).shape and sd[name].untyped_storage().nbytes() == 0
+    with pytest.raises(RuntimeError, match=f"{name}.*ws.read_param"):  # reading one raises (it crashed)
+        sd[name].sum()
     assert torch.equal(sd["model.norm.weight"], ref.state_dict()["model.norm.weight"])  # resident: as ever
     _assert_same_dicts(ref.model.layers[0].state_dict(), model.model.layers[0].state_dict())  # a part: copied
 
     monkeypatch.setattr(module_state, "available_ram", lambda: module_state.RAM_LEFT_FREE + streamed_bytes)
     _assert_same_dicts(ref.state_dict(), model.state_dict())  # just fits: copies
+    ws.close()
+
+
+def test_a_part_is_copied_after_a_model_state_dict_that_raised_midway(tmp_path, monkeypatch):
+    """A model ``state_dict()`` that keeps placeholders (the copies would not fit in RAM) and
+    raises midway (here a hook of the user's) left the "placeholders" decision set until the
+    next model call: a part's own ``state_dict()`` in between gave placeholders, not copies."""
+    from tierstate.weights import module_state
+
+    ref, model = twin("llama")
+    ws = _stream(model, tmp_path, "nvme")
+    streamed_bytes = sum(ws.block_bytes())
+    monkeypatch.setattr(module_state, "available_ram", lambda: module_state.RAM_LEFT_FREE + streamed_bytes - 1)
+
+    def failing_hook(module, state_dict, prefix, local_metadata):
+        raise ValueError("a state-dict hook of the user's failed")
+
+    handle = model.model.layers[1].register_state_dict_post_hook(failing_hook)
+    with pytest.warns(RuntimeWarning, match="do not fit"), pytest.raises(ValueError, match="of the user's"):
+        model.state_dict()
+    handle.remove()
+    _assert_same_dicts(ref.model.layers[0].state_dict(), model.model.layers[0].state_dict())
     ws.close()
 
 

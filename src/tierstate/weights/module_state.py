@@ -20,7 +20,9 @@ parameter:
   naming :func:`tierstate.save_weights`. Reading them all would end in the OOM killer, and
   code that takes only a few entries (PEFT saves its adapters from the whole state dict)
   keeps working for a base model larger than RAM. The check is made once, on the model the
-  streamer was built on; a submodule's state dict is always copied.
+  streamer was built on; a submodule's state dict is always copied (a pre-hook on each
+  part resets the decision when the part is called on its own: a model call that raised
+  midway had left it set, and the part's next state dict held placeholders).
 - load (pre-hook): an entry of the right shape is written to the home (``write_param``:
   cast, the optimizer's master refreshed at its next step as after any write of a weight)
   and taken out of the dict torch loads from; the post-hook then takes its key out of
@@ -101,6 +103,9 @@ class ModuleStateHooks:
                     module.register_load_state_dict_pre_hook(self._write(names, written)),
                     module.register_load_state_dict_post_hook(self._not_missing(written)),
                 ]
+        for module in model.modules():
+            if module is not model:
+                self._handles.append(module.register_state_dict_pre_hook(self._part_call))
         # after the model's own entries were read, if it owns a streamed parameter itself
         # (a function of its own: torch marks a post-hook with an attribute, which a bound method refuses)
         self._handles.append(model.register_state_dict_post_hook(lambda *args: self._done()))
@@ -115,6 +120,12 @@ class ModuleStateHooks:
         def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
             asked["keep_vars"] = keep_vars
         return hook
+
+    def _part_call(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if not prefix:
+            # a part's own state_dict() (inside the model's call torch gives every part its
+            # prefix): copied, whatever a model call that raised midway left in the flag
+            self._copying = True
 
     def _read(self, names: tuple[str, ...], asked: dict):
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
