@@ -11,6 +11,7 @@ not, bit for bit.
 from __future__ import annotations
 
 import errno
+import sys
 import random
 
 import pytest
@@ -62,4 +63,28 @@ def test_a_failed_block_read_or_write_leaves_a_whole_step_or_none(seed: int, tmp
     assert as_without or as_with, f"seed {seed}: {op} #{nth}, backward={backward}: half a step"
     for o in opts:
         o.close()
+    ws.close()
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11's")
+def test_two_failed_writes_in_one_step_are_both_named(tmp_path) -> None:
+    """A step whose optimizer-state write and streamed-weight write both fail (two folders,
+    as on two disks) raised the first error alone: the second path was never named, though
+    its records waited in RAM too. Now the error raised carries the other as a note."""
+    data = batches(2)
+    _, model = twin("gpt2", n_layer=3, n_embd=16)
+    ws = offload(model, "nvme", nvme_dir=tmp_path / "weights", prefetch=0)
+    opt = ts.AdamW(model.parameters(), lr=1e-2, offload=ts.Offload(nvme=1.0, nvme_dir=tmp_path / "state",
+                                                                    subgroup_numel=4096, buffer_count=2))
+    _train(model, opt, data[0])
+    with fail_nth("write", 1, errno.EIO, path_contains=str(tmp_path / "weights"), times=100) as w_plan, \
+            fail_nth("write", 1, errno.ENOSPC, path_contains=str(tmp_path / "state"), times=100) as s_plan:
+        with pytest.raises(OSError) as info:
+            _train(model, opt, data[1])
+    assert w_plan.fired and s_plan.fired, (w_plan.fired, s_plan.fired)
+    told = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert str(tmp_path / "weights") in told and str(tmp_path / "state") in told, told
+    opt.zero_grad()
+    _train(model, opt, data[1])  # the disks work again: the kept records are written, training goes on
+    opt.close()
     ws.close()

@@ -25,6 +25,7 @@ from .errors import (
     ReadOnlyFilesystemError,
     ShortReadError,
     StateLostError,
+    first_noting_others,
 )
 from .file import File, IOFuture
 from .space import free_bytes, reserve
@@ -35,6 +36,7 @@ __all__ = [
     "Engine",
     "File",
     "FileIOError",
+    "first_noting_others",
     "FileIOExistsError",
     "FileIONotFoundError",
     "FileIOPermissionError",

@@ -82,6 +82,25 @@ _BY_ERRNO: dict[int, type[FileIOError]] = {
 }
 
 
+def first_noting_others(errors) -> BaseException | None:
+    """The first of ``errors`` (``None`` entries skipped; ``None`` if none is left), carrying
+    each other one as a note (``add_note``, Python >= 3.11: a traceback prints it), so a
+    failure on a second disk is not hidden behind the first. Found 2026-12-07: a step whose
+    optimizer-state write and weight write-back both failed named only the state's file."""
+    errors = [e for e in errors if e is not None]
+    if not errors:
+        return None
+    first = errors[0]
+    if hasattr(first, "add_note"):
+        told = {str(first)}
+        for other in errors[1:]:
+            text = f"{type(other).__name__}: {other}"
+            if str(other) not in told:
+                told.add(str(other))
+                first.add_note(f"also failed in this step: {text}")
+    return first
+
+
 def io_error(err: int, path: str | None, offset: int | None, operation: str) -> FileIOError:
     """The typed error for ``err`` raised by ``operation`` ("read", "write", "open", ...)."""
     cls = _BY_ERRNO.get(err, FileIOError)

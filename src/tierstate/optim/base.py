@@ -22,6 +22,7 @@ from ..dist import failure as fail_fast
 from ..dist import local_state, present_state
 from ..dist.ranks import group_world_size
 from ..dist.zero import partition_group_of_caller
+from ..io import first_noting_others
 from ..kernels.omp_handover import hand_over_cores
 from ..pipeline import StepCounters, StepEngine, StepPolicy
 from ..placement import Offload
@@ -226,7 +227,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         - a failed *write* (``DiskFullError`` on a full or thinly provisioned disk, EIO): the
           step completes in memory, parameters and state exactly as after it; the error
-          (path, errno) is raised at the end of ``step()``. The records that could not be
+          (path, errno) is raised at the end of ``step()``, a failure on another file or disk
+          in the same step attached as a note (Python >= 3.11). The records that could not be
           written stay in RAM, ``state_dict()`` and ``save_optimizer`` read them there, and the
           next ``step()`` writes them first: while they still cannot be written it raises
           before changing anything (parameters and state exactly as before it), and once
@@ -276,8 +278,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 raise result.error
             failed = engine.store.take_write_errors()
             weights_failed = engine.parts.weights.take_write_errors()  # a streamed block's, kept in RAM
-            if failed is not None or weights_failed is not None:  # the step is complete in memory
-                raise failed if failed is not None else weights_failed
+            failed = first_noting_others([failed, weights_failed])
+            if failed is not None:  # the step is complete in memory
+                raise failed
         finally:
             if workers:
                 for thread, start, end in kernels.drain_worker_spans():

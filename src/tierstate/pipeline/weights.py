@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..dist import local_tensor
+from ..io import first_noting_others
 from ..tiers import Slot, StateStore, packed_arena, resident_values
 from ..weights import streamed as weights_of
 
@@ -73,9 +74,9 @@ class WeightsOut:
                 w.defer_write_errors -= 1
 
     def take_write_errors(self) -> BaseException | None:
-        """The first weight write-back failure deferred during the step's updates, or None."""
-        errors = [e for w in self._windows if (e := w.take_write_errors()) is not None]
-        return errors[0] if errors else None
+        """The first weight write-back failure deferred during the step's updates (the others
+        as its notes), or None."""
+        return first_noting_others([w.take_write_errors() for w in self._windows])
 
     def resident(self, s: Slot) -> bool:
         """``values_of(s, ...)`` is the parameter itself (its weights do not stream): nothing to

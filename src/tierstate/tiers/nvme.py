@@ -464,8 +464,8 @@ class NvmeTier:
         _warn_retried(superseded)
         if not errors:
             return None
-        first = errors[0]
-        return first if isinstance(first, tio.StateLostError) else kept_in_ram(first, left)
+        first = errors[0] if isinstance(errors[0], tio.StateLostError) else kept_in_ram(errors[0], left)
+        return tio.first_noting_others([first, *errors[1:]])
 
     def forget_state(self) -> None:
         """Forget every record's contents: each reads as its initial values from now on, built

@@ -15,6 +15,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from ..io import first_noting_others
 from ..placement import Layout, Segment, SubGroup
 from .protocol import Tier
 from .slots import MasterLife, Slot, StateLife
@@ -409,8 +410,7 @@ class StateStore:
             tier.settle()
 
     def take_write_errors(self) -> BaseException | None:
-        errors = [e for t in self.tiers.values() if (e := t.take_write_errors()) is not None]
-        return errors[0] if errors else None
+        return first_noting_others([t.take_write_errors() for t in self.tiers.values()])
 
     def lost_error(self) -> BaseException | None:
         return next((e for t in self.tiers.values() if (e := t.lost_error()) is not None), None)

@@ -308,9 +308,10 @@ class Window:
                     self._refresh(b)
 
     def take_write_errors(self) -> BaseException | None:
-        """The first write-back failure deferred while the optimizer updated (None if none); forgets them."""
+        """The first write-back failure deferred while the optimizer updated, the others as its
+        notes (None if none); forgets them."""
         errors, self._deferred = self._deferred, []
-        return errors[0] if errors else None
+        return tio.first_noting_others(errors)
 
     @contextlib.contextmanager
     def image_for_reading(self, b: int) -> Iterator[Tensor]:
