@@ -329,3 +329,20 @@ def test_huge_page_buffers_are_untouched_memory_even_where_malloc_would_reuse_so
         buf.fill_(2)
         assert int(buf[:: 1 << 20].sum()) == 2 * (buf.numel() >> 20)
     libc.free(guard)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11's")
+def test_first_noting_others_names_each_other_file_once():
+    """The error a step raises carries one note per other file and errno that failed in it
+    (a full disk fails every record of its file: one note, not one per record)."""
+    from tierstate.io import first_noting_others
+    from tierstate.io.errors import io_error
+
+    state = [io_error(errno.ENOSPC, "/disk1/state-0.bin", off, "write") for off in (0, 65536, 131072)]
+    weights = io_error(errno.EIO, "/disk2/weights-0.bin", 0, "write")
+    first = first_noting_others([None, *state, weights, None])
+    assert first is state[0]
+    assert first.__notes__ == [f"also failed in this step: FileIOError: {weights}"]
+    assert first_noting_others([None]) is None
+    alone = io_error(errno.EIO, "/disk2/weights-0.bin", 0, "write")
+    assert first_noting_others([alone]) is alone and not getattr(alone, "__notes__", None)

@@ -92,13 +92,18 @@ def first_noting_others(errors) -> BaseException | None:
         return None
     first = errors[0]
     if hasattr(first, "add_note"):
-        told = {str(first)}
+        told = {_what(first)}
         for other in errors[1:]:
-            text = f"{type(other).__name__}: {other}"
-            if str(other) not in told:
-                told.add(str(other))
-                first.add_note(f"also failed in this step: {text}")
+            if _what(other) not in told:  # one note per file and errno: a full disk fails every record
+                told.add(_what(other))
+                first.add_note(f"also failed in this step: {type(other).__name__}: {other}")
     return first
+
+
+def _what(exc: BaseException) -> tuple:
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return (exc.errno, exc.filename)
+    return (type(exc), str(exc))
 
 
 def io_error(err: int, path: str | None, offset: int | None, operation: str) -> FileIOError:
