@@ -1,12 +1,12 @@
 """Touch a streamed parameter directly, as user code does (run as a subprocess by
 test_direct_access.py, so that a crash is a failed test and not a dead test run).
 
-argv: the case's code (Python statements; ``p`` is a streamed weight, ``model`` the streamed
-model, ``ws`` its streamer, ``twin`` a resident copy trained alike; ``opt``
-``twin_opt`` their optimizers). Prints one JSON line:
-{"error": type, "message": ...} or {"value": repr of ``result`` if the code set it}, then
-{"after": ...}: whether the model still computes what its resident twin does (nothing
-corrupted by what the case did or was refused).
+argv: a JSON list of cases' code (Python statements; ``p`` is a streamed weight, ``model``
+the streamed model, ``ws`` its streamer, ``twin`` a resident copy trained alike; ``opt``
+``twin_opt`` their optimizers), each run on a fresh model. Prints one JSON line per case:
+{"case": i, "error": type, "message": ...} or {"case": i, "value": repr of ``result`` if the
+code set it}, with "after": whether the model still computes what its resident twin does
+(nothing corrupted by what the case did or was refused).
 """
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def train_step(net, opt, ids):
     opt.zero_grad()
 
 
-def main() -> None:
+def run_case(code: str) -> dict:
+    """One case on a fresh model: its outcome and whether the model still computes what its
+    resident twin does."""
     torch.manual_seed(0)
     twin, model = Net(), Net()
     model.load_state_dict(twin.state_dict())
@@ -64,18 +66,24 @@ def main() -> None:
     train_step(twin, twin_opt, ids)
     opt = ts.AdamW(model.parameters(), lr=1e-2, offload="cpu")
     train_step(model, opt, ids)
-    p = model.blocks[1].up.weight  # noqa: F841 - a streamed weight, released between uses
+    p = model.blocks[1].up.weight  # a streamed weight, released between uses
     scope = dict(globals(), p=p, model=model, ws=ws, twin=twin, opt=opt, twin_opt=twin_opt, ids=ids)
     try:
-        exec(sys.argv[1], scope)
+        exec(code, scope)
         out = {"value": repr(scope["result"]) if "result" in scope else None}
     except Exception as e:  # noqa: BLE001 - the case's outcome, whatever it is
         out = {"error": type(e).__name__, "message": str(e)}
-    print(json.dumps(out), flush=True)
     with torch.no_grad():
-        same = torch.equal(model(ids), twin(ids))
+        out["after"] = torch.equal(model(ids), twin(ids))
     ws.close()
-    print(json.dumps({"after": same}), flush=True)
+    opt.close()
+    twin_opt.close()
+    return out
+
+
+def main() -> None:
+    for i, code in enumerate(json.loads(sys.argv[1])):
+        print(json.dumps({"case": i, **run_case(code)}), flush=True)  # a crash keeps the lines before it
 
 
 if __name__ == "__main__":

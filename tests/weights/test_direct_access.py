@@ -12,7 +12,8 @@ optimizer), and nothing is changed by the refused call; metadata (shape, dtype, 
 grad, ...), a ``model.to()`` that changes nothing, ``repr``, reads inside ``ws.gathered()``
 and transformers' helpers work.
 
-Each case runs in a subprocess (``_direct_access_worker.py``): a crash there fails the case.
+The cases run in one subprocess (``_direct_access_worker.py``), each on a fresh model: a crash
+there fails that case and the ones after it, not the test run.
 """
 from __future__ import annotations
 
@@ -67,55 +68,67 @@ REFUSED_CONVERSIONS = {
 }
 
 
-def _run(code: str) -> tuple[dict, dict]:
-    r = subprocess.run([sys.executable, str(WORKER), code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, f"{code!r} ended the process (returncode {r.returncode}):\n{r.stderr[-2000:]}"
-    lines = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 2, r.stdout + r.stderr[-2000:]
-    return lines[0], lines[1]
-
-
 REFUSED = {**REFUSED_READS, **REFUSED_WRITES, **REFUSED_LIBRARIES, **REFUSED_OPTIMIZERS, **REFUSED_CONVERSIONS}
+WORKING = {  # code -> repr of the ``result`` it sets
+    "result = (tuple(p.shape), str(p.dtype), str(p.device), p.numel(), p.requires_grad, p.is_leaf, p.dim())":
+        repr(((32, 16), "torch.float32", "cpu", 512, True, True, 2)),
+    "result = (p.grad is None, p.element_size(), p.is_floating_point(), p.stride())": repr((True, 4, True, (16, 1))),
+    "result = tuple(torch.zeros_like(p).shape)": repr((32, 16)),
+    "model.to('cpu'); model.float(); model.to(torch.float32); result = str(next(model.parameters()).dtype)":
+        repr("torch.float32"),
+    "result = 'streamed' in repr(p) and 'blocks.1.up.weight' in str(p) and 'blocks.1.up.weight' in f'{p}'": "True",
+    "with ws.gathered(): result = torch.equal(p.clone(), ws.read_param(p))": "True",
+    "with ws.gathered(): result = torch.equal(p.detach() + 0, ws.read_param(p))": "True",
+    "result = torch.equal(model(ids), twin(ids))": "True",
+    "print(model); result = sum(q.numel() for q in model.parameters())": "4962",
+    # a refused conversion changes nothing, and training goes on alike
+    "try:\n    model.half()\nexcept RuntimeError:\n    pass\n"
+    "result = sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]})\n"
+    "train_step(model, opt, ids); train_step(twin, twin_opt, ids)": repr(["torch.float32"]),
+}
+# The other order: DistributedDataParallel first, then streaming (its reducer's buckets would
+# alias gradients the streamer drops, its broadcasts read every weight).
+DDP_FIRST = DDP.format("ts.offload_weights(torch.nn.parallel.DistributedDataParallel(twin), 'cpu', device='cpu')")
+CASES = [*REFUSED, *WORKING, DDP_FIRST]
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, dict]:
+    """Every case's outcome, from one worker process (each case on a fresh model there; a
+    start of the interpreter per case made this file 36 launches, ~1.5 min of CPU)."""
+    r = subprocess.run([sys.executable, str(WORKER), json.dumps(CASES)], capture_output=True, text=True,
+                       timeout=600)
+    got = {CASES[d["case"]]: d for d in map(json.loads, (ln for ln in r.stdout.splitlines() if ln.startswith("{")))}
+    ended = f"the worker ended (returncode {r.returncode}) before this case:\n{r.stderr[-3000:]}"
+    return {code: got.get(code, {"ended": ended}) for code in CASES}
+
+
+def _outcome(outcomes: dict, code: str) -> dict:
+    out = dict(outcomes[code])
+    assert "ended" not in out, out["ended"]
+    out.pop("case")
+    return out
 
 
 @pytest.mark.parametrize("code,hint", list(REFUSED.items()))
-def test_a_direct_touch_is_refused_with_the_way_to_the_values(code, hint):
-    out, after = _run(code)
+def test_a_direct_touch_is_refused_with_the_way_to_the_values(outcomes, code, hint):
+    out = _outcome(outcomes, code)
     assert out.get("error") in ("RuntimeError", "TypeError"), out
     whole_model = code.startswith("model.") or code in REFUSED_LIBRARIES or code in REFUSED_OPTIMIZERS
     name = FIRST if whole_model else NAME
     assert name in out["message"] and hint in out["message"], out["message"]
-    assert after == {"after": True}, "the refused call changed the model"
+    assert out["after"] is True, "the refused call changed the model"
 
 
-@pytest.mark.parametrize("code,want", [
-    ("result = (tuple(p.shape), str(p.dtype), str(p.device), p.numel(), p.requires_grad, p.is_leaf, p.dim())",
-     repr(((32, 16), "torch.float32", "cpu", 512, True, True, 2))),
-    ("result = (p.grad is None, p.element_size(), p.is_floating_point(), p.stride())",
-     repr((True, 4, True, (16, 1)))),
-    ("result = tuple(torch.zeros_like(p).shape)", repr((32, 16))),
-    ("model.to('cpu'); model.float(); model.to(torch.float32); result = next(model.parameters()).dtype",
-     repr("torch.float32").strip("'")),
-    ("result = 'streamed' in repr(p) and 'blocks.1.up.weight' in str(p) and 'blocks.1.up.weight' in f'{p}'",
-     "True"),
-    ("with ws.gathered(): result = torch.equal(p.clone(), ws.read_param(p))", "True"),
-    ("with ws.gathered(): result = torch.equal(p.detach() + 0, ws.read_param(p))", "True"),
-    ("result = torch.equal(model(ids), twin(ids))", "True"),
-    ("print(model); result = sum(q.numel() for q in model.parameters())", "4962"),
-])
-def test_metadata_no_op_conversions_and_gathered_reads_work(code, want):
-    out, after = _run(code)
-    assert out == {"value": want}, out
-    assert after == {"after": True}
+@pytest.mark.parametrize("code,want", list(WORKING.items()))
+def test_metadata_no_op_conversions_and_gathered_reads_work(outcomes, code, want):
+    assert _outcome(outcomes, code) == {"value": want, "after": True}
 
 
-def test_a_refused_conversion_changes_nothing_and_training_goes_on():
-    code = ("try:\n    model.half()\nexcept RuntimeError:\n    pass\n"
-            "result = sorted({str(t.dtype) for t in [*model.parameters(), *model.buffers()]})\n"
-            "train_step(model, opt, ids); train_step(twin, twin_opt, ids)")
-    out, after = _run(code)
-    assert out == {"value": repr(["torch.float32"])}, out
-    assert after == {"after": True}
+def test_a_ddp_model_is_refused_by_offload_weights(outcomes):
+    out = _outcome(outcomes, DDP_FIRST)
+    assert out.get("error") == "TypeError" and "fully_shard" in out["message"], out
+    assert out["after"] is True
 
 
 def test_what_transformers_reads_of_a_model_works_on_streamed_weights(tmp_path):
@@ -147,15 +160,6 @@ def test_what_transformers_reads_of_a_model_works_on_streamed_weights(tmp_path):
     assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     ws.close()
     assert not any(type(p) is StreamedParameter for p in model.parameters())  # plain Parameters again
-
-
-def test_a_ddp_model_is_refused_by_offload_weights():
-    """The other order: DistributedDataParallel first, then streaming (its reducer's buckets
-    would alias gradients the streamer drops, its broadcasts read every weight)."""
-    out, after = _run(DDP.format("ts.offload_weights(torch.nn.parallel.DistributedDataParallel(twin), 'cpu', "
-                                 "device='cpu')"))
-    assert out.get("error") == "TypeError" and "fully_shard" in out["message"], out
-    assert after == {"after": True}
 
 
 def test_a_layout_conversion_of_streamed_conv_weights_is_refused_and_a_no_op_passes():
