@@ -146,35 +146,27 @@ def _call_name(func: Callable) -> str:
     return name
 
 
-def read_refusal(what: str, t: Tensor) -> RuntimeError:
-    return RuntimeError(
-        f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights) and holds no memory outside its "
-        "block's forward and backward. Read its values with ws.read_param(param) (a copy), or inside "
-        "`with ws.gathered():` (all blocks; ws.gathered([i]) for block i); save the model with "
-        "model.state_dict() or tierstate.save_weights")
+# What each refusal says after "<call>: parameter '<name>' is streamed (tierstate.offload_weights)".
+_NO_MEMORY = " and holds no memory outside its block's forward and backward"
+_READ = ("Read its values with ws.read_param(param) (a copy), or inside `with ws.gathered():` (all blocks; "
+         "ws.gathered([i]) for block i)")
+_WRITE = "set its values with ws.write_param(param, value) (the optimizer's master follows)"
+_HOW = {
+    "read": f"{_NO_MEMORY}. {_READ}; save the model with model.state_dict() or tierstate.save_weights",
+    "alias": f"{_NO_MEMORY}, so it has no alias to give. {_READ}; {_WRITE}. torch's DistributedDataParallel "
+             "reads every weight when it is built and keeps buckets of every gradient: across ranks, shard the "
+             "blocks with FSDP2's fully_shard and stream the shards (docs/weights.md)",
+    "write": f"{_NO_MEMORY}. {_WRITE[0].upper()}{_WRITE[1:]}, or load them with model.load_state_dict",
+    "conversion": "; its dtype, device and layout are fixed when offload_weights is called. Convert the model "
+                  "first (model.to(...), then ts.offload_weights(model, ...)); the compute device is "
+                  "offload_weights' device argument",
+}
 
 
-def alias_refusal(what: str, t: Tensor) -> RuntimeError:
-    return RuntimeError(
-        f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights) and holds no memory outside its "
-        "block's forward and backward, so it has no alias to give. Read its values with ws.read_param(param) (a "
-        "copy), or inside `with ws.gathered():`; set them with ws.write_param(param, value). torch's "
-        "DistributedDataParallel reads every weight when it is built and keeps buckets of every gradient: across "
-        "ranks, shard the blocks with FSDP2's fully_shard and stream the shards (docs/weights.md)")
-
-
-def write_refusal(what: str, t: Tensor) -> RuntimeError:
-    return RuntimeError(
-        f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights) and holds no memory outside its "
-        "block's forward and backward. Set its values with ws.write_param(param, value) (the optimizer's master "
-        "follows), or load them with model.load_state_dict")
-
-
-def conversion_refusal(what: str, t: Tensor) -> RuntimeError:
-    return RuntimeError(
-        f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights); its dtype, device and layout are "
-        "fixed when offload_weights is called. Convert the model first (model.to(...), then "
-        "ts.offload_weights(model, ...)); the compute device is offload_weights' device argument")
+def refusal(kind: str, what: str, t: Tensor) -> RuntimeError:
+    """The error for a ``kind`` ("read", "alias", "write", "conversion") of call ``what`` on
+    the streamed parameter ``t``."""
+    return RuntimeError(f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights){_HOW[kind]}")
 
 
 def _probe(t: Tensor) -> Tensor:
@@ -201,7 +193,7 @@ class _Checked:
             if func == _DATA_SET:  # (a new method-wrapper object at each access: equal, not identical)
                 target, value = args[0], args[1]
                 if value is not target and type(target) is StreamedParameter:
-                    raise write_refusal("param.data = tensor (it would no longer be the block's)", target)
+                    raise refusal("write", "param.data = tensor (it would no longer be the block's)", target)
                 return func(*args, **kwargs)
             held = _first_released(args, kwargs)
             if held is None:
@@ -209,7 +201,7 @@ class _Checked:
             if func in _ALIASING:
                 if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
                     return _alias(func(*args, **kwargs), _name(held))
-                raise alias_refusal(_call_name(func), held)
+                raise refusal("alias", _call_name(func), held)
             if func in _CONVERSIONS:
                 probe = _probe(held)
                 out = func(*(probe if a is held else a for a in args), **kwargs)
@@ -217,12 +209,12 @@ class _Checked:
                     return held
                 if not isinstance(out, Tensor):
                     return func(*args, **kwargs)  # Tensor.type() with no argument: its name
-                raise conversion_refusal(f"Tensor.{_call_name(func)}", held)
+                raise refusal("conversion", f"Tensor.{_call_name(func)}", held)
             if func is Tensor.__format__:
                 return format(_describe(held), *args[1:])
             if _is_write(func, kwargs):
-                raise write_refusal(_call_name(func), held)
-            raise read_refusal(_call_name(func), held)
+                raise refusal("write", _call_name(func), held)
+            raise refusal("read", _call_name(func), held)
 
     def __repr__(self, *args, **kwargs) -> str:
         with DisableTorchFunctionSubclass():
@@ -234,7 +226,7 @@ class _Checked:
     def __reduce_ex__(self, proto):
         with DisableTorchFunctionSubclass():
             if _released(self):
-                raise TypeError(str(read_refusal("pickling it (torch.save, pickle, multiprocessing)", self)))
+                raise TypeError(str(refusal("read", "pickling it (torch.save, pickle, multiprocessing)", self)))
         return super().__reduce_ex__(proto)  # what nn.Parameter / Tensor pickle: their own class on load
 
 
@@ -245,7 +237,7 @@ class StreamedParameter(_Checked, nn.Parameter):
     def __deepcopy__(self, memo):
         with DisableTorchFunctionSubclass():
             if _released(self):
-                raise TypeError(str(read_refusal("copy.deepcopy", self)))
+                raise TypeError(str(refusal("read", "copy.deepcopy", self)))
             if id(self) in memo:
                 return memo[id(self)]
             copy = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
@@ -337,4 +329,4 @@ def _check_conversion(module: nn.Module, fn: Callable[[Tensor], Any]) -> None:
             probe = _probe(p)
             changed = fn(probe) is not probe
         if changed:
-            raise conversion_refusal(f"{type(module).__name__}._apply (model.half(), .to(), .cuda(), ...)", p)
+            raise refusal("conversion", f"{type(module).__name__}._apply (model.half(), .to(), .cuda(), ...)", p)
