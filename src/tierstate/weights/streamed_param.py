@@ -20,7 +20,8 @@ stay valid). Its ``__torch_function__`` lets every call through while the block 
   (DistributedDataParallel's broadcast of every ``param.detach()`` ended the process).
   torch's own ``Module._save_to_state_dict`` gets an alias that keeps these checks (the
   entry the state-dict hooks replace with a copy: [Note: a streamed model's own state
-  dict]);
+  dict]), and so does any caller while the block has memory: ``kept = p.detach()`` inside
+  ``ws.gathered()``, read after it, raises instead of reading the released storage;
 - lets a conversion that changes nothing (``model.to("cpu")`` on the CPU) return the
   parameter itself, and refuses one that would (``model.half()``): the block's layout is
   fixed when ``offload_weights`` is called. The model and each block also check every
@@ -197,6 +198,10 @@ class _Checked:
                 return func(*args, **kwargs)
             held = _first_released(args, kwargs)
             if held is None:
+                if func in _ALIASING and args and type(args[0]) in _CHECKED:
+                    # an alias shares the block's storage: kept checked for when it has none
+                    # (``with ws.gathered(): kept = p.detach()``, read after, crashed)
+                    return _alias(func(*args, **kwargs), _name(args[0]))
                 return func(*args, **kwargs)
             if func in _ALIASING:
                 if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
