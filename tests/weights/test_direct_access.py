@@ -47,6 +47,9 @@ REFUSED_READS = {
     # an alias taken while the block had memory is read after it has none
     "with ws.gathered(): kept = p.detach()\nkept.sum()": "read_param",
     "with ws.gathered(): kept = p.data\nkept.norm()": "read_param",
+    "with ws.gathered(): kept = p.T\nkept.sum()": "read_param",
+    "with ws.gathered(): kept = p.view(-1)[3:9]\nkept.sum()": "read_param",
+    "with ws.gathered(): kept = p.chunk(2)\nkept[1].clone()": "read_param",
 }
 REFUSED_WRITES = {
     "with torch.no_grad(): p.zero_()": "write_param",

@@ -20,8 +20,9 @@ stay valid). Its ``__torch_function__`` lets every call through while the block 
   (DistributedDataParallel's broadcast of every ``param.detach()`` ended the process).
   torch's own ``Module._save_to_state_dict`` gets an alias that keeps these checks (the
   entry the state-dict hooks replace with a copy: [Note: a streamed model's own state
-  dict]), and so does any caller while the block has memory: ``kept = p.detach()`` inside
-  ``ws.gathered()``, read after it, raises instead of reading the released storage;
+  dict]), and so does any caller while the block has memory, for these and for views
+  (``kept = p.detach()`` or ``w = p.T`` inside ``ws.gathered()``, read after it, raises
+  instead of reading the released storage);
 - lets a conversion that changes nothing (``model.to("cpu")`` on the CPU) return the
   parameter itself, and refuses one that would (``model.half()``): the block's layout is
   fixed when ``offload_weights`` is called. The model and each block also check every
@@ -101,6 +102,17 @@ _METADATA = frozenset(
 # param.detach() of every parameter when it is built (it ended the process).
 _ALIASING = frozenset({Tensor.detach, Tensor.data.__get__})
 _SAVE_TO_STATE_DICT = nn.Module._save_to_state_dict.__code__
+# Views: taken while the block has memory they share its storage too, so they come back as
+# checked aliases (``with ws.gathered(): w = p.T``, read after, crashed). Between uses a view
+# is refused as a read. (torch's list of view ops, "Tensor Views"; ``reshape`` may copy, and
+# a checked copy passes every check: it never loses its memory.)
+_VIEW_NAMES = ("view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "t",
+               "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "narrow", "select",
+               "__getitem__", "expand", "expand_as", "as_strided", "unfold", "diagonal", "split",
+               "split_with_sizes", "tensor_split", "chunk", "unbind", "hsplit", "vsplit", "dsplit",
+               "view_as_real", "view_as_complex")
+_VIEWS = frozenset(_functions(Tensor, _VIEW_NAMES) | _functions(torch, _VIEW_NAMES)
+                   | _descriptors(("T", "mT", "H", "mH", "real", "imag")))
 # Conversions: the parameter itself where they change nothing, refused where they would.
 _CONVERSIONS = frozenset(_functions(Tensor, ("to", "cuda", "cpu", "float", "half", "bfloat16", "double", "type",
                                              "contiguous", "type_as")))
@@ -198,7 +210,7 @@ class _Checked:
                 return func(*args, **kwargs)
             held = _first_released(args, kwargs)
             if held is None:
-                if func in _ALIASING and args and type(args[0]) in _CHECKED:
+                if (func in _ALIASING or func in _VIEWS) and args and type(args[0]) in _CHECKED:
                     # an alias shares the block's storage: kept checked for when it has none
                     # (``with ws.gathered(): kept = p.detach()``, read after, crashed)
                     return _alias(func(*args, **kwargs), _name(args[0]))
@@ -257,7 +269,9 @@ class _StreamedAlias(_Checked, Tensor):
 _CHECKED = (StreamedParameter, _StreamedAlias)
 
 
-def _alias(t: Tensor, name: str) -> Tensor:
+def _alias(t, name: str):
+    if isinstance(t, (tuple, list)):  # split, chunk, unbind
+        return type(t)(_alias(x, name) for x in t)
     if not isinstance(t, Tensor):
         return t
     out = t.as_subclass(_StreamedAlias)
