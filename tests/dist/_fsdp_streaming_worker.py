@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 
 import torch
@@ -208,6 +209,9 @@ def errors(name: str, out: str) -> dict:
 
 
 def main() -> None:
+    # a rank ended once with SIGSEGV under load (2026-12-07, not reproduced since): its Python
+    # stack goes to stderr, which the test shows with the failed launch
+    faulthandler.enable()
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--job", action="append", required=True,
