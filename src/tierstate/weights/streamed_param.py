@@ -55,9 +55,7 @@ import torch
 from torch import Tensor, nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-_names: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # StreamedParameter -> its name in the model
 
 
 def _descriptors(names: tuple[str, ...], setters: tuple[str, ...] = ()) -> set:
@@ -128,8 +126,17 @@ def _released(t: Tensor) -> bool:
     return n > 0 and t.untyped_storage().nbytes() < (t.storage_offset() + n) * t.element_size()
 
 
+def _registry():
+    """The streamer's registry of streamed parameters (parameter -> its handle, which holds
+    its name); streamer.py imports this module, so the lookup is made when needed."""
+    from .streamer import _registry as registry  # noqa: PLC0415
+
+    return registry
+
+
 def _name(t: Tensor) -> str:
-    return _names.get(t) or getattr(t, "_tierstate_name", None) or "<streamed parameter>"
+    handle = _registry().get(t)
+    return handle.place.name if handle is not None else getattr(t, "_tierstate_name", "<streamed parameter>")
 
 
 def _first_released(args, kwargs) -> Tensor | None:
@@ -283,7 +290,7 @@ def _refuse_other_optimizers(optimizer, args, kwargs) -> None:
     """A global step pre-hook: torch's own optimizers (and others that write parameters) are
     refused over streamed weights before they change anything. (Without it torch's SGD
     updated the resident parameters, then stopped at the first streamed one.)"""
-    if not _names or getattr(type(optimizer), "updates_streamed_weights", False):
+    if not _registry() or getattr(type(optimizer), "updates_streamed_weights", False):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -299,15 +306,13 @@ def _refuse_other_optimizers(optimizer, args, kwargs) -> None:
 _optimizer_hook: list = []
 
 
-def mark(param: nn.Parameter, name: str) -> nn.Parameter:
+def mark(param: nn.Parameter) -> nn.Parameter:
     """Make ``param`` (a plain ``nn.Parameter``, in place) a StreamedParameter; another
-    subclass is left as it is."""
+    subclass is left as it is. Its name is its streamer's (the registry)."""
     if not _optimizer_hook:
         _optimizer_hook.append(register_optimizer_step_pre_hook(_refuse_other_optimizers))
     if type(param) is nn.Parameter:
         param.__class__ = StreamedParameter
-    if type(param) is StreamedParameter:
-        _names[param] = name
     return param
 
 
@@ -315,7 +320,6 @@ def unmark(param: Tensor) -> None:
     """Make ``param`` a plain ``nn.Parameter`` again (its streamer closed)."""
     if type(param) is StreamedParameter:
         param.__class__ = nn.Parameter
-    _names.pop(param, None)
 
 
 def guard_conversions(modules) -> Callable[[], None]:

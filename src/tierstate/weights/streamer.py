@@ -166,7 +166,7 @@ class WeightStreamer:
             for pl in b.places:
                 _registry[pl.param] = StreamedParam(self, b.index, pl)
                 if not self.sharded:  # [Note: touching a streamed parameter directly]
-                    mark(pl.param, pl.name)
+                    mark(pl.param)
         self._unguard = (lambda: None) if self.sharded else \
             guard_conversions([model, *(b.module for b in self.blocks)])
         _generation[0] += 1
