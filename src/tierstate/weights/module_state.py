@@ -93,6 +93,8 @@ class ModuleStateHooks:
         for module in {id(m): m for m in [model, *(b.module for b in streamer.blocks)]}.values():
             self._handles.append(module.register_state_dict_pre_hook(_RefuseDeepcopy()))
         for module in model.modules():
+            if module is not model:
+                self._handles.append(module.register_state_dict_pre_hook(self._part_call))
             names = tuple(n for n, p in module._parameters.items() if p is not None and id(p) in self._ids)
             if names:
                 written: list[str] = []  # keys this module's pre-hook loaded, for its post-hook
@@ -103,9 +105,6 @@ class ModuleStateHooks:
                     module.register_load_state_dict_pre_hook(self._write(names, written)),
                     module.register_load_state_dict_post_hook(self._not_missing(written)),
                 ]
-        for module in model.modules():
-            if module is not model:
-                self._handles.append(module.register_state_dict_pre_hook(self._part_call))
         # after the model's own entries were read, if it owns a streamed parameter itself
         # (a function of its own: torch marks a post-hook with an attribute, which a bound method refuses)
         self._handles.append(model.register_state_dict_post_hook(lambda *args: self._done()))
