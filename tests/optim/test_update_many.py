@@ -79,3 +79,37 @@ def test_batched_updates_are_the_one_by_one_updates(dtype, place, tmp_path, monk
     assert state[7]["step"] == 4 and state[0]["step"] == 8
     batched.close()
     single.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_host_step_over_many_subgroups_is_one_native_call(dtype, monkeypatch):
+    """With every sub-group in host memory the step hands them all to one native call (between
+    two calls the loop's Python ran with the caches the update had emptied): 8 steps, 8 calls,
+    no parameter left to ``adam_update``, and the one-by-one result bit for bit."""
+    layout = ts.Offload(cpu=1.0, subgroup_numel=16384)  # the 30 parameters (64 K elements) in 5+ sub-groups
+    calls = {"many": 0, "one": 0}
+    many, one = K.adam_update_many, K.adam_update
+
+    def count_many(jobs, params):
+        calls["many"] += 1
+        return many(jobs, params)
+
+    def count_one(*a, **k):
+        calls["one"] += 1
+        return one(*a, **k)
+
+    monkeypatch.setattr(K, "adam_update_many", count_many)
+    monkeypatch.setattr(K, "adam_update", count_one)
+    batched_params = _model(dtype)
+    batched = _train(batched_params, layout)
+    assert len(batched.layout.subgroups) >= 5
+    assert calls == {"many": 8, "one": 0}, calls
+
+    monkeypatch.setattr(K, "adam_update_many", reference.adam_update_many)  # declines: one by one
+    single_params = _model(dtype)
+    single = _train(single_params, layout)
+    for i, (a, b) in enumerate(zip(batched_params, single_params)):
+        assert torch.equal(a, b), f"parameter {i}"
+    assert_same_state(batched, single)
+    batched.close()
+    single.close()

@@ -67,6 +67,19 @@ def update_planned(tier, sg: SubGroup, segments: Sequence[Segment], executor: Ex
         tier.release(sg, dirty=True)
 
 
+def _submit_in_memory(tier, subgroups: list[SubGroup], segments: Mapping, executor) -> None:
+    """Every sub-group of a tier that does no I/O, acquired (views, no copy) and handed to the
+    executor's ``submit_many`` at once: its segments in one native call where they can be."""
+    items = []
+    try:
+        for sg in subgroups:
+            items.append((sg, segments[sg.index], tier.acquire(sg)))
+        executor.submit_many(items).wait()
+    finally:
+        for sg, _, _ in items:
+            tier.release(sg, dirty=True)
+
+
 def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping, executor_for: Callable,
                   telemetry) -> None:
     """Update every listed segment once, sub-group by sub-group.
@@ -75,6 +88,8 @@ def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping
     sub-groups it holds and answers the order it wants them in (an I/O tier reads ahead along
     it); the loop then takes, among the tiers' next sub-groups, one that is ready, by
     :func:`_priority`, and blocks (booked under the tier's ``wait_phase``) only when none is.
+    Where one tier without I/O in host memory holds them all, they go to the executor's
+    ``submit_many`` together (see :meth:`HostExecutor.submit_many`).
     """
     segments = {sg.index: segs for sg, segs in work}
     pending: dict = {}
@@ -82,6 +97,13 @@ def run_subgroups(work: Sequence[tuple[SubGroup, list[Segment]]], tiers: Mapping
         mine = [sg for sg, _ in work if sg.tier is kind]
         if mine:
             pending[kind] = deque(tier.schedule(mine))
+    if len(pending) == 1:  # one tier holds every sub-group: in host memory, one submit for all
+        kind, queue = next(iter(pending.items()))
+        tier = tiers[kind]
+        executor = executor_for(tier)
+        if not tier.does_io and not tier.on_device and hasattr(executor, "submit_many"):
+            _submit_in_memory(tier, list(queue), segments, executor)
+            return
     order = sorted(pending, key=lambda k: _priority(tiers[k]))
     held: deque = deque()  # (tier, sub-group, completion), in submission order
     try:
