@@ -208,6 +208,50 @@ def errors(name: str, out: str) -> dict:
     return said
 
 
+def touches(name: str, out: str) -> dict:
+    """What touching a streamed shard between its block's uses does (tests/dist/test_fsdp_shard_touch.py):
+    each case's exception (type, message), or "returned" if it ran; then whether every
+    streamed shard still holds what it held before the cases, and the loss of a step after."""
+    model = build(name, checkpointing=False)
+    ws = stream("cpu", model, out, "touch")
+    opt = ts.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.arange(ROWS * SEQ).remainder(VOCAB).view(ROWS, SEQ)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    p = model.transformer.h[1].mlp.c_proj.weight
+    streamed = list(model.transformer.h.parameters())  # the blocks stream; the root's parameters stay
+    before = [ws.read_param(q) for q in streamed]
+    cases = {
+        "sum": lambda: p.sum(), "norm": lambda: p.norm(), "clone": lambda: p.clone(), "mul_": lambda: p.mul_(2),
+        "add": lambda: p + 1, "to_local": lambda: p.to_local().sum(), "full_tensor": lambda: p.full_tensor(),
+        "redistribute": lambda: p.redistribute(p.device_mesh, p.placements),
+        "data": lambda: p.data.sum(), "detach": lambda: p.detach().clone(), "repr": lambda: repr(p),
+        "format": lambda: f"{p}", "save": lambda: torch.save(p, os.path.join(out, f"p{dist.get_rank()}.pt")),
+        "deepcopy": lambda: __import__("copy").deepcopy(p),
+        "parameters_to_vector": lambda: torch.nn.utils.parameters_to_vector(model.transformer.h[1].mlp.parameters()),
+        "half": lambda: model.half(), "to_float64": lambda: model.to(torch.float64),
+        "torch_sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(),
+    }
+    said: dict = {"name": p.__class__.__name__, "shape": tuple(p.shape), "dtype": p.dtype, "numel": p.numel()}
+    for case, fn in cases.items():
+        try:
+            fn()
+            said[case] = "returned"
+        except Exception as exc:  # noqa: BLE001 - what the user would see is the point
+            said[case] = (type(exc).__name__, str(exc))
+    said["unchanged"] = all(torch.equal(ws.read_param(q), b) for q, b in zip(streamed, before))
+    with ws.gathered():
+        said["inside_gathered"] = float(p.to_local().float().sum()) == float(ws.read_param(p).float().sum())
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    said["loss_after"] = float(loss)
+    ws.close()
+    said["closed_class"] = p.__class__.__name__
+    return said
+
+
 def main() -> None:
     # a rank ended once with SIGSEGV under load (2026-12-07, not reproduced since): its Python
     # stack goes to stderr, which the test shows with the failed launch
@@ -215,13 +259,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--job", action="append", required=True,
-                   help=f"MODEL=VARIANT,...: MODEL gpt2 or llama, VARIANT one of {', '.join(VARIANTS)} or errors")
+                   help=f"MODEL=VARIANT,...: MODEL gpt2 or llama, VARIANT one of {', '.join(VARIANTS)}, errors or touch")
     args = p.parse_args()
     dist.init_process_group("gloo")
     result = {}
     for job in args.job:  # one launch for every model: each torchrun start costs 10-20 s on 2 cores
         model, _, variants = job.partition("=")
-        result[model] = {v: errors(model, args.out) if v == "errors" else run(model, v, args.out)
+        jobs = {"errors": errors, "touch": touches}
+        result[model] = {v: jobs[v](model, args.out) if v in jobs else run(model, v, args.out)
                          for v in variants.split(",")}
     if dist.get_rank() == 0:
         torch.save(result, os.path.join(args.out, f"result-w{dist.get_world_size()}.pt"))

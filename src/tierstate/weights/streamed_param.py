@@ -41,9 +41,19 @@ The cost is a Python call per torch function on a streamed parameter: a tiny Lin
 forward took 7.1 us against 4.6 (2-vCPU Zen 5 VM, 2026-12-07); a 124M GPT-2's forward makes
 360 such calls, ~0.9 ms against 254 ms for its 128-token forward on that VM.
 Parameters of another ``nn.Parameter`` subclass keep their own class and are not checked.
-Neither are FSDP2's DTensor parameters: DTensor runs some ops on its local tensor past any
-Python check (with the checked class on the shard, ``p.sum()`` raised but ``p.clone()``
-still crashed, torch 2.13, 2026-12-07), so a partial check would only mislead.
+
+Under FSDP2 a streamed parameter is a DTensor whose local tensor (this rank's shard) loses
+its storage between uses. It becomes a :class:`StreamedDTensor` (the DTensor class swapped
+in place, as above), with the same checks on the DTensor itself: DTensor's own
+``__torch_function__`` is off, so every torch call on the parameter reaches DTensor's
+dispatch, which runs the op on the local tensor in C++, past any check put on the shard
+(with the checked class on the shard, ``p.sum()`` raised but ``p.clone()`` still crashed,
+torch 2.13, 2026-12-07); checked on the DTensor, both raise. ``to_local()``,
+``full_tensor()`` and ``redistribute()`` (Python methods that hand the shard out) are checked
+too. FSDP2 itself never calls a torch function on a sharded parameter between its unshards
+(it gathers from ``_sharded_param_data``), and the optimizer reads the shard's address.
+Before 2026-12-07 each of ``p.sum()``, ``p.norm()``, ``p.clone()``, ``p.to_local().sum()``,
+``torch.save(p)`` on such a parameter ended the rank with SIGSEGV.
 """
 from __future__ import annotations
 
@@ -55,6 +65,11 @@ import torch
 from torch import Tensor, nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without torch.distributed
+    DTensor = None
 
 
 
@@ -153,9 +168,13 @@ def _first_released(args, kwargs) -> Tensor | None:
 
 
 def _describe(t: Tensor) -> str:
-    kind = "StreamedParameter" if isinstance(t, nn.Parameter) else "alias of StreamedParameter"
+    if _SHARDED and type(t) in _SHARDED:
+        kind, held = "StreamedDTensor", "its shard has no memory between its block's uses; this rank's shard"
+    else:
+        kind = "StreamedParameter" if isinstance(t, nn.Parameter) else "alias of StreamedParameter"
+        held = "no memory between its block's uses; values"
     return (f"{kind}({_name(t)!r}, shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}: "
-            "streamed by tierstate.offload_weights, no memory between its block's uses; values: ws.read_param(p))")
+            f"streamed by tierstate.offload_weights, {held}: ws.read_param(p))")
 
 
 def _call_name(func: Callable) -> str:
@@ -186,7 +205,11 @@ _HOW = {
 def refusal(kind: str, what: str, t: Tensor) -> RuntimeError:
     """The error for a ``kind`` ("read", "alias", "write", "conversion") of call ``what`` on
     the streamed parameter ``t``."""
-    return RuntimeError(f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights){_HOW[kind]}")
+    how = _HOW[kind]
+    if _SHARDED and type(t) in _SHARDED:  # an FSDP2 shard: no DDP advice, and its model saves through DCP
+        how = _HOW["read" if kind == "alias" else kind].replace(
+            "model.state_dict() or tierstate.save_weights", "model.state_dict() or torch.distributed.checkpoint")
+    return RuntimeError(f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights){how}")
 
 
 def _probe(t: Tensor) -> Tensor:
@@ -276,6 +299,81 @@ class _StreamedAlias(_Checked, Tensor):
 _CHECKED = (StreamedParameter, _StreamedAlias)
 
 
+def _first_released_shard(args, kwargs):
+    for group in (args, kwargs.values() if kwargs else ()):
+        for a in group:
+            if type(a) in _SHARDED:
+                if _released(a._local_tensor):
+                    return a
+            elif type(a) in (list, tuple):
+                for b in a:
+                    if type(b) in _SHARDED and _released(b._local_tensor):
+                        return b
+    return None
+
+
+if DTensor is not None:
+    class StreamedDTensor(DTensor):
+        """An FSDP2 parameter (a DTensor) whose shard lives in its block's storage only while
+        FSDP2 gathers the block (see [Note: touching a streamed parameter directly])."""
+
+        __slots__ = ()
+
+        @classmethod
+        def __torch_function__(cls, func, types_, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            with DisableTorchFunctionSubclass():  # (DTensor's own is off: the call goes to its dispatch)
+                if func in _METADATA:
+                    return func(*args, **kwargs)
+                held = _first_released_shard(args, kwargs)
+                if held is None:
+                    return func(*args, **kwargs)
+                if func in _ALIASING:
+                    if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
+                        return func(*args, **kwargs)  # the entry the state-dict hooks replace with a copy
+                    raise refusal("alias", _call_name(func), held)
+                if func in _CONVERSIONS:
+                    probe = _probe(held._local_tensor)
+                    out = func(*(probe if a is held else a for a in args), **kwargs)
+                    if out is probe:
+                        return held
+                    if not isinstance(out, Tensor):
+                        return func(*args, **kwargs)  # Tensor.type() with no argument: its name
+                    raise refusal("conversion", f"Tensor.{_call_name(func)}", held)
+                if func is Tensor.__format__:
+                    return format(_describe(held), *args[1:])
+                raise refusal("write" if _is_write(func, kwargs) else "read", _call_name(func), held)
+
+        def _check_held(self, what: str) -> None:
+            if _released(self._local_tensor):
+                raise refusal("read", what, self)
+
+        def to_local(self, *args, **kwargs):
+            self._check_held("DTensor.to_local (the shard)")
+            return super().to_local(*args, **kwargs)
+
+        def full_tensor(self, *args, **kwargs):
+            self._check_held("DTensor.full_tensor")
+            return super().full_tensor(*args, **kwargs)
+
+        def redistribute(self, *args, **kwargs):
+            self._check_held("DTensor.redistribute")
+            return super().redistribute(*args, **kwargs)
+
+        def __repr__(self, *args, **kwargs) -> str:
+            if _released(self._local_tensor):
+                return _describe(self)
+            return DTensor.__repr__(self, *args, **kwargs)
+
+        def __reduce_ex__(self, proto):
+            self._check_held("pickling it (torch.save, pickle, multiprocessing)")
+            return super().__reduce_ex__(proto)
+
+    _SHARDED: tuple = (StreamedDTensor,)
+else:
+    _SHARDED = ()
+
+
 def _alias(t, name: str):
     if isinstance(t, (tuple, list)):  # split, chunk, unbind
         return type(t)(_alias(x, name) for x in t)
@@ -294,7 +392,7 @@ def _refuse_other_optimizers(optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if type(p) is StreamedParameter:
+            if type(p) is StreamedParameter or type(p) in _SHARDED:
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step(): parameter {_name(p)!r} is streamed "
                     "(tierstate.offload_weights), and this optimizer writes a parameter's memory, which a streamed "
@@ -307,19 +405,24 @@ _optimizer_hook: list = []
 
 
 def mark(param: nn.Parameter) -> nn.Parameter:
-    """Make ``param`` (a plain ``nn.Parameter``, in place) a StreamedParameter; another
-    subclass is left as it is. Its name is its streamer's (the registry)."""
+    """Make ``param`` (a plain ``nn.Parameter``, or FSDP2's DTensor parameter, in place) a
+    StreamedParameter (a StreamedDTensor); another subclass is left as it is. Its name is its
+    streamer's (the registry)."""
     if not _optimizer_hook:
         _optimizer_hook.append(register_optimizer_step_pre_hook(_refuse_other_optimizers))
     if type(param) is nn.Parameter:
         param.__class__ = StreamedParameter
+    elif _SHARDED and type(param) is DTensor:
+        param.__class__ = StreamedDTensor
     return param
 
 
 def unmark(param: Tensor) -> None:
-    """Make ``param`` a plain ``nn.Parameter`` again (its streamer closed)."""
+    """Make ``param`` a plain ``nn.Parameter`` (a DTensor) again (its streamer closed)."""
     if type(param) is StreamedParameter:
         param.__class__ = nn.Parameter
+    elif _SHARDED and type(param) in _SHARDED:
+        param.__class__ = DTensor
 
 
 def guard_conversions(modules) -> Callable[[], None]:
@@ -346,10 +449,11 @@ def guard_conversions(modules) -> Callable[[], None]:
 
 def _check_conversion(module: nn.Module, fn: Callable[[Tensor], Any]) -> None:
     for p in module.parameters():
-        if type(p) is not StreamedParameter:
+        sharded = type(p) in _SHARDED
+        if type(p) is not StreamedParameter and not sharded:
             continue
         with torch.no_grad(), DisableTorchFunctionSubclass():
-            probe = _probe(p)
+            probe = _probe(p._local_tensor if sharded else p)
             changed = fn(probe) is not probe
         if changed:
             raise refusal("conversion", f"{type(module).__name__}._apply (model.half(), .to(), .cuda(), ...)", p)

@@ -165,10 +165,8 @@ class WeightStreamer:
         for b in self.blocks:
             for pl in b.places:
                 _registry[pl.param] = StreamedParam(self, b.index, pl)
-                if not self.sharded:  # [Note: touching a streamed parameter directly]
-                    mark(pl.param)
-        self._unguard = (lambda: None) if self.sharded else \
-            guard_conversions([model, *(b.module for b in self.blocks)])
+                mark(pl.param)  # [Note: touching a streamed parameter directly]
+        self._unguard = guard_conversions([model, *(b.module for b in self.blocks)])
         _generation[0] += 1
         self._telemetries: "weakref.WeakSet" = weakref.WeakSet()
         self.window.report = self._report
