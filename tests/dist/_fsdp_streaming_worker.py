@@ -230,7 +230,7 @@ def touches(name: str, out: str) -> dict:
         "format": lambda: f"{p}", "save": lambda: torch.save(p, os.path.join(out, f"p{dist.get_rank()}.pt")),
         "deepcopy": lambda: __import__("copy").deepcopy(p),
         "parameters_to_vector": lambda: torch.nn.utils.parameters_to_vector(model.transformer.h[1].mlp.parameters()),
-        "half": lambda: model.half(), "to_float64": lambda: model.to(torch.float64),
+        "half": lambda: model.half(), "to_float64": lambda: model.to(torch.float64), "to_cpu": lambda: model.to("cpu"),
         "torch_sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(),
     }
     said: dict = {"name": p.__class__.__name__, "shape": tuple(p.shape), "dtype": p.dtype, "numel": p.numel()}

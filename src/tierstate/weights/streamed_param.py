@@ -449,11 +449,16 @@ def guard_conversions(modules) -> Callable[[], None]:
 
 def _check_conversion(module: nn.Module, fn: Callable[[Tensor], Any]) -> None:
     for p in module.parameters():
-        sharded = type(p) in _SHARDED
-        if type(p) is not StreamedParameter and not sharded:
+        if type(p) in _SHARDED:  # even a conversion that changes nothing: FSDP2 swaps every parameter for a new one
+            raise RuntimeError(
+                f"{type(module).__name__}._apply (model.to(), .half(), .cuda(), ...): parameter {_name(p)!r} is a "
+                "shard streamed by tierstate.offload_weights, and FSDP2's _apply replaces every sharded parameter "
+                "(torch.utils.swap_tensors), which would cut the shard from its block's storage. Move or convert "
+                "the model before ts.offload_weights. Nothing was changed")
+        if type(p) is not StreamedParameter:
             continue
         with torch.no_grad(), DisableTorchFunctionSubclass():
-            probe = _probe(p._local_tensor if sharded else p)
+            probe = _probe(p)
             changed = fn(probe) is not probe
         if changed:
             raise refusal("conversion", f"{type(module).__name__}._apply (model.half(), .to(), .cuda(), ...)", p)
