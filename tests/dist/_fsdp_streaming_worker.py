@@ -259,7 +259,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--job", action="append", required=True,
-                   help=f"MODEL=VARIANT,...: MODEL gpt2 or llama, VARIANT one of {', '.join(VARIANTS)}, errors or touch")
+                   help=f"MODEL=VARIANT,...: MODEL gpt2 or llama, VARIANT one of {', '.join(VARIANTS)}, errors "
+                        "or touch")
     args = p.parse_args()
     dist.init_process_group("gloo")
     result = {}
