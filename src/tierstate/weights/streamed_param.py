@@ -51,7 +51,9 @@ dispatch, which runs the op on the local tensor in C++, past any check put on th
 torch 2.13, 2026-12-07); checked on the DTensor, both raise. ``to_local()``,
 ``full_tensor()`` and ``redistribute()`` (Python methods that hand the shard out) are checked
 too. FSDP2 itself never calls a torch function on a sharded parameter between its unshards
-(it gathers from ``_sharded_param_data``), and the optimizer reads the shard's address.
+(it gathers from ``_sharded_param_data``), and the optimizer reads the shard's address. Not
+checked here: an alias of the shard taken while it has memory (``with ws.gathered(): kept =
+p.to_local()``) and read after it.
 Before 2026-12-07 each of ``p.sum()``, ``p.norm()``, ``p.clone()``, ``p.to_local().sum()``,
 ``torch.save(p)`` on such a parameter ended the rank with SIGSEGV.
 """
