@@ -243,6 +243,13 @@ def touches(name: str, out: str) -> dict:
     said["unchanged"] = all(torch.equal(ws.read_param(q), b) for q, b in zip(streamed, before))
     with ws.gathered():
         said["inside_gathered"] = float(p.to_local().float().sum()) == float(ws.read_param(p).float().sum())
+        kept = {"kept_to_local": p.to_local(), "kept_detach": p.detach(), "kept_view": p.view(-1)}
+    for case, alias in kept.items():  # aliases of the shard taken while it had memory, read after
+        try:
+            alias.sum()
+            said[case] = "returned"
+        except Exception as exc:  # noqa: BLE001
+            said[case] = (type(exc).__name__, str(exc))
     loss = model(ids, labels=ids).loss
     loss.backward()
     opt.step()

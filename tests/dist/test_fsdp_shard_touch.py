@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60),
                                  reason="this torch build has no torch.distributed with gloo")]
 
 READS = ("sum", "norm", "clone", "add", "to_local", "full_tensor", "redistribute", "data", "detach",
-         "parameters_to_vector", "deepcopy", "save")
+         "parameters_to_vector", "deepcopy", "save",
+         # aliases taken inside ws.gathered() (to_local(), detach(), a view), read after it
+         "kept_to_local", "kept_detach", "kept_view")
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,9 @@ dispatch, which runs the op on the local tensor in C++, past any check put on th
 torch 2.13, 2026-12-07); checked on the DTensor, both raise. ``to_local()``,
 ``full_tensor()`` and ``redistribute()`` (Python methods that hand the shard out) are checked
 too. FSDP2 itself never calls a torch function on a sharded parameter between its unshards
-(it gathers from ``_sharded_param_data``), and the optimizer reads the shard's address. Not
-checked here: an alias of the shard taken while it has memory (``with ws.gathered(): kept =
-p.to_local()``) and read after it.
+(it gathers from ``_sharded_param_data``), and the optimizer reads the shard's address. An
+alias taken while the shard has memory (``with ws.gathered(): kept = p.to_local()``, or
+``p.detach()``, a view) is checked too, as above.
 Before 2026-12-07 each of ``p.sum()``, ``p.norm()``, ``p.clone()``, ``p.to_local().sum()``,
 ``torch.save(p)`` on such a parameter ended the rank with SIGSEGV.
 """
@@ -208,7 +208,8 @@ def refusal(kind: str, what: str, t: Tensor) -> RuntimeError:
     """The error for a ``kind`` ("read", "alias", "write", "conversion") of call ``what`` on
     the streamed parameter ``t``."""
     how = _HOW[kind]
-    if _SHARDED and type(t) in _SHARDED:  # an FSDP2 shard: no DDP advice, and its model saves through DCP
+    if _SHARDED and type(t) in _SHARDED or getattr(t, "_tierstate_shard", False):
+        # an FSDP2 shard (or its to_local()): no DDP advice, and its model saves through DCP
         how = _HOW["read" if kind == "alias" else kind].replace(
             "model.state_dict() or tierstate.save_weights", "model.state_dict() or torch.distributed.checkpoint")
     return RuntimeError(f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights){how}")
@@ -329,6 +330,9 @@ if DTensor is not None:
                     return func(*args, **kwargs)
                 held = _first_released_shard(args, kwargs)
                 if held is None:
+                    if (func in _ALIASING or func in _VIEWS) and args and type(args[0]) in _SHARDED:
+                        # an alias shares the shard's storage: kept checked for when it has none
+                        return _shard_alias(func(*args, **kwargs), _name(args[0]))
                     return func(*args, **kwargs)
                 if func in _ALIASING:
                     if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
@@ -352,7 +356,9 @@ if DTensor is not None:
 
         def to_local(self, *args, **kwargs):
             self._check_held("DTensor.to_local (the shard)")
-            return super().to_local(*args, **kwargs)
+            local = _alias(super().to_local(*args, **kwargs), _name(self))  # checked once the shard is released
+            local._tierstate_shard = True
+            return local
 
         def full_tensor(self, *args, **kwargs):
             self._check_held("DTensor.full_tensor")
@@ -372,6 +378,16 @@ if DTensor is not None:
             return super().__reduce_ex__(proto)
 
     _SHARDED: tuple = (StreamedDTensor,)
+
+    def _shard_alias(t, name: str):
+        """A DTensor sharing a streamed shard's storage (``p.detach()``, ``p.view(...)`` while it
+        has memory), made a StreamedDTensor so that a read after the release raises."""
+        if isinstance(t, (tuple, list)):
+            return type(t)(_shard_alias(x, name) for x in t)
+        if type(t) is DTensor:
+            t.__class__ = StreamedDTensor
+            t._tierstate_name = name
+        return t
 else:
     _SHARDED = ()
 
