@@ -40,14 +40,8 @@ def _train(params, offload, steps: int = 8) -> ts.AdamW:
     return opt
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("place", ["cpu", "nvme"])
-def test_batched_updates_are_the_one_by_one_updates(dtype, place, tmp_path, monkeypatch):
-    def offload(sub):
-        if place == "cpu":
-            return ts.Offload(cpu=1.0)
-        return ts.Offload(nvme=1.0, nvme_dir=tmp_path / sub, subgroup_numel=16384, buffer_count=2)
-
+def _count_native_calls(monkeypatch) -> dict:
+    """{"many": calls of kernels.adam_update_many, "one": of kernels.adam_update}, counted from now."""
     calls = {"many": 0, "one": 0}
     many, one = K.adam_update_many, K.adam_update
 
@@ -61,6 +55,18 @@ def test_batched_updates_are_the_one_by_one_updates(dtype, place, tmp_path, monk
 
     monkeypatch.setattr(K, "adam_update_many", count_many)
     monkeypatch.setattr(K, "adam_update", count_one)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("place", ["cpu", "nvme"])
+def test_batched_updates_are_the_one_by_one_updates(dtype, place, tmp_path, monkeypatch):
+    def offload(sub):
+        if place == "cpu":
+            return ts.Offload(cpu=1.0)
+        return ts.Offload(nvme=1.0, nvme_dir=tmp_path / sub, subgroup_numel=16384, buffer_count=2)
+
+    calls = _count_native_calls(monkeypatch)
     batched_params = _model(dtype)
     batched = _train(batched_params, offload("a"))
     batched_one = calls["one"]  # a sub-group of one segment goes alone
@@ -87,19 +93,7 @@ def test_a_host_step_over_many_subgroups_is_one_native_call(dtype, monkeypatch):
     two calls the loop's Python ran with the caches the update had emptied): 8 steps, 8 calls,
     no parameter left to ``adam_update``, and the one-by-one result bit for bit."""
     layout = ts.Offload(cpu=1.0, subgroup_numel=16384)  # the 30 parameters (64 K elements) in 5+ sub-groups
-    calls = {"many": 0, "one": 0}
-    many, one = K.adam_update_many, K.adam_update
-
-    def count_many(jobs, params):
-        calls["many"] += 1
-        return many(jobs, params)
-
-    def count_one(*a, **k):
-        calls["one"] += 1
-        return one(*a, **k)
-
-    monkeypatch.setattr(K, "adam_update_many", count_many)
-    monkeypatch.setattr(K, "adam_update", count_one)
+    calls = _count_native_calls(monkeypatch)
     batched_params = _model(dtype)
     batched = _train(batched_params, layout)
     assert len(batched.layout.subgroups) >= 5

@@ -227,6 +227,29 @@ def _is_write(func: Callable, kwargs) -> bool:
         (bool(kwargs) and kwargs.get("out") is not None)
 
 
+def _on_released(func, args, kwargs, held: Tensor, values: Tensor, keep_alias: Callable):
+    """What call ``func`` gets when ``held`` (a streamed parameter, an alias of one, or an FSDP2
+    shard's DTensor; ``values``: the tensor whose storage is gone) has no memory: torch's
+    ``Module._save_to_state_dict`` its alias (``keep_alias`` of it: the entry the state-dict
+    hooks replace with a copy), a conversion that changes nothing the parameter itself (tried
+    on a stand-in of ``values``), ``format`` the description; anything else is refused."""
+    if func in _ALIASING:
+        if sys._getframe(2).f_code is _SAVE_TO_STATE_DICT:  # (1: the __torch_function__ that called this)
+            return keep_alias(func(*args, **kwargs))
+        raise refusal("alias", _call_name(func), held)
+    if func in _CONVERSIONS:
+        probe = _probe(values)
+        out = func(*(probe if a is held else a for a in args), **kwargs)
+        if out is probe:
+            return held
+        if not isinstance(out, Tensor):
+            return func(*args, **kwargs)  # Tensor.type() with no argument: its name
+        raise refusal("conversion", f"Tensor.{_call_name(func)}", held)
+    if func is Tensor.__format__:
+        return format(_describe(held), *args[1:])
+    raise refusal("write" if _is_write(func, kwargs) else "read", _call_name(func), held)
+
+
 class _Checked:
     """The checks (see the note), shared by the parameter and its aliases."""
 
@@ -248,23 +271,7 @@ class _Checked:
                     # (``with ws.gathered(): kept = p.detach()``, read after, crashed)
                     return _alias(func(*args, **kwargs), _name(args[0]))
                 return func(*args, **kwargs)
-            if func in _ALIASING:
-                if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
-                    return _alias(func(*args, **kwargs), _name(held))
-                raise refusal("alias", _call_name(func), held)
-            if func in _CONVERSIONS:
-                probe = _probe(held)
-                out = func(*(probe if a is held else a for a in args), **kwargs)
-                if out is probe:
-                    return held
-                if not isinstance(out, Tensor):
-                    return func(*args, **kwargs)  # Tensor.type() with no argument: its name
-                raise refusal("conversion", f"Tensor.{_call_name(func)}", held)
-            if func is Tensor.__format__:
-                return format(_describe(held), *args[1:])
-            if _is_write(func, kwargs):
-                raise refusal("write", _call_name(func), held)
-            raise refusal("read", _call_name(func), held)
+            return _on_released(func, args, kwargs, held, held, lambda t: _alias(t, _name(held)))
 
     def __repr__(self, *args, **kwargs) -> str:
         with DisableTorchFunctionSubclass():
@@ -334,21 +341,7 @@ if DTensor is not None:
                         # an alias shares the shard's storage: kept checked for when it has none
                         return _shard_alias(func(*args, **kwargs), _name(args[0]))
                     return func(*args, **kwargs)
-                if func in _ALIASING:
-                    if sys._getframe(1).f_code is _SAVE_TO_STATE_DICT:
-                        return func(*args, **kwargs)  # the entry the state-dict hooks replace with a copy
-                    raise refusal("alias", _call_name(func), held)
-                if func in _CONVERSIONS:
-                    probe = _probe(held._local_tensor)
-                    out = func(*(probe if a is held else a for a in args), **kwargs)
-                    if out is probe:
-                        return held
-                    if not isinstance(out, Tensor):
-                        return func(*args, **kwargs)  # Tensor.type() with no argument: its name
-                    raise refusal("conversion", f"Tensor.{_call_name(func)}", held)
-                if func is Tensor.__format__:
-                    return format(_describe(held), *args[1:])
-                raise refusal("write" if _is_write(func, kwargs) else "read", _call_name(func), held)
+                return _on_released(func, args, kwargs, held, held._local_tensor, lambda t: t)
 
         def _check_held(self, what: str) -> None:
             if _released(self._local_tensor):
