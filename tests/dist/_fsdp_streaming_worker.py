@@ -244,6 +244,12 @@ def touches(name: str, out: str) -> dict:
     with ws.gathered():
         said["inside_gathered"] = float(p.to_local().float().sum()) == float(ws.read_param(p).float().sum())
         kept = {"kept_to_local": p.to_local(), "kept_detach": p.detach(), "kept_view": p.view(-1)}
+        saved = os.path.join(out, f"held{dist.get_rank()}.pt")
+        torch.save(p, saved)  # with memory: saved as the DTensor it is
+        copied = __import__("copy").deepcopy(p)
+        said["deepcopy_held"] = (type(copied).__name__, torch.equal(copied.to_local(), p.to_local()))
+    said["saved_class"] = type(torch.load(saved, weights_only=False)).__name__
+    said["deepcopy_keeps_values"] = torch.equal(copied.to_local(), ws.read_param(p))
     for case, alias in kept.items():  # aliases of the shard taken while it had memory, read after
         try:
             alias.sum()

@@ -77,6 +77,8 @@ def test_repr_describes_the_parameter(said):
 
 def test_nothing_changed_and_training_goes_on(said):
     assert said["name"] == "StreamedDTensor" and said["closed_class"] == "DTensor"
+    assert said["saved_class"] == "DTensor"  # torch.save inside gathered(): no tierstate class in the file
+    assert said["deepcopy_held"] == ("DTensor", True) and said["deepcopy_keeps_values"]  # a copy of its own
     assert said["shape"] == (160, 40) and said["numel"] == 6400 and said["dtype"] == torch.float32  # metadata passes
     assert said["unchanged"] and said["inside_gathered"]
     assert torch.isfinite(torch.tensor(said["loss_after"]))

@@ -368,7 +368,21 @@ if DTensor is not None:
 
         def __reduce_ex__(self, proto):
             self._check_held("pickling it (torch.save, pickle, multiprocessing)")
-            return super().__reduce_ex__(proto)
+            return self._as_dtensor(lambda: self.__reduce_ex__(proto))  # torch records type(self) to rebuild
+
+        def __deepcopy__(self, memo):
+            self._check_held("copy.deepcopy")
+            # a copy has memory of its own: a plain DTensor (torch's deepcopy of a wrapper
+            # subclass wants clone() to return the same class, which DTensor's does not)
+            return self._as_dtensor(lambda: self.__deepcopy__(memo))
+
+        def _as_dtensor(self, call: Callable):
+            """``call()`` with this parameter seen as the DTensor it is."""
+            self.__class__ = DTensor
+            try:
+                return call()
+            finally:
+                self.__class__ = StreamedDTensor
 
     _SHARDED: tuple = (StreamedDTensor,)
 
