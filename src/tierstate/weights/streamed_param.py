@@ -284,7 +284,9 @@ class _Checked:
         with DisableTorchFunctionSubclass():
             if _released(self):
                 raise TypeError(str(refusal("read", "pickling it (torch.save, pickle, multiprocessing)", self)))
-        return super().__reduce_ex__(proto)  # what nn.Parameter / Tensor pickle: their own class on load
+        # pickled as the nn.Parameter / Tensor it is (torch records type(self) to rebuild it, and
+        # torch.load's weights_only refused tierstate's class in the file)
+        return _as_plain(self, lambda: self.__reduce_ex__(proto))
 
 
 class StreamedParameter(_Checked, nn.Parameter):
@@ -303,10 +305,36 @@ class StreamedParameter(_Checked, nn.Parameter):
 
 
 class _StreamedAlias(_Checked, Tensor):
-    """``param.data`` / ``param.detach()`` of a released streamed parameter."""
+    """``param.data`` / ``param.detach()`` / a view of a streamed parameter: checked once the
+    parameter's storage is released."""
+
+    def __deepcopy__(self, memo):
+        with DisableTorchFunctionSubclass():
+            if _released(self):
+                raise TypeError(str(refusal("read", "copy.deepcopy", self)))
+        return _as_plain(self, lambda: self.__deepcopy__(memo))  # a copy has memory of its own: a Tensor
+
+
+_PLAIN_OF: dict = {}  # the checking class -> the class it stands for (filled below)
+_OWN_ATTRS = ("_tierstate_name", "_tierstate_shard")
+
+
+def _as_plain(t: Tensor, call: Callable):
+    """``call()`` with ``t`` seen as the class it stands for (``nn.Parameter``, ``Tensor``,
+    ``DTensor``) and without tierstate's attributes: what torch pickles or copies of it names
+    no tierstate class."""
+    cls = type(t)
+    own = {k: t.__dict__.pop(k) for k in _OWN_ATTRS if k in t.__dict__}
+    t.__class__ = _PLAIN_OF[cls]
+    try:
+        return call()
+    finally:
+        t.__class__ = cls
+        t.__dict__.update(own)
 
 
 _CHECKED = (StreamedParameter, _StreamedAlias)
+_PLAIN_OF.update({StreamedParameter: nn.Parameter, _StreamedAlias: Tensor})
 
 
 def _first_released_shard(args, kwargs):
@@ -368,23 +396,16 @@ if DTensor is not None:
 
         def __reduce_ex__(self, proto):
             self._check_held("pickling it (torch.save, pickle, multiprocessing)")
-            return self._as_dtensor(lambda: self.__reduce_ex__(proto))  # torch records type(self) to rebuild
+            return _as_plain(self, lambda: self.__reduce_ex__(proto))  # as the DTensor it is
 
         def __deepcopy__(self, memo):
             self._check_held("copy.deepcopy")
             # a copy has memory of its own: a plain DTensor (torch's deepcopy of a wrapper
             # subclass wants clone() to return the same class, which DTensor's does not)
-            return self._as_dtensor(lambda: self.__deepcopy__(memo))
-
-        def _as_dtensor(self, call: Callable):
-            """``call()`` with this parameter seen as the DTensor it is."""
-            self.__class__ = DTensor
-            try:
-                return call()
-            finally:
-                self.__class__ = StreamedDTensor
+            return _as_plain(self, lambda: self.__deepcopy__(memo))
 
     _SHARDED: tuple = (StreamedDTensor,)
+    _PLAIN_OF[StreamedDTensor] = DTensor
 
     def _shard_alias(t, name: str):
         """A DTensor sharing a streamed shard's storage (``p.detach()``, ``p.view(...)`` while it
