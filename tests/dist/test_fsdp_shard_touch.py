@@ -43,7 +43,7 @@ def said(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("case", READS)
 def test_a_read_between_uses_is_refused_with_the_way_to_the_values(said, case):
     kind, message = said[case]
-    assert kind in ("RuntimeError", "TypeError"), said[case]
+    assert kind == ("TypeError" if case in ("save", "deepcopy") else "RuntimeError"), said[case]  # as StreamedParameter
     assert "parameter 'transformer.h.1.mlp.c_" in message and "ws.read_param" in message, message
     assert "torch.distributed.checkpoint" in message or case in ("to_local", "full_tensor", "redistribute",
                                                                  "deepcopy", "save"), message

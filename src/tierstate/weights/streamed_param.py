@@ -371,9 +371,9 @@ if DTensor is not None:
                     return func(*args, **kwargs)
                 return _on_released(func, args, kwargs, held, held._local_tensor, lambda t: t)
 
-        def _check_held(self, what: str) -> None:
+        def _check_held(self, what: str, error: type = RuntimeError) -> None:
             if _released(self._local_tensor):
-                raise refusal("read", what, self)
+                raise error(str(refusal("read", what, self)))
 
         def to_local(self, *args, **kwargs):
             self._check_held("DTensor.to_local (the shard)")
@@ -395,11 +395,11 @@ if DTensor is not None:
             return DTensor.__repr__(self, *args, **kwargs)
 
         def __reduce_ex__(self, proto):
-            self._check_held("pickling it (torch.save, pickle, multiprocessing)")
+            self._check_held("pickling it (torch.save, pickle, multiprocessing)", TypeError)  # as StreamedParameter
             return _as_plain(self, lambda: self.__reduce_ex__(proto))  # as the DTensor it is
 
         def __deepcopy__(self, memo):
-            self._check_held("copy.deepcopy")
+            self._check_held("copy.deepcopy", TypeError)
             # a copy has memory of its own: a plain DTensor (torch's deepcopy of a wrapper
             # subclass wants clone() to return the same class, which DTensor's does not)
             return _as_plain(self, lambda: self.__deepcopy__(memo))
