@@ -225,6 +225,7 @@ def touches(name: str, out: str) -> dict:
     cases = {
         "sum": lambda: p.sum(), "norm": lambda: p.norm(), "clone": lambda: p.clone(), "mul_": lambda: p.mul_(2),
         "add": lambda: p + 1, "to_local": lambda: p.to_local().sum(), "full_tensor": lambda: p.full_tensor(),
+        "data_set": lambda: setattr(p, "data", torch.zeros_like(p)),
         "redistribute": lambda: p.redistribute(p.device_mesh, p.placements),
         "data": lambda: p.data.sum(), "detach": lambda: p.detach().clone(), "repr": lambda: repr(p),
         "format": lambda: f"{p}", "save": lambda: torch.save(p, os.path.join(out, f"p{dist.get_rank()}.pt")),
@@ -247,6 +248,11 @@ def touches(name: str, out: str) -> dict:
         saved = os.path.join(out, f"held{dist.get_rank()}.pt")
         torch.save(p, saved)  # with memory: saved as the DTensor it is
         copied = __import__("copy").deepcopy(p)
+        try:  # with memory too: the parameter would no longer be its block's
+            p.data = torch.zeros_like(p)
+            said["data_set_held"] = "returned"
+        except RuntimeError as exc:
+            said["data_set_held"] = ("RuntimeError", str(exc))
         said["deepcopy_held"] = (type(copied).__name__, torch.equal(copied.to_local(), p.to_local()))
     said["saved_class"] = type(torch.load(saved, weights_only=False)).__name__
     said["deepcopy_keeps_values"] = torch.equal(copied.to_local(), ws.read_param(p))

@@ -49,8 +49,10 @@ def test_a_read_between_uses_is_refused_with_the_way_to_the_values(said, case):
                                                                  "deepcopy", "save"), message
 
 
-@pytest.mark.parametrize("case", ["mul_"])
+@pytest.mark.parametrize("case", ["mul_", "data_set", "data_set_held"])
 def test_a_write_between_uses_is_refused_with_the_way_to_write(said, case):
+    """``p.data = other`` too, also while the shard has memory: it would cut the parameter from
+    its block (the optimizer would keep updating the block, FSDP2 would gather the block)."""
     kind, message = said[case]
     assert kind == "RuntimeError" and "ws.write_param" in message, said[case]
 

@@ -363,6 +363,11 @@ if DTensor is not None:
             with DisableTorchFunctionSubclass():  # (DTensor's own is off: the call goes to its dispatch)
                 if func in _METADATA:
                     return func(*args, **kwargs)
+                if func == _DATA_SET:  # the parameter itself (not an alias of it) made other memory
+                    target, value = args[0], args[1]
+                    if value is not target and _registry().get(target) is not None:
+                        raise refusal("write", "param.data = tensor (it would no longer be the block's)", target)
+                    return func(*args, **kwargs)
                 held = _first_released_shard(args, kwargs)
                 if held is None:
                     if (func in _ALIASING or func in _VIEWS) and args and type(args[0]) in _SHARDED:
