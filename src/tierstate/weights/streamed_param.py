@@ -156,17 +156,30 @@ def _name(t: Tensor) -> str:
     return handle.place.name if handle is not None else getattr(t, "_tierstate_name", "<streamed parameter>")
 
 
+def _values(t: Tensor) -> Tensor:
+    """The tensor whose storage a checked ``t`` uses: this rank's shard of an FSDP2 parameter,
+    else ``t`` itself."""
+    return t._local_tensor if type(t) in _SHARDED else t
+
+
 def _first_released(args, kwargs) -> Tensor | None:
     for group in (args, kwargs.values() if kwargs else ()):
         for a in group:
-            if type(a) in _CHECKED:
-                if _released(a):
+            if type(a) in _ALL_CHECKED:
+                if _released(_values(a)):
                     return a
             elif type(a) in (list, tuple):
                 for b in a:
-                    if type(b) in _CHECKED and _released(b):
+                    if type(b) in _ALL_CHECKED and _released(_values(b)):
                         return b
     return None
+
+
+def _refuse_released(t: Tensor, what: str, error: type = RuntimeError) -> None:
+    """Raise ``error`` (the read refusal) if ``t``'s storage is released."""
+    with DisableTorchFunctionSubclass():
+        if _released(_values(t)):
+            raise error(str(refusal("read", what, t)))
 
 
 def _describe(t: Tensor) -> str:
@@ -193,7 +206,7 @@ _READ = ("Read its values with ws.read_param(param) (a copy), or inside `with ws
          "ws.gathered([i]) for block i)")
 _WRITE = "set its values with ws.write_param(param, value) (the optimizer's master follows)"
 _HOW = {
-    "read": f"{_NO_MEMORY}. {_READ}; save the model with model.state_dict() or tierstate.save_weights",
+    "read": f"{_NO_MEMORY}. {_READ}; save the model with model.state_dict() or {{save}}",
     "alias": f"{_NO_MEMORY}, so it has no alias to give. {_READ}; {_WRITE}. torch's DistributedDataParallel "
              "reads every weight when it is built and keeps buckets of every gradient: across ranks, shard the "
              "blocks with FSDP2's fully_shard and stream the shards (docs/weights.md)",
@@ -207,11 +220,11 @@ _HOW = {
 def refusal(kind: str, what: str, t: Tensor) -> RuntimeError:
     """The error for a ``kind`` ("read", "alias", "write", "conversion") of call ``what`` on
     the streamed parameter ``t``."""
-    how = _HOW[kind]
+    save = "tierstate.save_weights"
     if _SHARDED and type(t) in _SHARDED or getattr(t, "_tierstate_shard", False):
         # an FSDP2 shard (or its to_local()): no DDP advice, and its model saves through DCP
-        how = _HOW["read" if kind == "alias" else kind].replace(
-            "model.state_dict() or tierstate.save_weights", "model.state_dict() or torch.distributed.checkpoint")
+        kind, save = "read" if kind == "alias" else kind, "torch.distributed.checkpoint"
+    how = _HOW[kind].replace("{save}", save)
     return RuntimeError(f"{what}: parameter {_name(t)!r} is streamed (tierstate.offload_weights){how}")
 
 
@@ -227,18 +240,40 @@ def _is_write(func: Callable, kwargs) -> bool:
         (bool(kwargs) and kwargs.get("out") is not None)
 
 
-def _on_released(func, args, kwargs, held: Tensor, values: Tensor, keep_alias: Callable):
-    """What call ``func`` gets when ``held`` (a streamed parameter, an alias of one, or an FSDP2
-    shard's DTensor; ``values``: the tensor whose storage is gone) has no memory: torch's
-    ``Module._save_to_state_dict`` its alias (``keep_alias`` of it: the entry the state-dict
-    hooks replace with a copy), a conversion that changes nothing the parameter itself (tried
-    on a stand-in of ``values``), ``format`` the description; anything else is refused."""
+def _checked_call(func, args, kwargs, keep_alias: Callable):
+    """``__torch_function__`` of a streamed parameter, an alias of one, or an FSDP2 shard's
+    DTensor (see the note), with torch functions off for subclasses: every call while the
+    storage has memory (an alias or view coming back checked), metadata always, and a
+    ``param.data = other`` never; a call when it has none goes to :func:`_on_released`
+    (``keep_alias``: what torch's ``Module._save_to_state_dict`` gets of an alias there)."""
+    if func in _METADATA:
+        return func(*args, **kwargs)
+    if func == _DATA_SET:  # (a new method-wrapper object at each access: equal, not identical)
+        target, value = args[0], args[1]
+        if value is not target and _registry().get(target) is not None:  # the parameter, not an alias of it
+            raise refusal("write", "param.data = tensor (it would no longer be the block's)", target)
+        return func(*args, **kwargs)
+    held = _first_released(args, kwargs)
+    if held is None:
+        if (func in _ALIASING or func in _VIEWS) and args and type(args[0]) in _ALL_CHECKED:
+            # an alias shares the block's storage: kept checked for when it has none
+            # (``with ws.gathered(): kept = p.detach()``, read after, crashed)
+            return _alias(func(*args, **kwargs), _name(args[0]))
+        return func(*args, **kwargs)
+    return _on_released(func, args, kwargs, held, keep_alias)
+
+
+def _on_released(func, args, kwargs, held: Tensor, keep_alias: Callable):
+    """What call ``func`` gets when ``held`` has no memory: torch's ``Module._save_to_state_dict``
+    its alias (``keep_alias(alias, held)``: the entry the state-dict hooks replace with a copy), a
+    conversion that changes nothing the parameter itself (tried on a stand-in), ``format`` the
+    description; anything else is refused."""
     if func in _ALIASING:
-        if sys._getframe(2).f_code is _SAVE_TO_STATE_DICT:  # (1: the __torch_function__ that called this)
-            return keep_alias(func(*args, **kwargs))
+        if sys._getframe(3).f_code is _SAVE_TO_STATE_DICT:  # (1: _checked_call, 2: __torch_function__)
+            return keep_alias(func(*args, **kwargs), held)
         raise refusal("alias", _call_name(func), held)
     if func in _CONVERSIONS:
-        probe = _probe(values)
+        probe = _probe(_values(held))
         out = func(*(probe if a is held else a for a in args), **kwargs)
         if out is probe:
             return held
@@ -250,28 +285,30 @@ def _on_released(func, args, kwargs, held: Tensor, values: Tensor, keep_alias: C
     raise refusal("write" if _is_write(func, kwargs) else "read", _call_name(func), held)
 
 
+class _PlainCopies:
+    """Pickling and ``copy.deepcopy`` of a checked tensor: refused (TypeError) while its storage
+    is released, else made of the class it stands for (``nn.Parameter``, ``Tensor``,
+    ``DTensor``): torch records ``type(self)`` to rebuild a pickled tensor, and ``torch.load``'s
+    ``weights_only`` refused tierstate's class in the file; a copy has memory of its own (and
+    torch's deepcopy of a wrapper subclass wants ``clone()`` to return the same class, which
+    DTensor's does not)."""
+
+    def __reduce_ex__(self, proto):
+        _refuse_released(self, "pickling it (torch.save, pickle, multiprocessing)", TypeError)
+        return _as_plain(self, lambda: self.__reduce_ex__(proto))
+
+    def __deepcopy__(self, memo):
+        _refuse_released(self, "copy.deepcopy", TypeError)
+        return _as_plain(self, lambda: self.__deepcopy__(memo))
+
+
 class _Checked:
     """The checks (see the note), shared by the parameter and its aliases."""
 
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
         with DisableTorchFunctionSubclass():
-            if func in _METADATA:
-                return func(*args, **kwargs)
-            if func == _DATA_SET:  # (a new method-wrapper object at each access: equal, not identical)
-                target, value = args[0], args[1]
-                if value is not target and type(target) is StreamedParameter:
-                    raise refusal("write", "param.data = tensor (it would no longer be the block's)", target)
-                return func(*args, **kwargs)
-            held = _first_released(args, kwargs)
-            if held is None:
-                if (func in _ALIASING or func in _VIEWS) and args and type(args[0]) in _CHECKED:
-                    # an alias shares the block's storage: kept checked for when it has none
-                    # (``with ws.gathered(): kept = p.detach()``, read after, crashed)
-                    return _alias(func(*args, **kwargs), _name(args[0]))
-                return func(*args, **kwargs)
-            return _on_released(func, args, kwargs, held, held, lambda t: _alias(t, _name(held)))
+            return _checked_call(func, args, kwargs or {}, lambda t, held: _alias(t, _name(held)))
 
     def __repr__(self, *args, **kwargs) -> str:
         with DisableTorchFunctionSubclass():
@@ -280,39 +317,18 @@ class _Checked:
             prefix = "Parameter containing:\n" if isinstance(self, nn.Parameter) else ""
             return prefix + Tensor.__repr__(self, *args, **kwargs)
 
-    def __reduce_ex__(self, proto):
-        with DisableTorchFunctionSubclass():
-            if _released(self):
-                raise TypeError(str(refusal("read", "pickling it (torch.save, pickle, multiprocessing)", self)))
-        # pickled as the nn.Parameter / Tensor it is (torch records type(self) to rebuild it, and
-        # torch.load's weights_only refused tierstate's class in the file)
-        return _as_plain(self, lambda: self.__reduce_ex__(proto))
+    __reduce_ex__ = _PlainCopies.__reduce_ex__
+    __deepcopy__ = _PlainCopies.__deepcopy__
 
 
 class StreamedParameter(_Checked, nn.Parameter):
     """An ``nn.Parameter`` whose values live in its block's storage only while the block runs
     (see [Note: touching a streamed parameter directly])."""
 
-    def __deepcopy__(self, memo):
-        with DisableTorchFunctionSubclass():
-            if _released(self):
-                raise TypeError(str(refusal("read", "copy.deepcopy", self)))
-            if id(self) in memo:
-                return memo[id(self)]
-            copy = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
-        memo[id(self)] = copy
-        return copy
-
 
 class _StreamedAlias(_Checked, Tensor):
     """``param.data`` / ``param.detach()`` / a view of a streamed parameter: checked once the
     parameter's storage is released."""
-
-    def __deepcopy__(self, memo):
-        with DisableTorchFunctionSubclass():
-            if _released(self):
-                raise TypeError(str(refusal("read", "copy.deepcopy", self)))
-        return _as_plain(self, lambda: self.__deepcopy__(memo))  # a copy has memory of its own: a Tensor
 
 
 _PLAIN_OF: dict = {}  # the checking class -> the class it stands for (filled below)
@@ -337,19 +353,6 @@ _CHECKED = (StreamedParameter, _StreamedAlias)
 _PLAIN_OF.update({StreamedParameter: nn.Parameter, _StreamedAlias: Tensor})
 
 
-def _first_released_shard(args, kwargs):
-    for group in (args, kwargs.values() if kwargs else ()):
-        for a in group:
-            if type(a) in _SHARDED:
-                if _released(a._local_tensor):
-                    return a
-            elif type(a) in (list, tuple):
-                for b in a:
-                    if type(b) in _SHARDED and _released(b._local_tensor):
-                        return b
-    return None
-
-
 if DTensor is not None:
     class StreamedDTensor(DTensor):
         """An FSDP2 parameter (a DTensor) whose shard lives in its block's storage only while
@@ -359,39 +362,24 @@ if DTensor is not None:
 
         @classmethod
         def __torch_function__(cls, func, types_, args=(), kwargs=None):
-            kwargs = kwargs or {}
             with DisableTorchFunctionSubclass():  # (DTensor's own is off: the call goes to its dispatch)
-                if func in _METADATA:
-                    return func(*args, **kwargs)
-                if func == _DATA_SET:  # the parameter itself (not an alias of it) made other memory
-                    target, value = args[0], args[1]
-                    if value is not target and _registry().get(target) is not None:
-                        raise refusal("write", "param.data = tensor (it would no longer be the block's)", target)
-                    return func(*args, **kwargs)
-                held = _first_released_shard(args, kwargs)
-                if held is None:
-                    if (func in _ALIASING or func in _VIEWS) and args and type(args[0]) in _SHARDED:
-                        # an alias shares the shard's storage: kept checked for when it has none
-                        return _shard_alias(func(*args, **kwargs), _name(args[0]))
-                    return func(*args, **kwargs)
-                return _on_released(func, args, kwargs, held, held._local_tensor, lambda t: t)
+                return _checked_call(func, args, kwargs or {}, lambda t, held: t)
 
-        def _check_held(self, what: str, error: type = RuntimeError) -> None:
-            if _released(self._local_tensor):
-                raise error(str(refusal("read", what, self)))
+        __reduce_ex__ = _PlainCopies.__reduce_ex__
+        __deepcopy__ = _PlainCopies.__deepcopy__
 
         def to_local(self, *args, **kwargs):
-            self._check_held("DTensor.to_local (the shard)")
+            _refuse_released(self, "DTensor.to_local (the shard)")
             local = _alias(super().to_local(*args, **kwargs), _name(self))  # checked once the shard is released
             local._tierstate_shard = True
             return local
 
         def full_tensor(self, *args, **kwargs):
-            self._check_held("DTensor.full_tensor")
+            _refuse_released(self, "DTensor.full_tensor")
             return super().full_tensor(*args, **kwargs)
 
         def redistribute(self, *args, **kwargs):
-            self._check_held("DTensor.redistribute")
+            _refuse_released(self, "DTensor.redistribute")
             return super().redistribute(*args, **kwargs)
 
         def __repr__(self, *args, **kwargs) -> str:
@@ -399,36 +387,23 @@ if DTensor is not None:
                 return _describe(self)
             return DTensor.__repr__(self, *args, **kwargs)
 
-        def __reduce_ex__(self, proto):
-            self._check_held("pickling it (torch.save, pickle, multiprocessing)", TypeError)  # as StreamedParameter
-            return _as_plain(self, lambda: self.__reduce_ex__(proto))  # as the DTensor it is
-
-        def __deepcopy__(self, memo):
-            self._check_held("copy.deepcopy", TypeError)
-            # a copy has memory of its own: a plain DTensor (torch's deepcopy of a wrapper
-            # subclass wants clone() to return the same class, which DTensor's does not)
-            return _as_plain(self, lambda: self.__deepcopy__(memo))
-
     _SHARDED: tuple = (StreamedDTensor,)
     _PLAIN_OF[StreamedDTensor] = DTensor
-
-    def _shard_alias(t, name: str):
-        """A DTensor sharing a streamed shard's storage (``p.detach()``, ``p.view(...)`` while it
-        has memory), made a StreamedDTensor so that a read after the release raises."""
-        if isinstance(t, (tuple, list)):
-            return type(t)(_shard_alias(x, name) for x in t)
-        if type(t) is DTensor:
-            t.__class__ = StreamedDTensor
-            t._tierstate_name = name
-        return t
 else:
     _SHARDED = ()
+_ALL_CHECKED = _CHECKED + _SHARDED
 
 
 def _alias(t, name: str):
+    """A checked alias of what a view or alias call returned (kept as is when it holds no
+    tensor): an FSDP2 shard's DTensor made a StreamedDTensor, any other tensor a _StreamedAlias."""
     if isinstance(t, (tuple, list)):  # split, chunk, unbind
         return type(t)(_alias(x, name) for x in t)
     if not isinstance(t, Tensor):
+        return t
+    if _SHARDED and type(t) is DTensor:
+        t.__class__ = StreamedDTensor
+        t._tierstate_name = name
         return t
     out = t.as_subclass(_StreamedAlias)
     out._tierstate_name = name
