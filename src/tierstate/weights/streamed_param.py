@@ -240,12 +240,11 @@ def _is_write(func: Callable, kwargs) -> bool:
         (bool(kwargs) and kwargs.get("out") is not None)
 
 
-def _checked_call(func, args, kwargs, keep_alias: Callable):
+def _checked_call(func, args, kwargs):
     """``__torch_function__`` of a streamed parameter, an alias of one, or an FSDP2 shard's
     DTensor (see the note), with torch functions off for subclasses: every call while the
     storage has memory (an alias or view coming back checked), metadata always, and a
-    ``param.data = other`` never; a call when it has none goes to :func:`_on_released`
-    (``keep_alias``: what torch's ``Module._save_to_state_dict`` gets of an alias there)."""
+    ``param.data = other`` never; a call when it has none goes to :func:`_on_released`."""
     if func in _METADATA:
         return func(*args, **kwargs)
     if func == _DATA_SET:  # (a new method-wrapper object at each access: equal, not identical)
@@ -260,17 +259,18 @@ def _checked_call(func, args, kwargs, keep_alias: Callable):
             # (``with ws.gathered(): kept = p.detach()``, read after, crashed)
             return _alias(func(*args, **kwargs), _name(args[0]))
         return func(*args, **kwargs)
-    return _on_released(func, args, kwargs, held, keep_alias)
+    return _on_released(func, args, kwargs, held)
 
 
-def _on_released(func, args, kwargs, held: Tensor, keep_alias: Callable):
+def _on_released(func, args, kwargs, held: Tensor):
     """What call ``func`` gets when ``held`` has no memory: torch's ``Module._save_to_state_dict``
-    its alias (``keep_alias(alias, held)``: the entry the state-dict hooks replace with a copy), a
-    conversion that changes nothing the parameter itself (tried on a stand-in), ``format`` the
-    description; anything else is refused."""
+    a checked alias (the entry the state-dict hooks replace with a copy, or keep as a
+    placeholder where the copies would not fit in RAM), a conversion that changes nothing the
+    parameter itself (tried on a stand-in), ``format`` the description; anything else is
+    refused."""
     if func in _ALIASING:
         if sys._getframe(3).f_code is _SAVE_TO_STATE_DICT:  # (1: _checked_call, 2: __torch_function__)
-            return keep_alias(func(*args, **kwargs), held)
+            return _alias(func(*args, **kwargs), _name(held))
         raise refusal("alias", _call_name(func), held)
     if func in _CONVERSIONS:
         probe = _probe(_values(held))
@@ -308,7 +308,7 @@ class _Checked:
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
         with DisableTorchFunctionSubclass():
-            return _checked_call(func, args, kwargs or {}, lambda t, held: _alias(t, _name(held)))
+            return _checked_call(func, args, kwargs or {})
 
     def __repr__(self, *args, **kwargs) -> str:
         with DisableTorchFunctionSubclass():
@@ -363,7 +363,7 @@ if DTensor is not None:
         @classmethod
         def __torch_function__(cls, func, types_, args=(), kwargs=None):
             with DisableTorchFunctionSubclass():  # (DTensor's own is off: the call goes to its dispatch)
-                return _checked_call(func, args, kwargs or {}, lambda t, held: t)
+                return _checked_call(func, args, kwargs or {})
 
         __reduce_ex__ = _PlainCopies.__reduce_ex__
         __deepcopy__ = _PlainCopies.__deepcopy__
