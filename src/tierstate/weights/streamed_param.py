@@ -27,7 +27,9 @@ stay valid). Its ``__torch_function__`` lets every call through while the block 
   parameter itself, and refuses one that would (``model.half()``): the block's layout is
   fixed when ``offload_weights`` is called. The model and each block also check every
   streamed parameter before ``Module._apply`` starts, so a refused ``model.half()`` leaves
-  the resident parameters as they were, too (see :func:`guard_conversions`).
+  the resident parameters as they were, too (see :func:`guard_conversions`). Under torch's
+  future conversion flags (swap or overwrite module parameters on conversion) a no-op
+  conversion passes too: the streamed parameters skip it (:func:`_hide_streamed`).
 
 A torch optimizer (any optimizer without ``updates_streamed_weights = True``, which
 tierstate's set) is refused before its step changes anything when it holds a streamed
@@ -462,7 +464,11 @@ def guard_conversions(modules) -> Callable[[], None]:
 
         def _apply(self, fn, *args, _original=original, **kwargs):
             _check_conversion(self, fn)
-            return _original(self, fn, *args, **kwargs)
+            hidden = _hide_streamed(self)
+            try:
+                return _original(self, fn, *args, **kwargs)
+            finally:
+                _restore_streamed(hidden)
 
         module.__dict__["_apply"] = types.MethodType(_apply, module)
         installed.append(module)
@@ -471,6 +477,38 @@ def guard_conversions(modules) -> Callable[[], None]:
         for m in installed:
             m.__dict__.pop("_apply", None)
     return undo
+
+
+def _hide_streamed(module: nn.Module) -> list[tuple[dict, list[tuple[str, Any]]]]:
+    """Take the streamed parameters out of every ``_parameters`` dict under ``module`` while
+    ``Module._apply`` runs a conversion :func:`_check_conversion` found changes none of them.
+
+    Under torch's future flags (``torch.__future__.set_swap_module_params_on_conversion`` or
+    ``set_overwrite_module_params_on_conversion``) ``_apply`` wraps even an unchanged
+    parameter in a new ``nn.Parameter`` and swaps it in or assigns it: that detached a
+    released one and a no-op ``model.to("cpu")`` raised ("Couldn't swap LayerNorm.weight").
+    Without the flags it assigns ``param.data = param``, which changes nothing either, so the
+    streamed parameters skip the conversion in every mode (:func:`_check_conversion` ran it on
+    each of them already, through their checks, so one that would touch their memory, as
+    ``model.share_memory()`` does, was refused before anything changed). Returns what
+    :func:`_restore_streamed` puts back, each dict in its own key order (the order of
+    ``model.parameters()``, which optimizers' param groups follow)."""
+    hidden = []
+    for m in module.modules():
+        params = m._parameters
+        if any(type(p) is StreamedParameter for p in params.values()):
+            hidden.append((params, list(params.items())))
+            for name, p in hidden[-1][1]:
+                if type(p) is StreamedParameter:
+                    del params[name]
+    return hidden
+
+
+def _restore_streamed(hidden: list[tuple[dict, list[tuple[str, Any]]]]) -> None:
+    for params, before in hidden:
+        now = dict(params)  # the other parameters as the conversion left them
+        params.clear()
+        params.update((name, p if type(p) is StreamedParameter else now.get(name, p)) for name, p in before)
 
 
 def _check_conversion(module: nn.Module, fn: Callable[[Tensor], Any]) -> None:
@@ -488,3 +526,5 @@ def _check_conversion(module: nn.Module, fn: Callable[[Tensor], Any]) -> None:
             changed = fn(probe) is not probe
         if changed:
             raise refusal("conversion", f"{type(module).__name__}._apply (model.half(), .to(), .cuda(), ...)", p)
+        with torch.no_grad():  # the parameter itself through its checks: an in-place function that
+            fn(p)  # returns its argument (model.share_memory()) still touches the storage, and is refused
