@@ -406,13 +406,22 @@ class SGDRule(UpdateRule):
                            maximize=bool(group["maximize"]), first_step=first_step, grad_scale=grad_scale)
 
 class AdagradRule(UpdateRule):
-    """Adagrad (torch.optim.Adagrad), incl. lr_decay and initial_accumulator_value."""
+    """Adagrad (torch.optim.Adagrad), incl. lr_decay and initial_accumulator_value.
+
+    ``defaults``: the optimizer's defaults (the dict torch keeps as ``optimizer.defaults``),
+    whose ``initial_accumulator_value`` every ``sum`` starts from, as in torch: its
+    ``__init__`` fills the sums from its own argument and ``_init_group`` from
+    ``self.defaults``, never from a param group's value (which the group keeps). Without it
+    (a rule not bound to an optimizer: ``tierstate plan``), the group's value."""
 
     name = "adagrad"
     torch_name = "Adagrad"
     flags = ("foreach", "fused", "differentiable")
     added_later = {"maximize": False}
     eager_state = True
+
+    def __init__(self, defaults: Mapping[str, Any] | None = None) -> None:
+        self.bound_defaults = defaults
 
     def defaults(self):
         return dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
@@ -426,7 +435,12 @@ class AdagradRule(UpdateRule):
         _check_number("eps", group["eps"], low=0.0, hint=" (e.g. 1e-10)")
 
     def state_specs(self, group):
-        return (StateSpec("sum", init=float(group["initial_accumulator_value"])),)
+        return (StateSpec("sum", init=float(self.initial_accumulator_value(group))),)
+
+    def initial_accumulator_value(self, group: Mapping[str, Any]) -> float:
+        """What the sums of ``group``'s parameters start from (see the class docstring)."""
+        source = self.bound_defaults if self.bound_defaults is not None else group
+        return source["initial_accumulator_value"]
 
     def sparse_refusal(self, group):
         # A zero row adds 0 to its sum and 0 / (sqrt(sum) + eps) to its parameter: unchanged, as

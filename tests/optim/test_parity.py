@@ -13,6 +13,8 @@ the pure-torch reference kernels the results are bit-identical (asserted separat
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -99,6 +101,10 @@ CASES = {
     "sgd_nesterov": (ts.SGD, torch.optim.SGD, dict(lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01), dict(lr=1e-2)),
     "sgd_plain": (ts.SGD, torch.optim.SGD, dict(lr=5e-2, weight_decay=0.01), dict(lr=1e-1)),
     "adagrad": (ts.Adagrad, torch.optim.Adagrad, dict(lr=5e-2, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1), dict(lr=1e-2)),
+    # torch fills every `sum` from the optimizer's initial_accumulator_value, whatever a group says
+    # (tierstate filled them from the first group's: see test_adagrad_sums_start_at_the_optimizers_value)
+    "adagrad_group_init": (ts.Adagrad, torch.optim.Adagrad, dict(lr=5e-2, initial_accumulator_value=0.1),
+                           dict(lr=1e-2, initial_accumulator_value=0.7)),
     "lion": (ts.Lion, LionReference, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1), dict(lr=3e-4)),
 }
 
@@ -141,7 +147,7 @@ def test_parity_with_torch(case: str, placement: str, tmp_path) -> None:
     # a frozen parameter never gets state (torch creates none either, except Adagrad, which
     # creates its state for every parameter at construction); the zero-size one gets empty state
     # like torch's (compared above)
-    if case != "adagrad":
+    if not case.startswith("adagrad"):
         assert net_ours.frozen not in ours.state
     assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
 
@@ -189,6 +195,39 @@ def test_low_precision_params_keep_an_fp32_master(case: str, dtype: torch.dtype)
         assert master.dtype == torch.float32
         torch.testing.assert_close(master, m.detach(), **FP32_TOL, msg=f"master of {name}")
         assert torch.equal(p.detach(), master.to(dtype)), f"{name} is not its master rounded to {dtype}"
+
+
+@pytest.mark.parametrize("placement", ["cpu", "nvme"])
+def test_adagrad_sums_start_at_the_optimizers_value_whatever_the_groups_say(placement: str, tmp_path) -> None:
+    """Every group with a value of its own, the first one too: before, every sum started from
+    the first group's value (0.7 here) instead of the optimizer's (0.1), as torch does."""
+    net_ours, net_ref = make_net(), make_net()
+    offload = "cpu" if placement == "cpu" else ts.Offload(nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024)
+    own = [dict(initial_accumulator_value=0.7), dict(initial_accumulator_value=0.3, lr=1e-2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (test_adagrad_warns_... checks the warning)
+        ours = ts.Adagrad([{**g, **o} for g, o in zip(groups(net_ours), own)], lr=5e-2, initial_accumulator_value=0.1,
+                          offload=offload)
+    ref = torch.optim.Adagrad([{**g, **o} for g, o in zip(groups(net_ref), own)], lr=5e-2, initial_accumulator_value=0.1,
+                              foreach=False)
+    train(net_ours, ours)
+    train(net_ref, ref)
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+    ours.close()
+
+
+def test_adagrad_warns_that_a_groups_initial_accumulator_value_is_not_used() -> None:
+    """As in torch, a param group's own initial_accumulator_value is kept in the group but every
+    sum starts at the optimizer's; tierstate says so (torch is silent), once per group, and not
+    for a group that repeats the optimizer's value."""
+    net = make_net()
+    said = r"param group 1 .*initial_accumulator_value=0\.7.*initial_accumulator_value=0\.1"
+    with pytest.warns(UserWarning, match=said) as seen:
+        opt = ts.Adagrad(groups(net, initial_accumulator_value=0.7), lr=5e-2, initial_accumulator_value=0.1)
+    assert len([w for w in seen if "initial_accumulator_value" in str(w.message)]) == 1
+    assert opt.param_groups[1]["initial_accumulator_value"] == 0.7  # kept, as torch keeps it
+    assert torch.equal(opt.state[net.b.weight]["sum"], torch.full_like(net.b.weight, 0.1))
+    opt.close()
 
 
 def test_tensor_lr_and_closure() -> None:

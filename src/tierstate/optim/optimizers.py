@@ -6,6 +6,8 @@ Each class only names its rule and its arguments; everything else is
 """
 from __future__ import annotations
 
+import warnings
+
 from typing import Iterable
 
 from ..placement import Offload
@@ -193,5 +195,19 @@ class Adagrad(OffloadOptimizer):
         defaults = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                         initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach,
                         maximize=maximize, differentiable=differentiable, fused=fused)
+        self.rule = AdagradRule(defaults)  # torch keeps this dict as self.defaults: the sums start from it
         super().__init__(params, defaults, **_engine_kwargs(offload, max_grad_norm, on_nonfinite, telemetry,
                                                           step_in_backward, nvme_dir))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch's; a group whose own ``initial_accumulator_value`` differs from the
+        optimizer's is warned about: its sums start from the optimizer's, as in torch's Adagrad
+        (which says nothing), and the group keeps its value."""
+        own = param_group.get("initial_accumulator_value") if isinstance(param_group, dict) else None
+        start = self.defaults["initial_accumulator_value"]
+        if own is not None and own != start:
+            warnings.warn(f"Adagrad: param group {len(self.param_groups)} sets initial_accumulator_value={own}, but "
+                          f"every sum starts at the optimizer's initial_accumulator_value={start}, as in "
+                          "torch.optim.Adagrad; pass the value to the constructor (a separate Adagrad per value)",
+                          UserWarning, stacklevel=2)
+        super().add_param_group(param_group)
