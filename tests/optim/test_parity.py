@@ -216,6 +216,35 @@ def test_adagrad_sums_start_at_the_optimizers_value_whatever_the_groups_say(plac
     ours.close()
 
 
+MIXED_STATE = {  # one group keeps a state key the other has not: the other's updates must not use it
+    "adam_amsgrad_first": (ts.Adam, torch.optim.Adam, dict(amsgrad=True), dict(amsgrad=False, weight_decay=0.1)),
+    "adamw_amsgrad_second": (ts.AdamW, torch.optim.AdamW, dict(amsgrad=False), dict(amsgrad=True)),
+    # torch ignores dampening without momentum; a momentum buffer of the other group's kind used it
+    "sgd_momentum_first": (ts.SGD, torch.optim.SGD, dict(momentum=0.9), dict(momentum=0.0, dampening=0.5)),
+}
+
+
+@pytest.mark.parametrize("placement", ["cpu", "nvme", "device"])
+@pytest.mark.parametrize("case", sorted(MIXED_STATE))
+def test_a_groups_update_uses_only_its_own_state_keys(case: str, placement: str, tmp_path, monkeypatch) -> None:
+    """Before, the sub-group views held every group's keys, and a parameter of a group without
+    amsgrad was updated with amsgrad (the max_exp_avg_sq of the layout), one of an SGD group
+    without momentum with a momentum buffer (dampening applied): 1e-5 off torch after 3 steps."""
+    ts_cls, torch_cls, first, second = MIXED_STATE[case]
+    if placement == "device":  # the device tier's own code, run on CPU parameters (see tierstate.Offload)
+        monkeypatch.setenv("TIERSTATE_DEVICE_TIER_ON_CPU", "1")
+    offload = {"cpu": "cpu", "nvme": ts.Offload(nvme=1.0, nvme_dir=tmp_path, subgroup_numel=1024),
+               "device": ts.Offload(gpu=0.5, cpu=0.5, subgroup_numel=1024)}[placement]
+    net_ours, net_ref = make_net(), make_net()
+    mine = lambda net: [{**g, **o} for g, o in zip(groups(net), (first, second))]  # noqa: E731
+    ours = ts_cls(mine(net_ours), lr=5e-2, offload=offload)
+    ref = torch_cls(mine(net_ref), lr=5e-2, foreach=False)
+    train(net_ours, ours)
+    train(net_ref, ref)
+    assert_same(ours, ref, net_ours, net_ref, exact=False)
+    ours.close()
+
+
 def test_adagrad_warns_that_a_groups_initial_accumulator_value_is_not_used() -> None:
     """As in torch, a param group's own initial_accumulator_value is kept in the group but every
     sum starts at the optimizer's; tierstate says so (torch is silent), once per group, and not

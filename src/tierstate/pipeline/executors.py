@@ -60,6 +60,18 @@ class EventCompletion:
         self.event.synchronize()
 
 
+def own_state(rule, group: Mapping, views: Mapping[str, Tensor], keys: dict, group_index: int) -> frozenset[str]:
+    """The state keys of ``group``'s parameters among ``views`` (cached in ``keys`` by group).
+
+    A sub-group's views hold every key some group has: with ``amsgrad=True`` in one group only,
+    a parameter of another group must not be updated with a ``max_exp_avg_sq`` (until
+    2026-12-07 it was, and its moments followed the running maximum, unlike torch's)."""
+    own = keys.get(group_index)
+    if own is None:
+        own = keys[group_index] = frozenset(spec.name for spec in rule.state_specs(group)) & frozenset(views)
+    return own
+
+
 class Executor(Protocol):
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion: ...
 
@@ -85,6 +97,7 @@ class HostExecutor:
         self.resident = resident  # Slot -> its values are the parameter itself (None: never assumed)
         # () -> a context in which a streamed block's failed write-back waits for the end of step()
         self.deferring = deferring or contextlib.nullcontext
+        self._keys: dict[int, frozenset[str]] = {}  # own_state's cache, by group
 
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
         with self.telemetry.phase("cpu_update", lane=self.lane), self.deferring():
@@ -179,13 +192,15 @@ class HostExecutor:
                     rest.append(seg)
                     continue
                 weight = local.data_ptr() + plo * 4
+            x = x0 + lo * size if x0 and "max_exp_avg_sq" in own_state(self.rule, groups[s.group], views, self._keys,
+                                                                       s.group) else 0
             key = (s.group, s.step)
             row = rows.get(key)
             if row is None:
                 row = rows[key] = len(rows)
                 params += batch_params(groups[s.group], s.step, self.grad_scale)
             jobs += (weight, grad.data_ptr() + plo * grad.element_size(), m0 + lo * size, v0 + lo * size,
-                     x0 + lo * size if x0 else 0, out_ptr, n, grad_code, moment_code, out_code, row)
+                     x, out_ptr, n, grad_code, moment_code, out_code, row)
         return rest
 
     def _update(self, seg: Segment, views: Mapping[str, Tensor], groups: list) -> None:
@@ -198,7 +213,8 @@ class HostExecutor:
         with self.store.values_of(s, True) as values:
             if s.pending_pieces:  # a master piece that waits for this update (see tierstate.tiers.slots)
                 self.store.take_pending_master(s, seg, views["master"][lo:hi], values)
-            state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+            own = own_state(self.rule, groups[s.group], views, self._keys, s.group)
+            state = {k: v[lo:hi] for k, v in views.items() if k in own}
             if s.needs_master:
                 weight, out = views["master"][lo:hi], self.weight_out(s, plo, phi, values)
             else:  # an fp32 parameter in host memory is its own master
@@ -250,17 +266,18 @@ class DeviceExecutor:
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
         tasks: dict[int, list[UpdateTask]] = {}
         device = None
+        groups, keys = self.groups(), {}
         for seg in segments:
             s: Slot = self.store.by_trainable(seg.param_index)
             lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
             plo, phi = seg.param_offset, seg.param_offset + seg.numel
             piece = s.param.data.view(-1)[plo:phi]
             weight, weight_out = (views["master"][lo:hi], piece) if s.needs_master else (piece, None)
-            state = {k: v[lo:hi] for k, v in views.items() if k != "master"}
+            own = own_state(self.rule, groups[s.group], views, keys, s.group)
+            state = {k: v[lo:hi] for k, v in views.items() if k in own}
             tasks.setdefault(s.group, []).append(UpdateTask(
                 weight, self.grads[seg.param_index][plo:phi], state, weight_out, s.step, seg.param_index in self.fresh))
             device = piece.device
-        groups = self.groups()
         with self.telemetry.phase("device_update"):
             for group_index, group_tasks in tasks.items():
                 self.rule.update_on_device(group_tasks, group=groups[group_index], grad_scale=self.grad_scale)
