@@ -180,7 +180,9 @@ class Adagrad(OffloadOptimizer):
 
     Args:
         params, lr, lr_decay, weight_decay, initial_accumulator_value, eps, maximize: as
-        ``torch.optim.Adagrad``.
+        ``torch.optim.Adagrad``. As there, every ``sum`` starts from this
+        ``initial_accumulator_value``; a param group's own value is kept in the group and not
+        used (tierstate warns about it; torch does not).
         foreach, fused, differentiable: torch's implementation switches (see below).
 """ + _ENGINE_ARGS
 
