@@ -208,8 +208,8 @@ def test_adagrad_sums_start_at_the_optimizers_value_whatever_the_groups_say(plac
         warnings.simplefilter("ignore")  # (test_adagrad_warns_... checks the warning)
         ours = ts.Adagrad([{**g, **o} for g, o in zip(groups(net_ours), own)], lr=5e-2, initial_accumulator_value=0.1,
                           offload=offload)
-    ref = torch.optim.Adagrad([{**g, **o} for g, o in zip(groups(net_ref), own)], lr=5e-2, initial_accumulator_value=0.1,
-                              foreach=False)
+    ref = torch.optim.Adagrad([{**g, **o} for g, o in zip(groups(net_ref), own)], lr=5e-2,
+                              initial_accumulator_value=0.1, foreach=False)
     train(net_ours, ours)
     train(net_ref, ref)
     assert_same(ours, ref, net_ours, net_ref, exact=False)

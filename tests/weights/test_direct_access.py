@@ -140,7 +140,8 @@ def _outcome(outcomes: dict, code: str) -> dict:
 def test_a_direct_touch_is_refused_with_the_way_to_the_values(outcomes, code, hint):
     out = _outcome(outcomes, code)
     assert out.get("error") in ("RuntimeError", "TypeError"), out
-    whole_model = code.startswith(("model.", "torch.__future__")) or code in REFUSED_LIBRARIES or code in REFUSED_OPTIMIZERS
+    whole_model = (code.startswith(("model.", "torch.__future__")) or code in REFUSED_LIBRARIES
+                   or code in REFUSED_OPTIMIZERS)
     name = FIRST if whole_model else NAME
     assert name in out["message"] and hint in out["message"], out["message"]
     assert out["after"] is True, "the refused call changed the model"

@@ -7,7 +7,6 @@ Each class only names its rule and its arguments; everything else is
 from __future__ import annotations
 
 import warnings
-
 from typing import Iterable
 
 from ..placement import Offload
