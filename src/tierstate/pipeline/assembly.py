@@ -111,12 +111,19 @@ def assemble(groups: Callable[[], list], rule, offload: Offload, step_in_backwar
     stores_nothing = not any(spec for g in param_groups for spec in rule.state_specs(g)) and not any(
         s.needs_master for s in slots if s.trainable is not None)
     quant = check_compressed(offload, rule, param_groups, trainable)
+    # A complex parameter is stepped as its real view, and optimizer.state shows its state as
+    # complex views of the host state (torch.view_as_complex), which need an even offset: with
+    # a complex parameter every parameter starts, and every tier and sub-group is cut, at an
+    # even element (a real one of odd size gets one element of padding). Before 2026-12-07 a
+    # complex parameter after a real one of odd size raised "Tensor must have a storage_offset
+    # divisible by 2" at its first step.
+    align = quant.block_size if quant is not None else 2 if any(p.is_complex() for p in trainable) else 1
+    subgroup_numel = offload.subgroup_numel_for(device, step_in_backward=step_in_backward,
+                                                streams_weights=any(weights_of(p) is not None for p in trainable))
     layout = plan_layout([local_tensor(p).numel() for p in trainable],
                          tier_fractions(offload, stores_nothing=stores_nothing),
-                         offload.subgroup_numel_for(device, step_in_backward=step_in_backward,
-                                                    streams_weights=any(weights_of(p) is not None for p in trainable)),
-                         align=quant.block_size if quant is not None else 1,
-                         wide=[is_float64(p) for p in trainable] if mixed else ())
+                         subgroup_numel if quant is not None else subgroup_numel // align * align,
+                         align=align, wide=[is_float64(p) for p in trainable] if mixed else ())
     if offload.gpu > 0 and shards:
         raise ValueError(f"Offload(gpu={offload.gpu}) with sharded (FSDP2 DTensor) parameters is not supported; "
                          "keep the state on the host tiers, e.g. Offload(cpu=0.6, nvme=0.4)")

@@ -105,7 +105,9 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
         param_numels: element count of each trainable parameter, in order (zeros allowed).
         fractions: TierKind -> fraction of the elements to place there (sums to 1).
         subgroup_numel: the largest sub-group, in elements.
-        align: the block size of compressed state (1: none); see [Note: block-aligned layouts].
+        align: the block size of compressed state, or 2 where a parameter is complex (its
+            state is viewed as complex numbers, two elements each); 1: none. See [Note:
+            block-aligned layouts].
         wide: per parameter, whether its state is float64 beside narrower state (empty: none);
             sub-groups then also end where the width changes.
     """
