@@ -65,19 +65,25 @@ def _offload(place, tmp_path):
                                                    nvme_dir=tmp_path / "nv")
 
 
-@pytest.mark.parametrize("place", ["cpu", "split"])
+@pytest.mark.parametrize("place", ["cpu", "split", "device"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_complex_parameter_after_a_real_one_of_odd_size(tmp_path, case, place):
+def test_a_complex_parameter_after_a_real_one_of_odd_size(tmp_path, case, place, monkeypatch):
     """A complex parameter whose real view started at an odd element of its sub-group: its host
     views could not be viewed as complex, so the step (the construction, for Adagrad) raised
-    torch's "Tensor must have a storage_offset divisible by 2" publishing optimizer.state."""
+    torch's "Tensor must have a storage_offset divisible by 2" publishing optimizer.state. On
+    the device tier (``Offload(gpu=...)``, run here on CPU parameters) the gradient norm and the
+    update read the complex tensors where their real views were meant: "linalg.vector_norm:
+    dtype should be complex for complex inputs"."""
     ts_cls, torch_cls, kw = CASES[case]
+    if place == "device":  # the device tier's own code, run on CPU parameters (see tierstate.Offload)
+        monkeypatch.setenv("TIERSTATE_DEVICE_TIER_ON_CPU", "1")
     g = torch.Generator().manual_seed(3)
     shapes = [((3,), torch.float32), ((5, 7), torch.complex64), ((1,), torch.float32), ((300,), torch.complex64)]
     make = lambda: [torch.nn.Parameter(torch.randn(s, dtype=d, generator=g)) for s, d in shapes]  # noqa: E731
     ours_p = make()
     ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
-    offload = "cpu" if place == "cpu" else ts.Offload(cpu=0.5, nvme=0.5, subgroup_numel=1024, nvme_dir=tmp_path / "nv")
+    offload = {"cpu": "cpu", "split": ts.Offload(cpu=0.5, nvme=0.5, subgroup_numel=1024, nvme_dir=tmp_path / "nv"),
+               "device": ts.Offload(gpu=0.5, cpu=0.5, subgroup_numel=1024)}[place]
     ours = ts_cls(ours_p, offload=offload, **kw)
     ref = torch_cls(ref_p, foreach=False, **kw)
     _train(ours_p, ours)

@@ -271,7 +271,7 @@ class DeviceExecutor:
             s: Slot = self.store.by_trainable(seg.param_index)
             lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
             plo, phi = seg.param_offset, seg.param_offset + seg.numel
-            piece = s.param.data.view(-1)[plo:phi]
+            piece = s.local.data.view(-1)[plo:phi]  # (a complex parameter's real view: the tiers' elements)
             weight, weight_out = (views["master"][lo:hi], piece) if s.needs_master else (piece, None)
             own = own_state(self.rule, groups[s.group], views, keys, s.group)
             state = {k: v[lo:hi] for k, v in views.items() if k in own}

@@ -231,7 +231,8 @@ class Gradients:
         if s.trainable not in self.device_heads:
             return self.host_grad(s)
         g = s.param.grad
-        return None if g is None else flat_grad(self._densified(s, g))
+        # (a complex gradient's real view: the tiers' elements, as host_grad's)
+        return None if g is None else flat_grad(self._densified(s, local_tensor(g)))
 
     def split(self, active: list) -> tuple[dict[int, tuple[Tensor, int]], dict[int, Tensor]]:
         """Split a step's ``(slot, gradient)`` pairs between the host tiers and the device tier.
