@@ -15,6 +15,16 @@ segment is updated exactly as if it were updated whole.
 A sub-group never mixes widths: where float64 parameters lie beside narrower ones (``wide``),
 a sub-group also ends where the width changes, and is marked ``wide`` when its state is
 float64 (see [Note: float64 parameters] in tierstate.pipeline.assembly).
+
+[Note: block-aligned layouts]
+With ``align > 1`` every parameter starts at a multiple of ``align`` in the flat space (the
+elements between the end of one and the start of the next are padding that no parameter
+owns), the device and NVMe ranges are rounded to multiples of it, and ``subgroup_numel``
+must be one, so every sub-group and every piece of a parameter starts on such a multiple
+too. Compressed state uses its block size (a block's scale then covers elements of one
+parameter only, and a piece is whole blocks); complex parameters use 2, so that the state
+of one, stored as its real view, is viewed as complex numbers (``torch.view_as_complex``
+needs an even offset) in ``optimizer.state``.
 """
 from __future__ import annotations
 
@@ -106,8 +116,8 @@ def plan_layout(param_numels: Sequence[int], fractions: dict, subgroup_numel: in
         fractions: TierKind -> fraction of the elements to place there (sums to 1).
         subgroup_numel: the largest sub-group, in elements.
         align: the block size of compressed state, or 2 where a parameter is complex (its
-            state is viewed as complex numbers, two elements each); 1: none. See [Note:
-            block-aligned layouts].
+            state is viewed as complex numbers, two elements each); 1: none. See the
+            note above.
         wide: per parameter, whether its state is float64 beside narrower state (empty: none);
             sub-groups then also end where the width changes.
     """
