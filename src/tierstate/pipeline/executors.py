@@ -60,16 +60,14 @@ class EventCompletion:
         self.event.synchronize()
 
 
-def own_state(rule, group: Mapping, views: Mapping[str, Tensor], keys: dict, group_index: int) -> frozenset[str]:
-    """The state keys of ``group``'s parameters among ``views`` (cached in ``keys`` by group).
+def own_state(store: StateStore, s: Slot, views: Mapping[str, Tensor], lo: int, hi: int) -> dict[str, Tensor]:
+    """``[lo, hi)`` of each view of ``s``'s own state keys (its group's: :meth:`StateStore.keys`).
 
     A sub-group's views hold every key some group has: with ``amsgrad=True`` in one group only,
     a parameter of another group must not be updated with a ``max_exp_avg_sq`` (until
     2026-12-07 it was, and its moments followed the running maximum, unlike torch's)."""
-    own = keys.get(group_index)
-    if own is None:
-        own = keys[group_index] = frozenset(spec.name for spec in rule.state_specs(group)) & frozenset(views)
-    return own
+    own = store.keys(s)
+    return {k: v[lo:hi] for k, v in views.items() if k in own and k != "master"}
 
 
 class Executor(Protocol):
@@ -97,7 +95,6 @@ class HostExecutor:
         self.resident = resident  # Slot -> its values are the parameter itself (None: never assumed)
         # () -> a context in which a streamed block's failed write-back waits for the end of step()
         self.deferring = deferring or contextlib.nullcontext
-        self._keys: dict[int, frozenset[str]] = {}  # own_state's cache, by group
 
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
         with self.telemetry.phase("cpu_update", lane=self.lane), self.deferring():
@@ -192,8 +189,7 @@ class HostExecutor:
                     rest.append(seg)
                     continue
                 weight = local.data_ptr() + plo * 4
-            x = x0 + lo * size if x0 and "max_exp_avg_sq" in own_state(self.rule, groups[s.group], views, self._keys,
-                                                                       s.group) else 0
+            x = x0 + lo * size if x0 and "max_exp_avg_sq" in self.store.keys(s) else 0  # (see own_state)
             key = (s.group, s.step)
             row = rows.get(key)
             if row is None:
@@ -213,8 +209,7 @@ class HostExecutor:
         with self.store.values_of(s, True) as values:
             if s.pending_pieces:  # a master piece that waits for this update (see tierstate.tiers.slots)
                 self.store.take_pending_master(s, seg, views["master"][lo:hi], values)
-            own = own_state(self.rule, groups[s.group], views, self._keys, s.group)
-            state = {k: v[lo:hi] for k, v in views.items() if k in own}
+            state = own_state(self.store, s, views, lo, hi)
             if s.needs_master:
                 weight, out = views["master"][lo:hi], self.weight_out(s, plo, phi, values)
             else:  # an fp32 parameter in host memory is its own master
@@ -266,18 +261,17 @@ class DeviceExecutor:
     def submit(self, sg: SubGroup, segments: Sequence[Segment], views: Mapping[str, Tensor]) -> Completion:
         tasks: dict[int, list[UpdateTask]] = {}
         device = None
-        groups, keys = self.groups(), {}
         for seg in segments:
             s: Slot = self.store.by_trainable(seg.param_index)
             lo, hi = seg.subgroup_offset, seg.subgroup_offset + seg.numel
             plo, phi = seg.param_offset, seg.param_offset + seg.numel
             piece = s.local.data.view(-1)[plo:phi]  # (a complex parameter's real view: the tiers' elements)
             weight, weight_out = (views["master"][lo:hi], piece) if s.needs_master else (piece, None)
-            own = own_state(self.rule, groups[s.group], views, keys, s.group)
-            state = {k: v[lo:hi] for k, v in views.items() if k in own}
+            state = own_state(self.store, s, views, lo, hi)
             tasks.setdefault(s.group, []).append(UpdateTask(
                 weight, self.grads[seg.param_index][plo:phi], state, weight_out, s.step, seg.param_index in self.fresh))
             device = piece.device
+        groups = self.groups()
         with self.telemetry.phase("device_update"):
             for group_index, group_tasks in tasks.items():
                 self.rule.update_on_device(group_tasks, group=groups[group_index], grad_scale=self.grad_scale)

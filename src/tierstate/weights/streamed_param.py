@@ -497,8 +497,9 @@ def _hide_streamed(module: nn.Module) -> list[tuple[dict, list[tuple[str, Any]]]
     for m in module.modules():
         params = m._parameters
         if any(type(p) is StreamedParameter for p in params.values()):
-            hidden.append((params, list(params.items())))
-            for name, p in hidden[-1][1]:
+            before = list(params.items())
+            hidden.append((params, before))
+            for name, p in before:
                 if type(p) is StreamedParameter:
                     del params[name]
     return hidden
